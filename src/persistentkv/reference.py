@@ -1,0 +1,138 @@
+"""The independent reference: dense float64 attention, and a NumPy executor for any plan.
+
+``reference_decode`` never looks at a plan: it gathers each row's tokens through the block table
+and runs plain softmax attention in float64. ``execute_plan`` runs a plan's work items one by one
+(each a partial online-softmax state over its token range), then merges the partial states
+exactly as the paper writes it, in its (o, lse) form:
+
+    m = max_s lse_s,  w_s = exp(lse_s - m),  o = sum_s w_s o_s / sum_s w_s   (0 if all splits empty)
+
+so the executor proves a plan right on any machine, and is the ``numpy`` backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .cache import Batch
+from .errors import require
+from .plan import Plan, unpack_items
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _check_inputs(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch) -> None:
+    spec = batch.spec
+    require(q.shape == (batch.batch_size, spec.num_qo_heads, spec.head_dim),
+            f"q has shape {q.shape}, expected {(batch.batch_size, spec.num_qo_heads, spec.head_dim)}")
+    expected = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    require(k_cache.shape[1:] == expected[1:] and k_cache.shape[0] >= batch.num_pages,
+            f"k_cache has shape {k_cache.shape}, expected {expected}")
+    require(v_cache.shape == k_cache.shape, f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
+
+
+def gather_row(cache: np.ndarray, batch: Batch, row: int, tok_lo: int, tok_hi: int, head=None) -> np.ndarray:
+    """Tokens [tok_lo, tok_hi) of ``row`` through the block table: [n, Hkv, D] (or [n, D] for one head)."""
+    P = batch.spec.page_size
+    base = int(batch.kv_indptr[row])
+    first_page, last_page = tok_lo // P, -(-tok_hi // P)
+    pages = batch.kv_indices[base + first_page: base + last_page]
+    block = cache[pages] if head is None else cache[pages, :, head, :]
+    block = block.reshape((-1,) + block.shape[2:])
+    offset = tok_lo - first_page * P
+    return block[offset: offset + (tok_hi - tok_lo)]
+
+
+def reference_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
+                     scale: float | None = None) -> np.ndarray:
+    """Dense float64 decode attention: out [B, Hq, D] float64."""
+    _check_inputs(q, k_cache, v_cache, batch)
+    spec = batch.spec
+    scale = default_scale(spec.head_dim) if scale is None else scale
+    G = spec.group_size
+    out = np.empty((batch.batch_size, spec.num_qo_heads, spec.head_dim), dtype=np.float64)
+    for row in range(batch.batch_size):
+        n = int(batch.seq_lens[row])
+        k = gather_row(k_cache, batch, row, 0, n).astype(np.float64)   # [n, Hkv, D]
+        v = gather_row(v_cache, batch, row, 0, n).astype(np.float64)
+        qh = q[row].astype(np.float64).reshape(spec.num_kv_heads, G, spec.head_dim)
+        s = np.einsum("hgd,nhd->hgn", qh, k) * scale
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[row] = np.einsum("hgn,nhd->hgd", p, v).reshape(spec.num_qo_heads, spec.head_dim)
+    return out
+
+
+def partial_state(q_group: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                  accum=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """(o [G, D], lse [G]) over the tokens of ``k``/``v`` ([n, D]); the neutral state when n == 0."""
+    G, D = q_group.shape
+    if k.shape[0] == 0:
+        return np.zeros((G, D), accum), np.full(G, -np.inf, accum)
+    s = (q_group.astype(accum) @ k.astype(accum).T) * accum(scale)
+    m = s.max(axis=1)
+    p = np.exp(s - m[:, None])
+    l = p.sum(axis=1)
+    o = (p @ v.astype(accum)) / l[:, None]
+    return o, m + np.log(l)
+
+
+def merge_states(o: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """Merge partial states o [S, G, D], lse [S, G] into [G, D]; all-empty -> 0."""
+    m = lse.max(axis=0)
+    finite = np.isfinite(m)
+    w = np.where(finite[None, :], np.exp(lse - np.where(finite, m, 0)[None, :]), 0.0)
+    denom = w.sum(axis=0)
+    num = (w[:, :, None] * o).sum(axis=0)
+    return np.where(denom[:, None] > 0, num / np.where(denom > 0, denom, 1)[:, None], 0.0)
+
+
+def execute_plan(plan: Plan, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
+                 out: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
+    """Run ``plan``'s items and merges on the CPU.
+
+    Accumulates in float64 when the cache is float64, else in float32 (as the GPU kernels do);
+    ``out`` (or the returned array) has the cache's dtype. Padded items are clipped to N_i.
+    """
+    _check_inputs(q, k_cache, v_cache, batch)
+    require(plan.batch_size == batch.batch_size and np.array_equal(plan.seq_lens, batch.seq_lens),
+            "the plan was made for a different batch")
+    spec = batch.spec
+    scale = default_scale(spec.head_dim) if scale is None else scale
+    accum = np.float64 if k_cache.dtype == np.float64 else np.float32
+    G, D = spec.group_size, spec.head_dim
+    if out is None:
+        out = np.empty((batch.batch_size, spec.num_qo_heads, D), dtype=k_cache.dtype)
+    cols = unpack_items(plan.items)
+    n = plan.num_items
+    part_o = np.zeros((n, G, D), accum)
+    part_lse = np.full((n, G), -np.inf, accum)
+    for i in range(n):
+        row, head = int(cols["row"][i]), int(cols["head"][i])
+        lo = int(cols["tok_lo"][i])
+        hi = min(int(cols["tok_hi"][i]), int(batch.seq_lens[row]))
+        heads = slice(head * G, (head + 1) * G)
+        k = gather_row(k_cache, batch, row, lo, max(lo, hi), head)
+        v = gather_row(v_cache, batch, row, lo, max(lo, hi), head)
+        o, lse = partial_state(q[row, heads], k, v, scale, accum)
+        if cols["num_splits"][i] == 1:
+            out[row, heads] = o
+        else:
+            part_o[i], part_lse[i] = o, lse
+    for row, head, first, count in plan.merge_groups.tolist():
+        out[row, head * G:(head + 1) * G] = merge_states(part_o[first:first + count],
+                                                         part_lse[first:first + count])
+    return out
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere gives inf)."""
+    out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out64)):
+        return math.inf
+    return float(np.linalg.norm(out64 - ref64) / max(np.linalg.norm(ref64), 1e-300))
