@@ -1,0 +1,53 @@
+"""A representative set of engine launches for compute-sanitizer (memcheck, racecheck, synccheck).
+
+    compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py
+
+Small shapes (the tools slow kernels down by 100x or more) covering every kernel: the GPU planner,
+fused and separate decode, the merge, Q in registers and in shared memory, G = 1/4/7/16, page
+sizes 8/16/128, empty splits, page-boundary lengths. Exits non-zero if any output is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err  # noqa: E402
+from persistentkv.engine import engine_for  # noqa: E402
+from persistentkv.spec import AttentionSpec  # noqa: E402
+
+CASES = [
+    (AttentionSpec(32, 8, 128, 16, "float16"), [1, 15, 16, 17, 200, 1500], {}),
+    (AttentionSpec(8, 8, 64, 8, "float16"), [7, 64, 65, 300], {}),
+    (AttentionSpec(28, 4, 128, 128, "bfloat16"), [127, 128, 129, 900], {}),
+    (AttentionSpec(64, 4, 256, 16, "bfloat16"), [33, 700], {}),
+]
+
+
+def main() -> int:
+    import torch
+
+    failures = 0
+    for spec, lengths, _ in CASES:
+        engine = engine_for(spec)
+        batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
+        ref = reference_torch64(batch, q, k, v)
+        for route, options in (("workqueue", {}), ("workqueue_host", {}), ("buckets", {"num_splits": 4}),
+                               ("split", {"num_splits": 48})):
+            plan = engine.plan(batch, route, **options)
+            out = torch.full_like(q, float("nan"))
+            engine.run(q, (k, v), plan, out)
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            ok = err <= TOLERANCE[spec.dtype]
+            failures += not ok
+            print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} {route}: "
+                  f"rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

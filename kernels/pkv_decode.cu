@@ -1,0 +1,618 @@
+// PersistentKV split decode over a paged KV cache (NHD), with the merge of partial states.
+//
+// Device code only: every decision (which items exist, how many splits, which launches) is made
+// by the planner (src/persistentkv/plan.py on the host, pkv_plan below on the device); these
+// kernels execute items.
+//
+// Configuration, fixed per compiled module by macros (the engine compiles one module per
+// (dtype, head_dim)):
+//   PKV_HEAD_DIM   64 | 128 | 256
+//   PKV_BF16       0 -> fp16 (__half), 1 -> bf16 (__nv_bfloat16)
+//
+// One CTA runs one work item (row, kv head, token range [lo, hi)) for ALL G = Hq/Hkv query
+// heads of that kv head, so each K/V byte is read from HBM once. 4 warps; a pipeline stage is a
+// tile of 64 tokens (16 per warp); K and V tiles stream into shared memory with cp.async
+// (16-byte chunks, XOR-swizzled so ldmatrix is bank-conflict free), STAGES deep.
+//
+// Math per warp and tile, on tensor cores (mma.m16n8k16, fp32 accumulate):
+//   S[16 x 16] = Q[16 x D] K^T      rows = query heads (G <= 16, rows >= G are zero padding),
+//                                   cols = the warp's 16 tokens
+//   online softmax in base 2 (scale * log2(e) folded into S)
+//   O[16 x D] += P[16 x 16] V[16 x D]
+// then the 4 warps' states are combined through shared memory. An item that is its row's only
+// split writes the output directly; otherwise it writes a partial state (o normalised, lse in
+// log2 units) to slot = item index, and the merge combines the slots of a (row, kv head):
+//   M = max_s lse_s;  w_s = 2^(lse_s - M);  out = sum_s w_s o_s / sum_s w_s   (0 if all empty)
+// either in a separate launch (pkv_merge) or fused: the last CTA of a group to finish (an
+// atomic counter per (row, kv head), reset by that CTA) merges it.
+//
+// Napkin math (H200, Hq=32, Hkv=8, D=128, fp16): a token costs 2*8*128*2 = 4 KB of K+V over all
+// heads; a 64-token stage of one kv head is 32 KB; 3 stages = 96 KB of shared memory, so two
+// CTAs per SM keep up to ~128 KB of loads in flight per SM, well above the ~35 KB that
+// 4.5 TB/s x ~1 us latency / 132 SMs needs.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef PKV_HEAD_DIM
+#define PKV_HEAD_DIM 128
+#endif
+#ifndef PKV_BF16
+#define PKV_BF16 0
+#endif
+
+#if PKV_BF16
+typedef __nv_bfloat16 kv_t;
+typedef __nv_bfloat162 kv2_t;
+#else
+typedef __half kv_t;
+typedef __half2 kv2_t;
+#endif
+
+namespace pkv {
+
+constexpr int D = PKV_HEAD_DIM;
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage
+constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row of one head
+constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
+constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
+constexpr int STAGES = (D == 256) ? 2 : 3;
+constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
+constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
+constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
+// Q fragments live in registers (D/4 of them per thread) except at D = 256, where they would
+// push the thread past 255 registers: there Q sits in shared memory and is read by ldmatrix.
+constexpr bool Q_SMEM = D >= 256;
+constexpr int Q_ELEMS = Q_SMEM ? 16 * D : 0;
+
+static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping");
+
+// Shared memory of the decode kernel: the K/V pipeline, reused after the loop for the
+// cross-warp combine (WARPS x 16 rows x OBUF_STRIDE floats + small row arrays).
+constexpr int PIPE_BYTES = (Q_ELEMS + STAGES * 2 * STAGE_ELEMS) * 2;
+constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
+constexpr int SMEM_BYTES = PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES;
+
+// -inf as a bit pattern (no <math.h> under NVRTC).
+#define NEG_INF __int_as_float(0xff800000)
+
+struct Item {
+  int row, head, lo, hi, split, nsplit, page_base;
+};
+
+__device__ __forceinline__ Item load_item(const int4* __restrict__ items, int slot) {
+  // Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, 0, 0, 0).
+  const int4 a = __ldg(items + 2 * slot);
+  const int4 b = __ldg(items + 2 * slot + 1);
+  Item it;
+  it.row = a.x & 0xFFFF;
+  it.head = (unsigned)a.x >> 16;
+  it.lo = a.y;
+  it.hi = a.z;
+  it.split = a.w & 0xFFFF;
+  it.nsplit = (unsigned)a.w >> 16;
+  it.page_base = b.x;
+  return it;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  // src-size 0 zero-fills the 16 bytes: masked tokens read as zeros, never as stale data.
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if PKV_BF16
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if PKV_BF16
+  kv2_t v = __floats2bfloat162_rn(lo, hi);
+#else
+  kv2_t v = __floats2half2_rn(lo, hi);
+#endif
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+__device__ __forceinline__ kv_t to_kv(float x) {
+#if PKV_BF16
+  return __float2bfloat16_rn(x);
+#else
+  return __float2half_rn(x);
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
+__device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
+
+struct Params {
+  const kv_t* q;         // [B, Hq, D] with strides q_sb, q_sh (elements)
+  const kv_t* k;         // [pages, P, Hkv, D]: page stride kv_sp, token stride kv_st, head stride D
+  const kv_t* v;
+  kv_t* out;             // [B, Hq, D] with strides o_sb, o_sh
+  const int* kv_indices; // CSR page ids; a row's pages start at item.page_base
+  const int4* items;     // [n, 2] int4 (8 ints per item)
+  const int* num_items;  // device item count (GPU-planned launches) or nullptr
+  float* part_o;         // [slots, G, D]
+  float* part_lse;       // [slots, G], log2 units
+  int* counters;         // [B * Hkv], zero between launches (fused merge)
+  int slot_offset;       // slot of this launch's first item
+  int num_kv_heads, group_size, log2_page;
+  long long kv_sp, kv_st;
+  long long q_sb, q_sh, o_sb, o_sh;
+  float scale_log2;      // softmax scale * log2(e)
+};
+
+// Merge the partial states of one (row, kv head): slots [base, base + n).
+__device__ void merge_group(const Params& p, int row, int head, int base, int n, float* smem_f) {
+  const int G = p.group_size;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* rowM = smem_f;        // [16]
+  float* rowDen = smem_f + 16; // [16]
+  for (int g = warp; g < G; g += WARPS) {
+    float m = NEG_INF;
+    for (int s = lane; s < n; s += 32) m = fmaxf(m, __ldcg(p.part_lse + (long long)(base + s) * G + g));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float den = 0.f;
+    if (m != NEG_INF)
+      for (int s = lane; s < n; s += 32) den += fast_exp2(__ldcg(p.part_lse + (long long)(base + s) * G + g) - m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+    if (lane == 0) { rowM[g] = m; rowDen[g] = den; }
+  }
+  __syncthreads();
+  // One float4 of one row per thread; the loads of successive splits are independent, so the
+  // unrolled loop keeps several L2 reads in flight (the partials were just written: L2-resident).
+  constexpr int D4 = D / 4;
+  for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
+    const int g = idx / D4, d = (idx - g * D4) * 4;
+    const float m = rowM[g], den = rowDen[g];
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (den > 0.f) {
+#pragma unroll 4
+      for (int s = 0; s < n; ++s) {
+        const long long slot = base + s;
+        const float w = fast_exp2(__ldcg(p.part_lse + slot * G + g) - m);
+        const float4 o = __ldcg(reinterpret_cast<const float4*>(p.part_o + (slot * G + g) * D + d));
+        acc.x += w * o.x;
+        acc.y += w * o.y;
+        acc.z += w * o.z;
+        acc.w += w * o.w;
+      }
+      const float inv = 1.f / den;
+      acc.x *= inv;
+      acc.y *= inv;
+      acc.z *= inv;
+      acc.w *= inv;
+    }
+    kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
+    dst[0] = to_kv(acc.x);
+    dst[1] = to_kv(acc.y);
+    dst[2] = to_kv(acc.z);
+    dst[3] = to_kv(acc.w);
+  }
+}
+
+template <bool FUSED>
+__device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* smem) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = p.group_size;
+  const int P_mask = (1 << p.log2_page) - 1;
+  const int row = it.row, head = it.head, lo = it.lo, hi = it.hi;
+  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+
+  kv_t* sQ = smem;
+  kv_t* sK = smem + Q_ELEMS;
+  kv_t* sV = sK + STAGES * STAGE_ELEMS;
+  const kv_t* kbase = p.k + (long long)head * D;
+  const kv_t* vbase = p.v + (long long)head * D;
+  const int* pages = p.kv_indices + it.page_base;
+
+  // This thread's load slots: chunk c of token rows r0 + ROWS_PER_PASS * i.
+  const int lc = tid % CHUNKS;
+  const int lr = tid / CHUNKS;
+
+  auto fetch_pages = [&](int tile, int (&pg)[LOADS]) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int tok = lo + tile * TILE + lr + ROWS_PER_PASS * i;
+      pg[i] = tok < hi ? __ldg(pages + (tok >> p.log2_page)) : 0;
+    }
+  };
+  auto issue = [&](int tile, const int (&pg)[LOADS]) {
+    const int stage = tile % STAGES;
+    const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
+    const unsigned dV = smem_u32(sV + stage * STAGE_ELEMS);
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int t = lr + ROWS_PER_PASS * i;
+      const int tok = lo + tile * TILE + t;
+      const bool valid = tok < hi;
+      const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
+      const unsigned so = swz(t, lc) * 2;
+      cp_async16(dK + so, kbase + off, valid);
+      cp_async16(dV + so, vbase + off, valid);
+    }
+  };
+
+  // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G).
+  unsigned qf[Q_SMEM ? 1 : D / 16][4];
+  if constexpr (Q_SMEM) {
+    for (int idx = tid; idx < 16 * CHUNKS; idx += THREADS) {
+      const int g = idx / CHUNKS, c = idx - g * CHUNKS;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (g < G) val = __ldg(reinterpret_cast<const uint4*>(p.q + row * p.q_sb + (long long)(head * G + g) * p.q_sh + c * 8));
+      *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;  // visible after the loop's first barrier
+    }
+  } else {
+    const int g0 = lane >> 2, g1 = g0 + 8, c = (lane & 3) * 2;
+    const kv_t* q0 = p.q + row * p.q_sb + (long long)(head * G + g0) * p.q_sh;
+    const kv_t* q1 = p.q + row * p.q_sb + (long long)(head * G + g1) * p.q_sh;
+#pragma unroll
+    for (int kk = 0; kk < (Q_SMEM ? 1 : D / 16); ++kk) {
+      qf[kk][0] = g0 < G ? __ldg(reinterpret_cast<const unsigned*>(q0 + kk * 16 + c)) : 0u;
+      qf[kk][1] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + c)) : 0u;
+      qf[kk][2] = g0 < G ? __ldg(reinterpret_cast<const unsigned*>(q0 + kk * 16 + 8 + c)) : 0u;
+      qf[kk][3] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + 8 + c)) : 0u;
+    }
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+  // Prologue: page ids for the first STAGES tiles (independent loads, issued together), then
+  // the K/V loads of the first STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next.
+  int pg_next[LOADS];
+  {
+    int pg[STAGES - 1][LOADS];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
+    fetch_pages(STAGES - 1, pg_next);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) issue(s, pg[s]);
+      cp_async_commit();
+    }
+  }
+
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
+    {
+      const int nt = t + STAGES - 1;
+      if (nt < ntiles) {
+        issue(nt, pg_next);
+        if (nt + 1 < ntiles) fetch_pages(nt + 1, pg_next);  // used one iteration later
+      }
+      cp_async_commit();
+    }
+    const int tok0 = lo + t * TILE + warp * 16;
+    if (tok0 < hi) {  // warp-uniform: skip warps whose 16 tokens all lie past hi
+      const int stage = t % STAGES;
+      const kv_t* k_st = sK + stage * STAGE_ELEMS;
+      const kv_t* v_st = sV + stage * STAGE_ELEMS;
+      float s[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      const int mi = lane >> 3, r = lane & 7;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int tk = warp * 16 + (mi >> 1) * 8 + r;
+        unsigned b0, b1, b2, b3;
+        ldsm_x4(smem_u32(k_st + swz(tk, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        if constexpr (Q_SMEM) {
+          unsigned a[4];
+          ldsm_x4(smem_u32(sQ + swz((mi & 1) * 8 + r, 2 * kk + (mi >> 1))), a[0], a[1], a[2], a[3]);
+          mma16816(s[0], a, b0, b1);
+          mma16816(s[1], a, b2, b3);
+        } else {
+          mma16816(s[0], qf[kk], b0, b1);
+          mma16816(s[1], qf[kk], b2, b3);
+        }
+      }
+      // Mask, scale to base 2, online softmax (rows g = lane/4 and g + 8).
+      float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
+          s[j][e] = tok < hi ? s[j][e] * p.scale_log2 : NEG_INF;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float base0 = mn0 == NEG_INF ? 0.f : mn0, base1 = mn1 == NEG_INF ? 0.f : mn1;
+      const float a0 = fast_exp2(m0 - base0), a1 = fast_exp2(m1 - base1);
+      m0 = mn0;
+      m1 = mn1;
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = fast_exp2(s[j][0] - base0);
+        s[j][1] = fast_exp2(s[j][1] - base0);
+        s[j][2] = fast_exp2(s[j][2] - base1);
+        s[j][3] = fast_exp2(s[j][3] - base1);
+        ps0 += s[j][0] + s[j][1];
+        ps1 += s[j][2] + s[j][3];
+      }
+      l0 = l0 * a0 + ps0;
+      l1 = l1 * a1 + ps1;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        o[j][0] *= a0;
+        o[j][1] *= a0;
+        o[j][2] *= a1;
+        o[j][3] *= a1;
+      }
+      unsigned pa[4];
+      pa[0] = pack2(s[0][0], s[0][1]);
+      pa[1] = pack2(s[0][2], s[0][3]);
+      pa[2] = pack2(s[1][0], s[1][1]);
+      pa[3] = pack2(s[1][2], s[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int tv = warp * 16 + (mi & 1) * 8 + r;
+        unsigned b0, b1, b2, b3;
+        ldsm_x4_t(smem_u32(v_st + swz(tv, 2 * dp + (mi >> 1))), b0, b1, b2, b3);
+        mma16816(o[2 * dp], pa, b0, b1);
+        mma16816(o[2 * dp + 1], pa, b2, b3);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers become the combine buffers
+
+  // Combine the 4 warps' (m, l, O) through shared memory.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  float* obuf = reinterpret_cast<float*>(smem);            // [WARPS][16][OBUF_STRIDE]
+  float* redM = obuf + WARPS * 16 * OBUF_STRIDE;            // [WARPS][16]
+  float* redL = redM + WARPS * 16;                          // [WARPS][16]
+  float* rowM = redL + WARPS * 16;                          // [16]
+  float* rowL = rowM + 16;                                  // [16]
+  int* flag = reinterpret_cast<int*>(rowL + 16);
+  const int g0 = lane >> 2, g1 = g0 + 8;
+  if ((lane & 3) == 0) {
+    redM[warp * 16 + g0] = m0;
+    redL[warp * 16 + g0] = l0;
+    redM[warp * 16 + g1] = m1;
+    redL[warp * 16 + g1] = l1;
+  }
+  __syncthreads();
+  float M0 = NEG_INF, M1 = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    M0 = fmaxf(M0, redM[w * 16 + g0]);
+    M1 = fmaxf(M1, redM[w * 16 + g1]);
+  }
+  const float sc0 = M0 == NEG_INF ? 0.f : fast_exp2(m0 - M0);
+  const float sc1 = M1 == NEG_INF ? 0.f : fast_exp2(m1 - M1);
+  if (tid < 16) {
+    float M = NEG_INF, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, redM[w * 16 + tid]);
+    if (M != NEG_INF)
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) L += redL[w * 16 + tid] * fast_exp2(redM[w * 16 + tid] - M);
+    rowM[tid] = M;
+    rowL[tid] = L;
+  }
+  {
+    const int c = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (g0 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g0) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][0] * sc0, o[j][1] * sc0);
+      if (g1 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g1) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][2] * sc1, o[j][3] * sc1);
+    }
+  }
+  __syncthreads();
+
+  const bool direct = it.nsplit <= 1;
+  for (int idx = tid; idx < G * D; idx += THREADS) {
+    const int g = idx / D, d = idx - g * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) acc += obuf[(w * 16 + g) * OBUF_STRIDE + d];
+    const float L = rowL[g];
+    const float val = L > 0.f ? acc / L : 0.f;
+    if (direct) {
+      p.out[row * p.o_sb + (long long)(head * G + g) * p.o_sh + d] = to_kv(val);
+    } else {
+      p.part_o[((long long)slot * G + g) * D + d] = val;
+      if (d == 0) p.part_lse[(long long)slot * G + g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
+    }
+  }
+  if (!FUSED || direct) return;
+
+  // Fused merge: the last CTA of this (row, kv head) to finish merges its group.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* counter = p.counters + row * p.num_kv_heads + head;
+    const int prev = atomicAdd(counter, 1);
+    const int last = prev == it.nsplit - 1;
+    if (last) *counter = 0;  // ready for the next launch; nobody else touches it in this one
+    *flag = last;
+  }
+  __syncthreads();
+  if (!*flag) return;
+  __threadfence();
+  merge_group(p, row, head, slot - it.split, it.nsplit, rowL + 16 + 4);
+}
+
+}  // namespace pkv
+
+using pkv::Params;
+
+// Launch facts the host reads from the module (never restated in Python): dynamic shared
+// memory per decode CTA, threads per CTA, tokens per pipeline stage, stages, planner tile.
+extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32};
+
+#define PKV_DECODE_ARGS                                                                              \
+  const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
+      const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
+      int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
+
+#define PKV_FILL_PARAMS                                                                             \
+  Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,   \
+           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2}
+
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode(PKV_DECODE_ARGS) {
+  PKV_FILL_PARAMS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
+  const int slot = slot_offset + blockIdx.x;
+  pkv::decode_item<false>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+}
+
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(PKV_DECODE_ARGS) {
+  PKV_FILL_PARAMS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
+  const int slot = slot_offset + blockIdx.x;
+  pkv::decode_item<true>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+}
+
+// One CTA per merge group: groups[i] = (row, kv head, first slot, num splits).
+extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
+    const int4* groups, const float* part_o, const float* part_lse, kv_t* out, int group_size,
+    long long o_sb, long long o_sh) {
+  __shared__ float smem_f[32];
+  const int4 grp = groups[blockIdx.x];
+  Params p{};
+  p.part_o = const_cast<float*>(part_o);
+  p.part_lse = const_cast<float*>(part_lse);
+  p.out = out;
+  p.group_size = group_size;
+  p.o_sb = o_sb;
+  p.o_sh = o_sh;
+  pkv::merge_group(p, grp.x, grp.y, grp.z, grp.w, smem_f);
+}
+
+// The GPU planner: the balanced work queue of plan.py (plan_workqueue with target_items), built
+// on the device from device sequence lengths, so a whole step (plan + layers) needs no host
+// round trip. One CTA of 1024 threads; batch <= PKV_PLAN_MAX_ROWS.
+//   chunk = max(min_chunk_tiles, ceil(Hkv * sum_i T_i / target_items)),  S_i = ceil(T_i / chunk)
+//   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
+#define PKV_PLAN_THREADS 1024
+#define PKV_PLAN_MAX_ROWS 4096
+extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
+    const int* seq_lens, const int* kv_indptr, int batch, int num_kv_heads, int target_items,
+    int min_chunk_tiles, int max_items, int* items, int* num_items) {
+  __shared__ int s_off[PKV_PLAN_MAX_ROWS + 1];
+  __shared__ int s_split[PKV_PLAN_MAX_ROWS];
+  __shared__ long long s_warp[32];
+  __shared__ int s_scan[PKV_PLAN_THREADS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int TILE_TOKENS = 32;
+
+  long long tiles = 0;
+  for (int i = tid; i < batch; i += PKV_PLAN_THREADS) tiles += (seq_lens[i] + TILE_TOKENS - 1) / TILE_TOKENS;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tiles += __shfl_xor_sync(0xffffffffu, tiles, o);
+  if (lane == 0) s_warp[warp] = tiles;
+  __syncthreads();
+  if (warp == 0) {
+    long long t = s_warp[lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    if (lane == 0) s_warp[0] = t;
+  }
+  __syncthreads();
+  const long long total = s_warp[0];
+  long long chunk = (num_kv_heads * total + target_items - 1) / target_items;
+  if (chunk < min_chunk_tiles) chunk = min_chunk_tiles;
+
+  // Contiguous rows per thread, then a block-wide exclusive scan of the per-thread sums.
+  const int per = (batch + PKV_PLAN_THREADS - 1) / PKV_PLAN_THREADS;
+  const int r0 = min(batch, tid * per), r1 = min(batch, r0 + per);
+  int mine = 0;
+  for (int i = r0; i < r1; ++i) {
+    const long long T = (seq_lens[i] + TILE_TOKENS - 1) / TILE_TOKENS;
+    const int S = (int)((T + chunk - 1) / chunk);
+    s_split[i] = S;
+    mine += S;
+  }
+  s_scan[tid] = mine;
+  __syncthreads();
+  for (int off = 1; off < PKV_PLAN_THREADS; off <<= 1) {  // Hillis-Steele inclusive scan
+    const int add = tid >= off ? s_scan[tid - off] : 0;
+    __syncthreads();
+    s_scan[tid] += add;
+    __syncthreads();
+  }
+  int run = s_scan[tid] - mine;
+  for (int i = r0; i < r1; ++i) {
+    s_off[i] = run;
+    run += s_split[i];
+  }
+  if (tid == PKV_PLAN_THREADS - 1) s_off[batch] = s_scan[tid];
+  __syncthreads();
+  const int n = num_kv_heads * s_off[batch];
+  if (tid == 0) *num_items = n <= max_items ? n : -1;  // -1: bound violated (cannot happen)
+  if (n > max_items) return;
+  for (int j = tid; j < n; j += PKV_PLAN_THREADS) {
+    int a = 0, b = batch - 1;  // last row i with Hkv * s_off[i] <= j
+    while (a < b) {
+      const int mid = (a + b + 1) >> 1;
+      if (num_kv_heads * s_off[mid] <= j) a = mid; else b = mid - 1;
+    }
+    const int i = a;
+    const int S = s_split[i];
+    const int local = j - num_kv_heads * s_off[i];
+    const int h = local / S, s = local - h * S;
+    const int N = seq_lens[i];
+    const long long T = (N + TILE_TOKENS - 1) / TILE_TOKENS;
+    const int lo = (int)min((long long)N, (T * s) / S * TILE_TOKENS);
+    const int hi = (int)min((long long)N, (T * (s + 1)) / S * TILE_TOKENS);
+    int4* dst = reinterpret_cast<int4*>(items) + 2 * j;
+    dst[0] = make_int4(i | (h << 16), lo, hi, s | (S << 16));
+    dst[1] = make_int4(kv_indptr[i], 0, 0, 0);
+  }
+}

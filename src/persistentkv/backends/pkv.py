@@ -1,0 +1,67 @@
+"""Our routes behind the backend interface: pkv-workqueue, pkv-buckets, pkv-split.
+
+    pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused
+    pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
+    pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
+"""
+
+from __future__ import annotations
+
+from ..cache import Batch
+from ..spec import AttentionSpec
+
+
+class _PKVBackend:
+    route = "workqueue"
+    graph_safe = True
+
+    def __init__(self, name: str, **options):
+        self.name = name
+        self.options = {k: v for k, v in options.items() if v is not None}
+        self._engine = None
+
+    def unavailable(self, spec: AttentionSpec) -> list[str]:
+        from ..engine import engine_unsupported, gpu_reasons
+
+        return engine_unsupported(spec) + gpu_reasons()
+
+    def engine(self, spec: AttentionSpec):
+        from ..engine import engine_for
+
+        if self._engine is None or self._engine.spec != spec:
+            self._engine = engine_for(spec)
+        return self._engine
+
+    def plan(self, batch: Batch):
+        return self.engine(batch.spec).plan(batch, self.route, **self.options)
+
+    def run(self, q, cache, plan, out) -> None:
+        self._engine.run(q, cache, plan, out)
+
+
+class PKVWorkqueue(_PKVBackend):
+    route = "workqueue"
+
+    def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None):
+        super().__init__(name, target_items=target_items)
+
+
+class PKVWorkqueueHost(_PKVBackend):
+    route = "workqueue_host"
+
+    def __init__(self, name: str = "pkv-workqueue-host", target_items: int | None = None):
+        super().__init__(name, target_items=target_items)
+
+
+class PKVBuckets(_PKVBackend):
+    route = "buckets"
+
+    def __init__(self, name: str = "pkv-buckets", num_splits: int = 32):
+        super().__init__(name, num_splits=num_splits)
+
+
+class PKVSplit(_PKVBackend):
+    route = "split"
+
+    def __init__(self, name: str = "pkv-split", num_splits: int = 32):
+        super().__init__(name, num_splits=num_splits)

@@ -1,0 +1,379 @@
+"""The GPU engine: kernels/pkv_decode.cu through CuPy, on torch tensors, in plan/run shape.
+
+    engine = DecodeEngine(spec)                     # compiles (once, cached by CuPy) and loads
+    plan = engine.plan(batch, route="workqueue")   # once per decode step
+    engine.run(q, (k_cache, v_cache), plan, out)   # once per layer; graph-capturable
+
+``run`` takes torch tensors and passes their device pointers straight to the kernels: no copies,
+no allocation, no host synchronisation, launched on torch's current stream, so a step can be
+captured in a CUDA graph. Routes:
+
+* ``workqueue`` (default): the balanced compact queue, planned ON THE GPU by ``pkv_plan`` from
+  the device sequence lengths (no host round trip), one fused launch (the last CTA of each
+  (row, kv head) merges).
+* ``workqueue_host``: the same queue planned by plan.py on the host and uploaded.
+* ``buckets``: one decode + merge launch pair per exact-length bucket, as published.
+* ``split``: the rectangular B x Hkv x S grid with its empty splits, decode + merge.
+
+Supported: fp16 and bf16; head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
+(powers of two; 8-128 are the tested range); batch up to 4096 rows on the GPU planner (65535
+on the host planner). Anything else is refused in ``DecodeEngine.__init__`` or ``plan``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import plan as planner
+from .cache import Batch
+from .errors import PKVError, require
+from .spec import AttentionSpec
+
+KERNEL_FILE = "pkv_decode.cu"
+GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
+MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
+ENGINE_DTYPES = ("float16", "bfloat16")
+ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
+LOG2E = 1.4426950408889634
+
+
+def kernels_dir() -> Path:
+    """kernels/ at the repository root (src layout), or $PERSISTENTKV_KERNELS."""
+    import os
+
+    env = os.environ.get("PERSISTENTKV_KERNELS")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
+    require((path / KERNEL_FILE).is_file(),
+            f"kernel source {path / KERNEL_FILE} not found (set PERSISTENTKV_KERNELS to the kernels/ folder)")
+    return path
+
+
+def compile_options(spec: AttentionSpec) -> tuple[str, ...]:
+    """Compiler options for the module of ``spec``'s (dtype, head_dim); shared with compile-kernels."""
+    return ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
+            f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
+
+
+def engine_unsupported(spec: AttentionSpec) -> list[str]:
+    """Reasons our kernels cannot run ``spec`` (empty when they can); checked before any launch."""
+    reasons = []
+    if spec.dtype not in ENGINE_DTYPES:
+        reasons.append(f"the PersistentKV kernels take {'/'.join(ENGINE_DTYPES)}, not {spec.dtype}")
+    if spec.group_size > MAX_GROUP_SIZE:
+        reasons.append(f"group size G={spec.group_size} exceeds {MAX_GROUP_SIZE} query heads per kv head")
+    if spec.layout != "NHD":
+        reasons.append(f"layout {spec.layout} is not NHD")
+    return reasons
+
+
+def gpu_reasons() -> list[str]:
+    """Why the engine cannot run on this machine ([] when torch + CUDA + CuPy are usable)."""
+    try:
+        import torch
+    except Exception as exc:
+        return [f"torch cannot be imported ({type(exc).__name__}: {exc})"]
+    if not torch.cuda.is_available():
+        return [f"no CUDA device visible to torch {torch.__version__}"]
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:
+        return [f"cupy cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"]
+    return []
+
+
+class _Stream:
+    """What CuPy's Function.__call__ needs of a stream: its ``ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def _pointer_type():
+    try:
+        from cupy.cuda.function import CIntptr  # cheapest pointer-sized kernel argument
+
+        return CIntptr
+    except Exception:  # pragma: no cover - older CuPy
+        return np.uint64
+
+
+@dataclass
+class _Module:
+    functions: dict
+    smem_bytes: int
+    threads: int
+    tile: int
+    stages: int
+    occupancy: int
+
+
+@lru_cache(maxsize=None)
+def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
+    import cupy
+
+    spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
+    source = (kernels_dir() / KERNEL_FILE).read_text()
+    options = compile_options(spec)
+    cuda_path = cupy.cuda.get_cuda_path()
+    if cuda_path:
+        options += (f"-I{Path(cuda_path) / 'include'}",)
+    with cupy.cuda.Device(device):
+        try:
+            module = cupy.RawModule(code=source, options=options)
+            module.compile()
+        except Exception as exc:
+            raise PKVError(f"compiling {KERNEL_FILE} for {dtype}/head_dim {head_dim} failed: "
+                           f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") from exc
+        raw = module.get_global("pkv_config")
+        config = cupy.ndarray((5,), dtype=cupy.int32, memptr=raw).get().tolist()
+        smem, threads, tile, stages, plan_tile = config
+        require(plan_tile == planner.TILE_TOKENS,
+                f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {planner.TILE_TOKENS}")
+        functions = {}
+        for name in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan"):
+            kernel = module.get_function(name)
+            if name.startswith("pkv_decode"):
+                kernel.max_dynamic_shared_size_bytes = smem
+            functions[name] = kernel.kernel
+        from cupy_backends.cuda.api import driver
+
+        occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
+    return _Module(functions, smem, threads, tile, stages, max(1, occupancy))
+
+
+@dataclass
+class _Launch:
+    kind: str        # decode | fused | merge | plan
+    grid: int
+    static: tuple    # arguments after the per-call pointers
+
+
+@dataclass
+class DevicePlan:
+    """Device-side metadata of one step; holds every buffer its launches touch.
+
+    items:       int32 [max_items, 8] on the device (row|head<<16, lo, hi, split|nsplit<<16, page_base, 0, 0, 0)
+    num_items:   int32 [1] device count (GPU-planned) or None
+    part_o/lse:  float32 partial states [slots, G, D] / [slots, G]
+    counters:    int32 [B * Hkv], zero between launches (fused merge)
+    """
+
+    route: str
+    spec: AttentionSpec
+    batch_size: int
+    launches: list
+    buffers: dict = field(default_factory=dict)
+    host_plan: planner.Plan | None = None
+    #: recomputes the host plan this device plan is equal to (for counters; never on the hot path)
+    _host_equivalent: Any = None
+
+    @property
+    def num_launches(self) -> int:
+        return sum(1 for l in self.launches if l.kind != "plan")
+
+    def counters(self) -> dict:
+        """Workload counters (plan.StepCounters) of this step; computed on demand on the host."""
+        host = self.host_plan if self.host_plan is not None else self._host_equivalent()
+        counters = host.counters().to_dict()
+        if "packed" in self.buffers:  # GPU-planned: only lengths and the block table were uploaded
+            counters["h2d_bytes"] = int(self.buffers["packed"].numel() * 4)
+        return counters
+
+
+class DecodeEngine:
+    """Our decode kernels for one AttentionSpec on one CUDA device."""
+
+    def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
+                 min_chunk_tiles: int = 1):
+        reasons = engine_unsupported(spec) + gpu_reasons()
+        if reasons:
+            raise PKVError("; ".join(reasons))
+        import torch
+
+        self.spec = spec
+        self.torch = torch
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        self.module = _load_module(spec.dtype, spec.head_dim, self.device.index)
+        props = torch.cuda.get_device_properties(self.device)
+        self.num_sms = props.multi_processor_count
+        # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
+        self.target_items = int(target_items or self.module.occupancy * self.num_sms)
+        self.min_chunk_tiles = min_chunk_tiles
+        self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+        self._ptr = _pointer_type()
+        self._streams: dict[int, _Stream] = {}
+        self.scale_log2 = np.float32(LOG2E / math.sqrt(spec.head_dim))
+        self._last_check = None
+
+    # ------------------------------------------------------------------ planning
+    def _i32(self, array) -> Any:
+        return self.torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(self.device)
+
+    def _workspace(self, slots: int, batch_size: int) -> dict:
+        torch, spec = self.torch, self.spec
+        G, D = spec.group_size, spec.head_dim
+        return {
+            "part_o": torch.empty((max(slots, 1), G, D), dtype=torch.float32, device=self.device),
+            "part_lse": torch.empty((max(slots, 1), G), dtype=torch.float32, device=self.device),
+            "counters": torch.zeros((batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
+        }
+
+    def plan(self, batch: Batch, route: str = "workqueue", **options) -> DevicePlan:
+        """Plan one step. ``options``: num_splits for buckets/split; target_items for the queues."""
+        require(route in ROUTES, f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
+        require(batch.spec == self.spec, f"batch spec {batch.spec} != engine spec {self.spec}")
+        if route == "workqueue":
+            return self._plan_device(batch, int(options.get("target_items", self.target_items)))
+        if route == "workqueue_host":
+            host = planner.plan_workqueue(batch, target_items=int(options.get("target_items", self.target_items)),
+                                          min_chunk_tiles=self.min_chunk_tiles, fused_merge=True)
+        elif route == "buckets":
+            host = planner.plan_buckets(batch, num_splits=int(options.get("num_splits", 32)))
+        else:
+            host = planner.plan_split(batch, num_splits=int(options.get("num_splits", 32)))
+        return self._upload(batch, host, route)
+
+    def _static_decode(self, buffers: dict, num_items_ptr: int, slot_offset: int) -> tuple:
+        spec = self.spec
+        P = self._ptr
+        return (P(buffers["kv_indices"].data_ptr()), P(buffers["items"].data_ptr()), P(num_items_ptr),
+                P(buffers["part_o"].data_ptr()), P(buffers["part_lse"].data_ptr()),
+                P(buffers["counters"].data_ptr()), np.int32(slot_offset), np.int32(spec.num_kv_heads),
+                np.int32(spec.group_size), np.int32(int(math.log2(spec.page_size))))
+
+    def _upload(self, batch: Batch, host: planner.Plan, route: str) -> DevicePlan:
+        items8 = np.zeros((max(host.num_items, 1), 8), dtype=np.int32)
+        items8[:host.num_items, :4] = host.items
+        items8[:host.num_items, 4] = batch.kv_indptr[host.items[:, 0] & 0xFFFF]
+        buffers = self._workspace(host.num_items, batch.batch_size)
+        buffers.update(items=self._i32(items8), kv_indices=self._i32(batch.kv_indices if batch.kv_indices.size else [0]),
+                       merge_groups=self._i32(host.merge_groups if host.merge_groups.size else np.zeros((1, 4))))
+        launches = []
+        for launch in host.launches:
+            if launch.kind == "merge":
+                P = self._ptr
+                static = (P(buffers["merge_groups"].data_ptr() + 16 * launch.start), P(buffers["part_o"].data_ptr()),
+                          P(buffers["part_lse"].data_ptr()), np.int32(self.spec.group_size))
+                launches.append(_Launch("merge", launch.size, static))
+            elif launch.size:
+                launches.append(_Launch(launch.kind, launch.size, self._static_decode(buffers, 0, launch.start)))
+        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host)
+
+    def _plan_device(self, batch: Batch, target_items: int) -> DevicePlan:
+        require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
+                f"batch size {batch.batch_size} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; use route workqueue_host")
+        spec = self.spec
+        max_items = planner.max_workqueue_items(batch.batch_size, spec.num_kv_heads, target_items)
+        # One upload of everything the planner and the kernels read: seq_lens | indptr | indices.
+        packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
+        dev = self._i32(packed)
+        B = batch.batch_size
+        buffers = self._workspace(max_items, B)
+        buffers.update(packed=dev, kv_indices=dev[2 * B + 1:] if batch.kv_indices.size else dev[:1],
+                       items=self.torch.empty((max_items, 8), dtype=self.torch.int32, device=self.device),
+                       num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
+        P = self._ptr
+        plan_args = (P(dev.data_ptr()), P(dev.data_ptr() + 4 * B), np.int32(B), np.int32(spec.num_kv_heads),
+                     np.int32(target_items), np.int32(self.min_chunk_tiles), np.int32(max_items),
+                     P(buffers["items"].data_ptr()), P(buffers["num_items"].data_ptr()))
+        launches = [_Launch("plan", 1, plan_args),
+                    _Launch("fused", max_items, self._static_decode(buffers, buffers["num_items"].data_ptr(), 0))]
+        min_chunk = self.min_chunk_tiles
+        plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
+                          lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk))
+        self._launch_plan(plan, self._stream())
+        return plan
+
+    def replan_device(self, plan: DevicePlan) -> None:
+        """Re-run the GPU planner of a ``workqueue`` plan (after the caller updated its lengths in
+        ``plan.buffers['packed']`` on the device): no host work, graph-capturable."""
+        require(plan.route == "workqueue", "only GPU-planned (workqueue) plans can be replanned on the device")
+        self._launch_plan(plan, self._stream())
+
+    def _launch_plan(self, plan: DevicePlan, stream) -> None:
+        launch = plan.launches[0]
+        self.module.functions["pkv_plan"]((1,), (1024,), launch.static, 0, stream)
+
+    # ------------------------------------------------------------------ running
+    def _stream(self) -> _Stream:
+        ptr = self.torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = _Stream(ptr)
+        return stream
+
+    def _check(self, q, k, v, out, plan: DevicePlan) -> None:
+        spec = self.spec
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), k.dtype,
+               v.dtype, out.shape, out.stride(), out.dtype, plan.batch_size)
+        if key == self._last_check:
+            return
+        expect_q = (plan.batch_size, spec.num_qo_heads, spec.head_dim)
+        require(tuple(q.shape) == expect_q, f"q has shape {tuple(q.shape)}, expected {expect_q}")
+        require(tuple(out.shape) == expect_q, f"out has shape {tuple(out.shape)}, expected {expect_q}")
+        for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
+            require(t.dtype == self.torch_dtype, f"{name} has dtype {t.dtype}, expected {self.torch_dtype}")
+            require(t.device == self.device, f"{name} is on {t.device}, expected {self.device}")
+        kv_shape = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+        require(tuple(k.shape[1:]) == kv_shape and k.dim() == 4,
+                f"k_cache has shape {tuple(k.shape)}, expected [num_pages, {', '.join(map(str, kv_shape))}]")
+        require(tuple(v.shape) == tuple(k.shape) and v.stride() == k.stride(),
+                "v_cache must have k_cache's shape and strides")
+        require(k.stride(3) == 1 and k.stride(2) == spec.head_dim and k.stride(1) % 8 == 0 and k.stride(0) % 8 == 0,
+                f"k_cache strides {k.stride()} unsupported: need [*, 8k, head_dim, 1]")
+        for name, t in (("q", q), ("out", out)):
+            require(t.stride(2) == 1 and t.stride(1) % 2 == 0 and t.stride(0) % 2 == 0,
+                    f"{name} strides {t.stride()} unsupported: need an even-strided [B, H, D] with contiguous D")
+        require(q.data_ptr() % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0,
+                "q must be 4-byte and k/v 16-byte aligned")
+        self._last_check = key
+
+    def run(self, q, cache, plan: DevicePlan, out, check: bool = True) -> None:
+        """out[B, Hq, D] = decode attention of q[B, Hq, D] over cache = (K, V), each [pages, P, Hkv, D]."""
+        k, v = cache
+        if check:
+            self._check(q, k, v, out, plan)
+        P = self._ptr
+        stream = self._stream()
+        fns = self.module.functions
+        q_ptr, k_ptr, v_ptr, o_ptr = P(q.data_ptr()), P(k.data_ptr()), P(v.data_ptr()), P(out.data_ptr())
+        qs, os_, ks = q.stride(), out.stride(), k.stride()
+        tail = (np.int64(ks[0]), np.int64(ks[1]), np.int64(qs[0]), np.int64(qs[1]), np.int64(os_[0]),
+                np.int64(os_[1]), self.scale_log2)
+        smem, threads = self.module.smem_bytes, self.module.threads
+        for launch in plan.launches:
+            if launch.kind == "plan":
+                continue
+            if launch.kind == "merge":
+                fns["pkv_merge"]((launch.grid,), (threads,),
+                                 launch.static[:3] + (o_ptr,) + launch.static[3:] + (np.int64(os_[0]), np.int64(os_[1])),
+                                 0, stream)
+            else:
+                fn = fns["pkv_decode_fused" if launch.kind == "fused" else "pkv_decode"]
+                fn((launch.grid,), (threads,), (q_ptr, k_ptr, v_ptr, o_ptr) + launch.static + tail, smem, stream)
+
+    def device_items(self, plan: DevicePlan) -> np.ndarray:
+        """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""
+        items = plan.buffers["items"].cpu().numpy()
+        n = int(plan.buffers["num_items"].item()) if "num_items" in plan.buffers else plan.host_plan.num_items
+        return items[:n, :4]
+
+
+_ENGINES: dict = {}
+
+
+def engine_for(spec: AttentionSpec, **options) -> DecodeEngine:
+    """A cached engine per (spec, options) on the current device."""
+    key = (spec, tuple(sorted(options.items())))
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = DecodeEngine(spec, **options)
+    return engine

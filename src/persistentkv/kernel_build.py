@@ -1,0 +1,70 @@
+"""Ahead-of-time compilation of kernels/ with nvcc, and ptxas' resource report per kernel.
+
+The engine compiles the same source with the same options through CuPy at run time
+(engine.compile_options); this module exists so that a machine without a GPU (CI, a laptop)
+proves every kernel compiles for named architectures, and so that registers, shared memory,
+stack and spills are recorded next to the results.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from itertools import product
+from pathlib import Path
+
+from .engine import KERNEL_FILE, compile_options, kernels_dir
+from .errors import require
+from .spec import AttentionSpec
+
+CONFIGS = tuple(product(("float16", "bfloat16"), (64, 128, 256)))
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc")
+
+
+def check_arch(arch: str) -> str:
+    require(re.fullmatch(r"sm_\d{2,3}a?", arch) is not None, f"architecture {arch!r} is not of the form sm_XY")
+    require(int(re.sub(r"\D", "", arch)) >= 80, f"architecture {arch} is older than sm_80 (cp.async and bf16 mma need sm_80+)")
+    return arch
+
+
+def parse_ptxas(text: str) -> list[dict]:
+    """Per entry function: registers, static shared bytes, stack frame, spill stores/loads."""
+    rows, current = [], None
+    for line in text.splitlines():
+        if (m := _ENTRY.search(line)):
+            current = {"kernel": m.group(1), "arch": m.group(2)}
+            rows.append(current)
+        elif current is not None and (m := _FRAME.search(line)):
+            current.update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
+                           spill_load_bytes=int(m.group(3)))
+        elif current is not None and (m := _USED.search(line)):
+            current.update(registers=int(m.group(1)), static_shared_bytes=int(m.group(2) or 0))
+    return rows
+
+
+def compile_all(archs: list[str], out_dir: Path) -> list[dict]:
+    """Compile every (dtype, head_dim) module for every arch to cubins under ``out_dir``."""
+    nvcc = nvcc_path()
+    require(nvcc is not None, "nvcc not found on PATH")
+    source = kernels_dir() / KERNEL_FILE
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for arch, (dtype, head_dim) in product([check_arch(a) for a in archs], CONFIGS):
+        options = list(compile_options(AttentionSpec(1, 1, head_dim, 16, dtype)))
+        cubin = out_dir / f"pkv_{dtype}_d{head_dim}_{arch}.cubin"
+        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), *options, str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch} {dtype} D={head_dim}:\n{proc.stderr[-4000:]}")
+        for row in parse_ptxas(proc.stderr):
+            row.update(dtype=dtype, head_dim=head_dim, nvcc=version, flags=" ".join(options), cubin=cubin.name)
+            rows.append(row)
+    return rows

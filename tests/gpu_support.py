@@ -1,0 +1,76 @@
+"""Helpers shared by the GPU tests: skip reasons, device caches, an independent float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from persistentkv.cache import Batch, make_batch
+from persistentkv.spec import AttentionSpec
+
+
+def gpu_skip_reason() -> str | None:
+    from persistentkv.engine import gpu_reasons
+
+    reasons = gpu_reasons()
+    return "; ".join(reasons) if reasons else None
+
+
+requires_gpu = pytest.mark.skipif(gpu_skip_reason() is not None, reason=f"needs a CUDA GPU: {gpu_skip_reason()}")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def device_case(spec: AttentionSpec, lengths, hole_fraction: float = 0.25, seed: int = 0):
+    """(batch, q, k_cache, v_cache) on the GPU with standard-normal values; fresh per seed."""
+    import torch
+
+    batch = make_batch(spec, lengths, hole_fraction=hole_fraction, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dt = torch_dtype(spec.dtype)
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+    v = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dt)
+    q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda",
+                    dtype=torch.float32).to(dt)
+    return batch, q, k, v
+
+
+def reference_torch64(batch: Batch, q, k, v):
+    """Dense float64 attention on the GPU, row by row and kv head by kv head (never uses a plan)."""
+    import torch
+
+    spec = batch.spec
+    G, D, P = spec.group_size, spec.head_dim, spec.page_size
+    out = torch.empty((batch.batch_size, spec.num_qo_heads, D), dtype=torch.float64, device="cuda")
+    indptr = batch.kv_indptr
+    indices = torch.from_numpy(batch.kv_indices.astype(np.int64)).cuda()
+    scale = 1.0 / math.sqrt(D)
+    for i in range(batch.batch_size):
+        n = int(batch.seq_lens[i])
+        pages = indices[int(indptr[i]):int(indptr[i + 1])]
+        for h in range(spec.num_kv_heads):
+            kh = k[pages, :, h, :].reshape(-1, D)[:n].double()
+            vh = v[pages, :, h, :].reshape(-1, D)[:n].double()
+            qh = q[i, h * G:(h + 1) * G].double()
+            p = torch.softmax((qh @ kh.T) * scale, dim=-1)
+            out[i, h * G:(h + 1) * G] = p @ vh
+    return out
+
+
+def rel_err(out, ref) -> float:
+    import torch
+
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    return float(torch.linalg.norm(o - ref) / torch.linalg.norm(ref))
+
+
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}

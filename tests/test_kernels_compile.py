@@ -1,0 +1,70 @@
+"""Every kernel compiles for sm_80 and sm_90 with nvcc (no GPU needed), without spills."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from persistentkv.cli import main
+from persistentkv.engine import engine_unsupported
+from persistentkv.errors import PKVError
+from persistentkv.kernel_build import CONFIGS, check_arch, nvcc_path, parse_ptxas
+from persistentkv.spec import AttentionSpec
+
+needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
+
+PTXAS_SAMPLE = """ptxas info    : Compiling entry function 'pkv_decode' for 'sm_90'
+ptxas info    : Function properties for pkv_decode
+    8 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 158 registers, used 1 barriers, 37136 bytes smem
+"""
+
+
+def test_parse_ptxas_reads_every_field():
+    (row,) = parse_ptxas(PTXAS_SAMPLE)
+    assert row == {"kernel": "pkv_decode", "arch": "sm_90", "stack_bytes": 8, "spill_store_bytes": 8,
+                   "spill_load_bytes": 4, "registers": 158, "static_shared_bytes": 37136}
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm90", "compute_90", "sm_9"])
+def test_bad_architectures_are_refused(arch):
+    with pytest.raises(PKVError):
+        check_arch(arch)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["compile-kernels", "--arch", "sm_80", "--arch", "sm_90", "--out", str(out),
+                 "--cubin-dir", str(tmp_path / "cubins")]) == 0
+    report = json.loads(out.read_text())
+    assert report["status"] == "ok"
+    kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"]) for r in report["kernels"]}
+    expected = {(k, a, d, h) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
+                for a in ("sm_80", "sm_90") for d, h in CONFIGS}
+    assert kernels == expected
+    for row in report["kernels"]:
+        assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
+        assert row["registers"] <= 255, row
+    assert len(list((tmp_path / "cubins").glob("*.cubin"))) == 2 * len(CONFIGS)
+
+
+def test_unsupported_specs_have_reasons():
+    assert engine_unsupported(AttentionSpec(32, 8, 128, 16, "float16")) == []
+    assert "G=32" in engine_unsupported(AttentionSpec(32, 1, 128, 16, "float16"))[0]
+    assert "float32" in engine_unsupported(AttentionSpec(32, 8, 128, 16, "float32"))[0]
+
+
+def test_pkv_backends_explain_why_they_cannot_run_here():
+    pytest.importorskip("torch")
+    import torch
+
+    from persistentkv.backends.pkv import PKVBuckets, PKVSplit, PKVWorkqueue
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; the GPU tests cover these backends")
+    for backend in (PKVWorkqueue(), PKVBuckets(), PKVSplit()):
+        reasons = backend.unavailable(AttentionSpec())
+        assert reasons and any("CUDA" in r or "cupy" in r for r in reasons), reasons
