@@ -161,7 +161,7 @@ def main() -> int:
                 with torch.cuda.graph(g):
                     for c in range(args.calls):
                         backend.run(q, copies[c % R], plan, out)
-                graphs[name] = (g, err, plan)
+                graphs[name] = (g, err, plan, out)  # the graph writes into out: keep it alive
             except Exception as exc:
                 print(f"  {case} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
         times = {name: [] for name in graphs}
@@ -198,7 +198,7 @@ def main() -> int:
     if rows:
         import pandas as pd
 
-        tag = args.backends.replace(",", "+") if len(args.backends) < 60 else "all"
+        tag = args.backends.replace(",", "_").replace("-", "") if len(args.backends) < 60 else "all"
         out = Path(args.out) / f"bench_engine_{tag}_{time.strftime('%H%M%S')}.parquet"
         pd.DataFrame(rows).to_parquet(out, index=False)
         print(f"wrote {out}")

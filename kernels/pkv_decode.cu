@@ -177,53 +177,57 @@ struct Params {
 };
 
 // Merge the partial states of one (row, kv head): slots [base, base + n).
-__device__ void merge_group(const Params& p, int row, int head, int base, int n, float* smem_f) {
+// Each thread owns one float4 of one query head's output and walks the n partial states in
+// chunks of MERGE_UNROLL, loading a chunk's lse values and o columns together (all in flight)
+// and folding them in with an online softmax over splits: no shared memory, no barrier, about
+// n / MERGE_UNROLL L2 round trips. Threads of a warp share g, so their lse loads coalesce.
+constexpr int MERGE_UNROLL = 16;
+__device__ void merge_group(const Params& p, int row, int head, int base, int n) {
   const int G = p.group_size;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* rowM = smem_f;        // [16]
-  float* rowDen = smem_f + 16; // [16]
-  for (int g = warp; g < G; g += WARPS) {
-    float m = NEG_INF;
-    for (int s = lane; s < n; s += 32) m = fmaxf(m, __ldcg(p.part_lse + (long long)(base + s) * G + g));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float den = 0.f;
-    if (m != NEG_INF)
-      for (int s = lane; s < n; s += 32) den += fast_exp2(__ldcg(p.part_lse + (long long)(base + s) * G + g) - m);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-    if (lane == 0) { rowM[g] = m; rowDen[g] = den; }
-  }
-  __syncthreads();
-  // One float4 of one row per thread; the loads of successive splits are independent, so the
-  // unrolled loop keeps several L2 reads in flight (the partials were just written: L2-resident).
   constexpr int D4 = D / 4;
+  const float* lse = p.part_lse + (long long)base * G;
   for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
     const int g = idx / D4, d = (idx - g * D4) * 4;
-    const float m = rowM[g], den = rowDen[g];
+    const float* col = p.part_o + ((long long)base * G + g) * D + d;
+    float m = NEG_INF, den = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (den > 0.f) {
-#pragma unroll 4
-      for (int s = 0; s < n; ++s) {
-        const long long slot = base + s;
-        const float w = fast_exp2(__ldcg(p.part_lse + slot * G + g) - m);
-        const float4 o = __ldcg(reinterpret_cast<const float4*>(p.part_o + (slot * G + g) * D + d));
-        acc.x += w * o.x;
-        acc.y += w * o.y;
-        acc.z += w * o.z;
-        acc.w += w * o.w;
+    for (int s0 = 0; s0 < n; s0 += MERGE_UNROLL) {
+      float l[MERGE_UNROLL];
+      float4 o[MERGE_UNROLL];
+#pragma unroll
+      for (int u = 0; u < MERGE_UNROLL; ++u) {
+        const bool ok = s0 + u < n;
+        l[u] = ok ? __ldcg(lse + (s0 + u) * G + g) : NEG_INF;
+        o[u] = ok ? __ldcg(reinterpret_cast<const float4*>(col + (long long)(s0 + u) * G * D))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      const float inv = 1.f / den;
-      acc.x *= inv;
-      acc.y *= inv;
-      acc.z *= inv;
-      acc.w *= inv;
+      float mc = m;
+#pragma unroll
+      for (int u = 0; u < MERGE_UNROLL; ++u) mc = fmaxf(mc, l[u]);
+      if (mc == NEG_INF) continue;  // every split so far is empty
+      const float scale = fast_exp2(m - mc);  // m = -inf -> 0
+      den *= scale;
+      acc.x *= scale;
+      acc.y *= scale;
+      acc.z *= scale;
+      acc.w *= scale;
+#pragma unroll
+      for (int u = 0; u < MERGE_UNROLL; ++u) {
+        const float w = fast_exp2(l[u] - mc);  // empty split: lse = -inf -> 0
+        den += w;
+        acc.x += w * o[u].x;
+        acc.y += w * o[u].y;
+        acc.z += w * o[u].z;
+        acc.w += w * o[u].w;
+      }
+      m = mc;
     }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
     kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
-    dst[0] = to_kv(acc.x);
-    dst[1] = to_kv(acc.y);
-    dst[2] = to_kv(acc.z);
-    dst[3] = to_kv(acc.w);
+    dst[0] = to_kv(acc.x * inv);
+    dst[1] = to_kv(acc.y * inv);
+    dst[2] = to_kv(acc.z * inv);
+    dst[3] = to_kv(acc.w * inv);
   }
 }
 
@@ -469,20 +473,22 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   if (!FUSED || direct) return;
 
-  // Fused merge: the last CTA of this (row, kv head) to finish merges its group.
-  __threadfence();
+  // Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
+  // barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is
+  // cumulative over what the barrier ordered before it) and, for the last CTA, acquires the
+  // others'; the barrier after it extends that to every thread, whose loads then go to L2 (.cg).
   __syncthreads();
   if (tid == 0) {
     int* counter = p.counters + row * p.num_kv_heads + head;
-    const int prev = atomicAdd(counter, 1);
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
     const int last = prev == it.nsplit - 1;
     if (last) *counter = 0;  // ready for the next launch; nobody else touches it in this one
     *flag = last;
   }
   __syncthreads();
   if (!*flag) return;
-  __threadfence();
-  merge_group(p, row, head, slot - it.split, it.nsplit, rowL + 16 + 4);
+  merge_group(p, row, head, slot - it.split, it.nsplit);
 }
 
 }  // namespace pkv
@@ -523,7 +529,6 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(P
 extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
     const int4* groups, const float* part_o, const float* part_lse, kv_t* out, int group_size,
     long long o_sb, long long o_sh) {
-  __shared__ float smem_f[32];
   const int4 grp = groups[blockIdx.x];
   Params p{};
   p.part_o = const_cast<float*>(part_o);
@@ -532,13 +537,14 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
   p.group_size = group_size;
   p.o_sb = o_sb;
   p.o_sh = o_sh;
-  pkv::merge_group(p, grp.x, grp.y, grp.z, grp.w, smem_f);
+  pkv::merge_group(p, grp.x, grp.y, grp.z, grp.w);
 }
 
 // The GPU planner: the balanced work queue of plan.py (plan_workqueue with target_items), built
 // on the device from device sequence lengths, so a whole step (plan + layers) needs no host
 // round trip. One CTA of 1024 threads; batch <= PKV_PLAN_MAX_ROWS.
-//   chunk = max(min_chunk_tiles, ceil(Hkv * sum_i T_i / target_items)),  S_i = ceil(T_i / chunk)
+//   W = B * Hkv / target + 1,  chunk = max(min_chunk_tiles, ceil(Hkv * sum_i T_i / (W * target - B * Hkv))),
+//   S_i = ceil(T_i / chunk)
 //   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
 #define PKV_PLAN_THREADS 1024
 #define PKV_PLAN_MAX_ROWS 4096
@@ -566,7 +572,11 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
   }
   __syncthreads();
   const long long total = s_warp[0];
-  long long chunk = (num_kv_heads * total + target_items - 1) / target_items;
+  // plan.balanced_chunk_tiles: whole waves of target_items, every row's ceil() paid up front.
+  const long long pairs = (long long)batch * num_kv_heads;
+  const long long waves = pairs / target_items + 1;
+  const long long room = waves * target_items - pairs;
+  long long chunk = (num_kv_heads * total + room - 1) / room;
   if (chunk < min_chunk_tiles) chunk = min_chunk_tiles;
 
   // Contiguous rows per thread, then a block-wide exclusive scan of the per-thread sums.

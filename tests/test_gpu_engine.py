@@ -100,7 +100,7 @@ def test_gpu_planner_equals_cpu_planner():
         batch = make_batch(spec, lengths)
         for target in (engine.target_items, 64, 1000):
             dev = engine.plan(batch, "workqueue", target_items=target)
-            cpu = planner.plan_workqueue(batch, target_items=target)
+            cpu = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=engine.min_chunk_tiles)
             np.testing.assert_array_equal(engine.device_items(dev), cpu.items, err_msg=f"B={B} target={target}")
 
 
@@ -159,6 +159,35 @@ def test_cuda_graph_replay_and_whole_step_capture():
     ref = reference_torch64(ref_batch, q, ks[0], v)
     for layer in range(layers):
         assert rel_err(outs[layer], ref) <= TOLERANCE["float16"], f"layer {layer}"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_graph_replay_of_every_route_over_rotated_caches(route):
+    """Several plans captured side by side, each graph cycling over copies of the cache."""
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engine = engine_for(spec)
+    batch, q, k, v = device_case(spec, [1000, 20000, 77], hole_fraction=0.2, seed=5)
+    ks, vs = [k, k.clone()], [v, v.clone()]
+    ref = reference_torch64(batch, q, k, v)
+    plan = engine.plan(batch, route)
+    outs = [torch.full_like(q, float("nan")) for _ in range(4)]
+    engine.run(q, (k, v), plan, outs[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i, o in enumerate(outs):
+            engine.run(q, (ks[i % 2], vs[i % 2]), plan, o)
+    for o in outs:
+        o.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for o in outs:
+        assert rel_err(o, ref) <= TOLERANCE["float16"]
 
 
 def test_refuses_unsupported_specs_before_launch():

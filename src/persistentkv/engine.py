@@ -22,6 +22,7 @@ on the host planner). Anything else is refused in ``DecodeEngine.__init__`` or `
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -37,6 +38,10 @@ from .spec import AttentionSpec
 
 KERNEL_FILE = "pkv_decode.cu"
 GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
+PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
+#: Smallest work item: one pipeline stage of the kernel (64 tokens = 2 planner tiles); a smaller
+#: item leaves warps of its CTA without tokens.
+MIN_CHUNK_TILES = 2
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
 ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
@@ -87,22 +92,24 @@ def gpu_reasons() -> list[str]:
     return []
 
 
-class _Stream:
-    """What CuPy's Function.__call__ needs of a stream: its ``ptr``."""
+class _ArgBlock:
+    """A kernel's parameter block, kept alive between launches.
 
-    __slots__ = ("ptr",)
+    cuLaunchKernel copies parameter values at launch (and a graph capture records them), so one
+    block per launch is built at plan time and ``run`` only rewrites the per-call slots (tensor
+    pointers and strides) before handing the block's address to the driver: this keeps the host
+    cost of a launch to a few ctypes stores and one driver call.
+    """
 
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+    __slots__ = ("slots", "array", "address")
+
+    def __init__(self, values: list):
+        self.slots = [ctype(value) for ctype, value in values]
+        self.array = (ctypes.c_void_p * len(self.slots))(*[ctypes.addressof(slot) for slot in self.slots])
+        self.address = ctypes.addressof(self.array)
 
 
-def _pointer_type():
-    try:
-        from cupy.cuda.function import CIntptr  # cheapest pointer-sized kernel argument
-
-        return CIntptr
-    except Exception:  # pragma: no cover - older CuPy
-        return np.uint64
+_PTR, _I32, _I64, _F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 @dataclass
@@ -142,18 +149,35 @@ def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
             kernel = module.get_function(name)
             if name.startswith("pkv_decode"):
                 kernel.max_dynamic_shared_size_bytes = smem
-            functions[name] = kernel.kernel
+            functions[name] = kernel.kernel  # keeps the module loaded; .ptr is the CUfunction
         from cupy_backends.cuda.api import driver
 
         occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
+        _ensure_launch_api()
     return _Module(functions, smem, threads, tile, stages, max(1, occupancy))
 
 
 @dataclass
 class _Launch:
-    kind: str        # decode | fused | merge | plan
+    kind: str         # decode | fused | merge | plan
     grid: int
-    static: tuple    # arguments after the per-call pointers
+    args: _ArgBlock   # parameter block; per-call slots are rewritten by run()
+    function: int = 0  # CUfunction
+    threads: int = 0
+    smem: int = 0
+
+
+# Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
+DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
+DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
+# Parameter slots of pkv_merge: (groups, part_o, part_lse, out, group_size, o_sb, o_sh).
+MERGE_OUT, MERGE_STRIDES = 3, 5
+
+
+def _ensure_launch_api():
+    from cupy_backends.cuda.api import driver
+
+    require(hasattr(driver, "launchKernel"), "this CuPy has no cupy_backends.cuda.api.driver.launchKernel")
 
 
 @dataclass
@@ -192,7 +216,7 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int = 1):
+                 min_chunk_tiles: int = MIN_CHUNK_TILES):
         reasons = engine_unsupported(spec) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -208,8 +232,12 @@ class DecodeEngine:
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = min_chunk_tiles
         self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
-        self._ptr = _pointer_type()
-        self._streams: dict[int, _Stream] = {}
+        from cupy_backends.cuda.api import driver
+
+        self._driver = driver
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
         self.scale_log2 = np.float32(LOG2E / math.sqrt(spec.head_dim))
         self._last_check = None
 
@@ -241,13 +269,18 @@ class DecodeEngine:
             host = planner.plan_split(batch, num_splits=int(options.get("num_splits", 32)))
         return self._upload(batch, host, route)
 
-    def _static_decode(self, buffers: dict, num_items_ptr: int, slot_offset: int) -> tuple:
-        spec = self.spec
-        P = self._ptr
-        return (P(buffers["kv_indices"].data_ptr()), P(buffers["items"].data_ptr()), P(num_items_ptr),
-                P(buffers["part_o"].data_ptr()), P(buffers["part_lse"].data_ptr()),
-                P(buffers["counters"].data_ptr()), np.int32(slot_offset), np.int32(spec.num_kv_heads),
-                np.int32(spec.group_size), np.int32(int(math.log2(spec.page_size))))
+    def _decode_launch(self, kind: str, grid: int, buffers: dict, num_items_ptr: int, slot_offset: int) -> _Launch:
+        spec, mod = self.spec, self.module
+        args = _ArgBlock([(_PTR, 0), (_PTR, 0), (_PTR, 0), (_PTR, 0),
+                          (_PTR, buffers["kv_indices"].data_ptr()), (_PTR, buffers["items"].data_ptr()),
+                          (_PTR, num_items_ptr), (_PTR, buffers["part_o"].data_ptr()),
+                          (_PTR, buffers["part_lse"].data_ptr()), (_PTR, buffers["counters"].data_ptr()),
+                          (_I32, slot_offset), (_I32, spec.num_kv_heads), (_I32, spec.group_size),
+                          (_I32, int(math.log2(spec.page_size))),
+                          (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0),
+                          (_F32, float(self.scale_log2))])
+        name = "pkv_decode_fused" if kind == "fused" else "pkv_decode"
+        return _Launch(kind, grid, args, mod.functions[name].ptr, mod.threads, mod.smem_bytes)
 
     def _upload(self, batch: Batch, host: planner.Plan, route: str) -> DevicePlan:
         items8 = np.zeros((max(host.num_items, 1), 8), dtype=np.int32)
@@ -259,12 +292,13 @@ class DecodeEngine:
         launches = []
         for launch in host.launches:
             if launch.kind == "merge":
-                P = self._ptr
-                static = (P(buffers["merge_groups"].data_ptr() + 16 * launch.start), P(buffers["part_o"].data_ptr()),
-                          P(buffers["part_lse"].data_ptr()), np.int32(self.spec.group_size))
-                launches.append(_Launch("merge", launch.size, static))
+                args = _ArgBlock([(_PTR, buffers["merge_groups"].data_ptr() + 16 * launch.start),
+                                  (_PTR, buffers["part_o"].data_ptr()), (_PTR, buffers["part_lse"].data_ptr()),
+                                  (_PTR, 0), (_I32, self.spec.group_size), (_I64, 0), (_I64, 0)])
+                launches.append(_Launch("merge", launch.size, args, self.module.functions["pkv_merge"].ptr,
+                                        self.module.threads, 0))
             elif launch.size:
-                launches.append(_Launch(launch.kind, launch.size, self._static_decode(buffers, 0, launch.start)))
+                launches.append(self._decode_launch(launch.kind, launch.size, buffers, 0, launch.start))
         return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host)
 
     def _plan_device(self, batch: Batch, target_items: int) -> DevicePlan:
@@ -280,12 +314,12 @@ class DecodeEngine:
         buffers.update(packed=dev, kv_indices=dev[2 * B + 1:] if batch.kv_indices.size else dev[:1],
                        items=self.torch.empty((max_items, 8), dtype=self.torch.int32, device=self.device),
                        num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
-        P = self._ptr
-        plan_args = (P(dev.data_ptr()), P(dev.data_ptr() + 4 * B), np.int32(B), np.int32(spec.num_kv_heads),
-                     np.int32(target_items), np.int32(self.min_chunk_tiles), np.int32(max_items),
-                     P(buffers["items"].data_ptr()), P(buffers["num_items"].data_ptr()))
-        launches = [_Launch("plan", 1, plan_args),
-                    _Launch("fused", max_items, self._static_decode(buffers, buffers["num_items"].data_ptr(), 0))]
+        plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
+                               (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, self.min_chunk_tiles),
+                               (_I32, max_items), (_PTR, buffers["items"].data_ptr()),
+                               (_PTR, buffers["num_items"].data_ptr())])
+        launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
+                    self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
         min_chunk = self.min_chunk_tiles
         plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
                           lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk))
@@ -298,17 +332,18 @@ class DecodeEngine:
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans can be replanned on the device")
         self._launch_plan(plan, self._stream())
 
-    def _launch_plan(self, plan: DevicePlan, stream) -> None:
-        launch = plan.launches[0]
-        self.module.functions["pkv_plan"]((1,), (1024,), launch.static, 0, stream)
+    def _launch_plan(self, plan: DevicePlan, stream: int) -> None:
+        self._launch(plan.launches[0], stream)
+
+    def _launch(self, launch: _Launch, stream: int) -> None:
+        self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
+                                  stream, launch.args.address, 0)
 
     # ------------------------------------------------------------------ running
-    def _stream(self) -> _Stream:
-        ptr = self.torch.cuda.current_stream(self.device).cuda_stream
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._streams[ptr] = _Stream(ptr)
-        return stream
+    def _stream(self) -> int:
+        """The raw pointer of torch's current stream on this device (the capture stream inside
+        torch.cuda.graph)."""
+        return self._raw_stream(self.device.index)
 
     def _check(self, q, k, v, out, plan: DevicePlan) -> None:
         spec = self.spec
@@ -341,24 +376,32 @@ class DecodeEngine:
         k, v = cache
         if check:
             self._check(q, k, v, out, plan)
-        P = self._ptr
-        stream = self._stream()
-        fns = self.module.functions
-        q_ptr, k_ptr, v_ptr, o_ptr = P(q.data_ptr()), P(k.data_ptr()), P(v.data_ptr()), P(out.data_ptr())
+        stream = self._raw_stream(self.device.index)
+        q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         qs, os_, ks = q.stride(), out.stride(), k.stride()
-        tail = (np.int64(ks[0]), np.int64(ks[1]), np.int64(qs[0]), np.int64(qs[1]), np.int64(os_[0]),
-                np.int64(os_[1]), self.scale_log2)
-        smem, threads = self.module.smem_bytes, self.module.threads
+        launch_kernel = self._driver.launchKernel
         for launch in plan.launches:
-            if launch.kind == "plan":
+            kind = launch.kind
+            if kind == "plan":
                 continue
-            if launch.kind == "merge":
-                fns["pkv_merge"]((launch.grid,), (threads,),
-                                 launch.static[:3] + (o_ptr,) + launch.static[3:] + (np.int64(os_[0]), np.int64(os_[1])),
-                                 0, stream)
+            slots = launch.args.slots
+            if kind == "merge":
+                slots[MERGE_OUT].value = o_ptr
+                slots[MERGE_STRIDES].value = os_[0]
+                slots[MERGE_STRIDES + 1].value = os_[1]
             else:
-                fn = fns["pkv_decode_fused" if launch.kind == "fused" else "pkv_decode"]
-                fn((launch.grid,), (threads,), (q_ptr, k_ptr, v_ptr, o_ptr) + launch.static + tail, smem, stream)
+                slots[DECODE_Q].value = q_ptr
+                slots[DECODE_K].value = k_ptr
+                slots[DECODE_V].value = v_ptr
+                slots[DECODE_OUT].value = o_ptr
+                slots[DECODE_STRIDES].value = ks[0]
+                slots[DECODE_STRIDES + 1].value = ks[1]
+                slots[DECODE_STRIDES + 2].value = qs[0]
+                slots[DECODE_STRIDES + 3].value = qs[1]
+                slots[DECODE_STRIDES + 4].value = os_[0]
+                slots[DECODE_STRIDES + 5].value = os_[1]
+            launch_kernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem, stream,
+                          launch.args.address, 0)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cache import Batch
-from .errors import require
+from .errors import PKVError, require
 from .spec import AttentionSpec
 
 #: Tokens per planning tile: split bounds fall on multiples of this (the paper's 32).
@@ -39,7 +39,10 @@ PARTIAL_FLOATS_EXTRA = 1
 PAPER_PARTIAL_FLOATS_EXTRA = 2
 ROUTES = ("split", "buckets", "padded_buckets", "workqueue")
 MAX_BATCH = 65535  # row index is packed into 16 bits
-MAX_SPLITS = 65535
+#: split counts and kv heads sit in the high 16 bits of an int32 word; 15 bits keep it non-negative
+#: (at 2**15 the word wraps negative and ``>> 16`` reads a negative count).
+MAX_SPLITS = 2**15 - 1
+MAX_KV_HEADS = 2**15 - 1
 
 
 def num_tiles(seq_lens: np.ndarray) -> np.ndarray:
@@ -51,35 +54,49 @@ def split_tile_bounds(tiles: int, splits: int, split: int) -> tuple[int, int]:
     return (tiles * split) // splits, (tiles * (split + 1)) // splits
 
 
-def balanced_chunk_tiles(total_tiles: int, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1) -> int:
-    """Tiles per work item so that the whole step makes about ``target_items`` items.
-
-    Worked number: B=1 at 4096 tokens (128 tiles), Hkv=8, target 264 (2 CTAs on each of 132 SMs):
-    ceil(8 * 128 / 264) = 4 tiles = 128 tokens per item, so 32 splits and 256 items of 64 KB each.
-    """
+def queue_waves(batch_size: int, num_kv_heads: int, target_items: int) -> int:
+    """Waves of ``target_items`` the balanced queue may fill: one, unless the step has so many
+    (row, kv head) pairs that even one item each would not fit (then as few as hold them all)."""
     require(target_items >= 1, f"target_items must be >= 1, got {target_items}")
+    return (batch_size * num_kv_heads) // target_items + 1
+
+
+def balanced_chunk_tiles(total_tiles: int, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1,
+                         *, batch_size: int) -> int:
+    """Tiles per work item: the smallest chunk whose queue is guaranteed to fit in whole waves.
+
+    With W = queue_waves(B, Hkv, target) and room = W * target - B * Hkv, a chunk
+    c >= Hkv * sum_i T_i / room gives Hkv * sum_i ceil(T_i / c) <= Hkv * (sum_i T_i / c + B) <= W * target:
+    the ceil() of every row is paid for up front, so no step spills a few items into a second wave.
+
+    Worked numbers (Hkv=8, target 264 = 2 CTAs x 132 SMs): B=1 at 4096 tokens (128 tiles):
+    room 256, c = ceil(1024 / 256) = 4 tiles (128 tokens), 32 splits, 256 items of 64 KB.
+    B=4 x 32768 (4096 tiles): room 232, c = ceil(32768 / 232) = 142, S_i = 8, 256 items in one wave
+    (the plain ceil(Hkv * T / target) = 125 would give S_i = 9 and 288 items: 24 in a second wave).
+    """
     require(min_chunk_tiles >= 1, f"min_chunk_tiles must be >= 1, got {min_chunk_tiles}")
-    return max(min_chunk_tiles, -(-(num_kv_heads * total_tiles) // target_items))
+    waves = queue_waves(batch_size, num_kv_heads, target_items)
+    room = waves * target_items - batch_size * num_kv_heads
+    return max(min_chunk_tiles, -(-(num_kv_heads * total_tiles) // room))
 
 
 def balanced_row_splits(seq_lens: np.ndarray, num_kv_heads: int, target_items: int,
                         min_chunk_tiles: int = 1) -> np.ndarray:
     """Split count per row: ceil(T_i / chunk) with one chunk size for the whole step.
 
-    Long rows get many splits and short rows few, so items carry about equal work and the item
-    count stays near ``target_items`` (at most ``target_items + B * Hkv``).
+    Long rows get many splits and short rows few, so items carry about equal work, and the item
+    count stays within ``max_workqueue_items`` (whole waves of ``target_items``).
     """
     tiles = num_tiles(seq_lens)
-    chunk = balanced_chunk_tiles(int(tiles.sum()), num_kv_heads, target_items, min_chunk_tiles)
+    chunk = balanced_chunk_tiles(int(tiles.sum()), num_kv_heads, target_items, min_chunk_tiles,
+                                 batch_size=int(np.asarray(seq_lens).size))
     return ((tiles + chunk - 1) // chunk).astype(np.int32)
 
 
 def max_workqueue_items(batch_size: int, num_kv_heads: int, target_items: int) -> int:
-    """Upper bound on balanced work-queue items for any lengths: a fixed grid for graph capture.
-
-    sum_i ceil(T_i / c) <= sum_i T_i / c + B and Hkv * sum_i T_i / c <= target_items.
-    """
-    return target_items + batch_size * num_kv_heads
+    """Upper bound on balanced work-queue items for any lengths (see balanced_chunk_tiles): the
+    fixed grid of a GPU-planned launch, so a captured graph stays valid when lengths change."""
+    return queue_waves(batch_size, num_kv_heads, target_items) * target_items
 
 
 @dataclass(frozen=True)
@@ -246,6 +263,8 @@ def _assemble(route: str, batch: Batch, groups, params: dict, fused_merge: bool)
 
 def _check_batch(batch: Batch) -> None:
     require(batch.batch_size <= MAX_BATCH, f"batch size {batch.batch_size} exceeds {MAX_BATCH}")
+    require(batch.spec.num_kv_heads <= MAX_KV_HEADS,
+            f"num_kv_heads={batch.spec.num_kv_heads} exceeds {MAX_KV_HEADS} (packed into 15 bits)")
 
 
 def plan_split(batch: Batch, num_splits: int, fused_merge: bool = False) -> Plan:
@@ -310,7 +329,8 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
         splits = balanced_row_splits(batch.seq_lens, batch.spec.num_kv_heads, int(target_items), min_chunk_tiles)
         params = {"target_items": int(target_items), "min_chunk_tiles": min_chunk_tiles,
                   "chunk_tiles": balanced_chunk_tiles(int(num_tiles(batch.seq_lens).sum()),
-                                                      batch.spec.num_kv_heads, int(target_items), min_chunk_tiles)}
+                                                      batch.spec.num_kv_heads, int(target_items), min_chunk_tiles,
+                                                      batch_size=batch.batch_size)}
     require(int(splits.max()) <= MAX_SPLITS, f"a row needs more than {MAX_SPLITS} splits")
     rows = np.arange(batch.batch_size)
     block = _items_for_rows(rows, batch.seq_lens, splits, batch.spec.num_kv_heads, False)
@@ -328,7 +348,7 @@ def make_plan(batch: Batch, route: str, **options) -> Plan:
         return plan_buckets(batch, **options)
     if route == "workqueue":
         return plan_workqueue(batch, **options)
-    raise ValueError(f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
+    raise PKVError(f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
 
 
 def unpack_items(items: np.ndarray) -> dict[str, np.ndarray]:
