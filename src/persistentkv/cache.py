@@ -157,7 +157,12 @@ def batch_for_step(spec: AttentionSpec, allocation: PageAllocation, step: Step) 
 
 def make_batch(spec: AttentionSpec, seq_lens, hole_fraction: float = 0.0, seed: int = 0) -> Batch:
     """A batch of fresh rows with the given lengths (each row reserves exactly its length)."""
-    seq_lens = [int(n) for n in np.asarray(seq_lens).reshape(-1)]
+    raw = np.asarray(seq_lens).reshape(-1)
+    require(raw.size >= 1, "a batch needs at least one row")
+    # int() would truncate 3.7 to 3 silently; a non-integer length is a caller's mistake.
+    require(np.issubdtype(raw.dtype, np.integer),
+            f"lengths must be integers, got {raw.dtype} values such as {raw[0]!r}")
+    seq_lens = [int(n) for n in raw]
     bad = [n for n in seq_lens if n < 1]
     require(not bad, f"length {bad[0] if bad else 0} is invalid; lengths must be >= 1")
     requests = tuple(Request(i, 0, n, 0) for i, n in enumerate(seq_lens))

@@ -3,7 +3,8 @@
 The five published generators reproduce the draws of the paper's artifact exactly. That artifact
 drew every value with ``torch.randint(lo, hi + 1, (1,), generator=g)`` on a CPU generator seeded
 with ``seed``; PyTorch's CPU generator is MT19937 with the reference ``init_genrand`` seeding, and
-``randint`` maps one 32-bit output ``u`` to ``lo + u % (hi + 1 - lo)``. NumPy's legacy
+``randint`` maps one 32-bit output ``u`` to ``lo + u % (hi + 1 - lo)`` (for spans below 2**28,
+every published range; wider spans use two outputs). NumPy's legacy
 ``RandomState(seed)`` is the same MT19937 with the same seeding, so :class:`TorchCompatibleRNG`
 gives the identical stream without importing torch (tests hold it equal to torch when torch is
 installed, and to a stored fixture when it is not).
@@ -37,6 +38,9 @@ MAX_SEED = 2**32 - 1 - Q_SEED_OFFSET
 #: Published prompts are rounded up to a multiple of 16 tokens (the paper's page size).
 PROMPT_ROUNDING = 16
 FILE_COLUMNS = ("request_id", "arrival_step", "prompt_len", "decode_steps")
+#: torch's CPU randint switches from one 32-bit draw to random64() at this span
+#: (ATen/core/DistributionsHelper.h, uniform_int_from_to_distribution, public builds).
+RANDINT_64BIT_SPAN = 2**28
 
 
 def check_seed(seed: object) -> int:
@@ -59,7 +63,11 @@ class TorchCompatibleRNG:
     def randint(self, low: int, high_inclusive: int) -> int:
         """One draw of ``torch.randint(low, high_inclusive + 1, (1,))``."""
         span = high_inclusive + 1 - low
-        require(0 < span < 2**32, f"randint span {span} out of range")
+        require(0 < span < 2**63, f"randint span {span} out of range")
+        if span >= RANDINT_64BIT_SPAN:
+            # torch draws random64() here: two outputs, the first is the high word.
+            high, low_word = (int(u) for u in self._u32(2))
+            return low + ((high << 32) | low_word) % span
         return low + int(self._u32()) % span
 
     def randperm(self, n: int) -> np.ndarray:
@@ -138,14 +146,21 @@ class Trace:
 
     @classmethod
     def from_json(cls, text: str) -> "Trace":
-        data = json.loads(text)
-        require(data.get("format") == "persistentkv-trace/1", "not a persistentkv trace file")
-        return cls(
-            name=data["name"], kind=data["kind"], seed=data["seed"], max_active=data["max_active"],
-            requests=tuple(Request(*r) for r in data["requests"]),
-            steps=tuple(Step(s[0], tuple(s[1]), tuple(s[2])) for s in data["steps"]),
-            params=data["params"],
-        )
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PKVError(f"not a persistentkv trace file (invalid JSON: {exc.msg} at line {exc.lineno})") from None
+        require(isinstance(data, dict) and data.get("format") == "persistentkv-trace/1",
+                "not a persistentkv trace file")
+        try:
+            return cls(
+                name=data["name"], kind=data["kind"], seed=data["seed"], max_active=data["max_active"],
+                requests=tuple(Request(*r) for r in data["requests"]),
+                steps=tuple(Step(s[0], tuple(s[1]), tuple(s[2])) for s in data["steps"]),
+                params=data["params"],
+            )
+        except (KeyError, TypeError, IndexError) as exc:
+            raise PKVError(f"malformed persistentkv trace file ({type(exc).__name__}: {exc})") from None
 
     def request(self, request_id: int) -> Request:
         return self._by_id()[request_id]
@@ -240,24 +255,37 @@ def load_requests_csv(path: str | Path) -> tuple[Request, ...]:
     """Read a user's trace: CSV with columns request_id, arrival_step, prompt_len, decode_steps."""
     path = Path(path)
     require(path.is_file(), f"trace file {path} does not exist")
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        header = [h.strip() for h in (reader.fieldnames or [])]
-        missing = [c for c in FILE_COLUMNS if c not in header]
-        require(not missing, f"{path}: missing column(s) {', '.join(missing)}; "
-                             f"expected {', '.join(FILE_COLUMNS)}")
-        requests: list[Request] = []
-        seen: set[int] = set()
-        for line, row in enumerate(reader, start=2):
-            row = {k.strip(): v for k, v in row.items() if k is not None}
-            rid, arrival, prompt, decode = (_parse_int(row.get(c), c, line, path) for c in FILE_COLUMNS)
-            require(rid >= 0, f"{path}:{line}: request_id must be >= 0, got {rid}")
-            require(rid not in seen, f"{path}:{line}: duplicate request_id {rid}")
-            require(arrival >= 0, f"{path}:{line}: arrival_step must be >= 0, got {arrival}")
-            require(prompt >= 1, f"{path}:{line}: prompt_len must be >= 1, got {prompt}")
-            require(decode >= 1, f"{path}:{line}: decode_steps must be >= 1, got {decode}")
-            seen.add(rid)
-            requests.append(Request(rid, arrival, prompt, decode))
+    try:
+        # utf-8-sig: spreadsheet exports start with a byte-order mark that would hide request_id.
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            return _read_requests(csv.DictReader(handle), path)
+    except UnicodeDecodeError as exc:
+        raise PKVError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise PKVError(f"{path}: not a readable CSV file ({exc})") from None
+
+
+def _read_requests(reader: csv.DictReader, path: Path) -> tuple[Request, ...]:
+    require(reader.fieldnames is not None,
+            f"{path}: the file is empty; expected a header {','.join(FILE_COLUMNS)}")
+    header = [h.strip() for h in reader.fieldnames]
+    missing = [c for c in FILE_COLUMNS if c not in header]
+    require(not missing, f"{path}: missing column(s) {', '.join(missing)}; "
+                         f"expected {', '.join(FILE_COLUMNS)}")
+    requests: list[Request] = []
+    seen: set[int] = set()
+    for row in reader:
+        line = reader.line_num  # physical line, so blank lines do not shift the number we report
+        require(None not in row, f"{path}:{line}: more fields than the header's {len(header)}")
+        row = {k.strip(): v for k, v in row.items()}
+        rid, arrival, prompt, decode = (_parse_int(row.get(c), c, line, path) for c in FILE_COLUMNS)
+        require(rid >= 0, f"{path}:{line}: request_id must be >= 0, got {rid}")
+        require(rid not in seen, f"{path}:{line}: duplicate request_id {rid}")
+        require(arrival >= 0, f"{path}:{line}: arrival_step must be >= 0, got {arrival}")
+        require(prompt >= 1, f"{path}:{line}: prompt_len must be >= 1, got {prompt}")
+        require(decode >= 1, f"{path}:{line}: decode_steps must be >= 1, got {decode}")
+        seen.add(rid)
+        requests.append(Request(rid, arrival, prompt, decode))
     require(requests, f"{path}: the trace has no requests")
     return tuple(sorted(requests, key=lambda r: r.id))
 

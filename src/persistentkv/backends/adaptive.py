@@ -1,0 +1,129 @@
+"""The ``adaptive`` backend: a frozen policy picks a delegate backend for each decode step.
+
+plan(batch) decides (persistentkv.policy) and returns the delegate's plan wrapped with the
+decision, so the harness can record what ran (``plan.route``, also ``last_decision``);
+run() hands the wrapped plan to the delegate untouched, so it stays graph-capturable
+whenever the delegate's run() is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..cache import Batch
+from ..errors import PKVError, require
+from ..policy import POLICIES, Decision, Policy, load_policy
+from ..spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class AdaptivePlan:
+    """One step's decision and the chosen delegate's own plan.
+
+    route:    the delegate's backend name (what the timing rows record as ``route``)
+    decision: the policy's Decision (backend, options, one-line reason)
+    delegate: the backend object that plans and runs this step
+    inner:    ``delegate.plan(batch)``, passed back to ``delegate.run`` unchanged
+    """
+
+    route: str
+    decision: Decision
+    delegate: Any
+    inner: Any
+
+    def counters(self):
+        """The delegate plan's workload counters when it has them (our routes), else None."""
+        counters = getattr(self.inner, "counters", None)
+        return counters() if callable(counters) else None
+
+
+class AdaptiveBackend:
+    """Routes each step by ``policy`` (one of paper, thresholds, cost_model) read from ``policy_path``.
+
+    ``registry`` needs ``create(name, **options) -> Backend``; it defaults to
+    ``persistentkv.backends.registry``. Delegates are created once per (name, options).
+    """
+
+    def __init__(self, policy_path: str | Path, registry: Any = None, name: str = "adaptive",
+                 policy: str = "cost_model"):
+        require(policy in POLICIES, f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.name = name
+        self.policy_path = Path(policy_path)
+        self.kind = policy
+        self.last_decision: Decision | None = None
+        self._last_delegate: Any = None
+        self._registry = registry
+        self._policy: Policy | None = None
+        self._delegates: dict[tuple[str, str], Any] = {}
+        self._usable: dict[AttentionSpec, tuple[str, ...]] = {}
+
+    # -- helpers
+    def _load(self) -> Policy:
+        if self._policy is None:
+            self._policy = load_policy(self.policy_path)
+        return self._policy
+
+    def _get_registry(self):
+        if self._registry is None:
+            try:
+                from . import registry  # engineer B's registry module
+            except ImportError as exc:
+                raise PKVError(f"the backend registry cannot be imported ({exc})") from None
+            self._registry = registry
+        return self._registry
+
+    def _delegate(self, backend: str, options: dict) -> Any:
+        key = (backend, json.dumps(options, sort_keys=True))
+        if key not in self._delegates:
+            self._delegates[key] = self._get_registry().create(backend, **options)
+        return self._delegates[key]
+
+    # -- the Backend interface
+    def unavailable(self, spec: AttentionSpec) -> list[str]:
+        """[] when the policy loads and at least one backend it can choose runs ``spec`` here."""
+        try:
+            policy = self._load()
+            self._get_registry()
+        except PKVError as exc:
+            return [str(exc)]
+        usable, reasons = [], []
+        for backend in policy.choosable(self.kind):
+            try:
+                why = list(self._delegate(backend, {}).unavailable(spec))
+            except Exception as exc:  # a backend that cannot even be constructed is unusable, not fatal
+                why = [f"cannot be created ({type(exc).__name__}: {exc})"]
+            if why:
+                reasons.append(f"{backend}: {'; '.join(why)}")
+            else:
+                usable.append(backend)
+        self._usable[spec] = tuple(usable)
+        if usable:
+            return []
+        if not policy.choosable(self.kind):
+            return [f"policy {self.policy_path} ({self.kind}) has no backend it can choose "
+                    f"(no fitted cost model for any of {', '.join(policy.candidates)})"]
+        return [f"no candidate of policy {self.policy_path} can run here: " + " | ".join(reasons)]
+
+    def plan(self, batch: Batch) -> AdaptivePlan:
+        if batch.spec not in self._usable:
+            reasons = self.unavailable(batch.spec)
+            require(not reasons, f"{self.name} cannot run this spec: {'; '.join(reasons)}")
+        usable = self._usable[batch.spec]
+        require(usable, f"{self.name}: no candidate backend can run this spec")
+        decision = self._load().decide(batch, self.kind, usable)
+        delegate = self._delegate(decision.backend, dict(decision.options))
+        inner = delegate.plan(batch)
+        self.last_decision = decision
+        self._last_delegate = delegate
+        return AdaptivePlan(decision.backend, decision, delegate, inner)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether run() may be captured in a CUDA graph: the last planned delegate's answer."""
+        return bool(getattr(self._last_delegate, "graph_safe", True))
+
+    def run(self, q, cache, plan: AdaptivePlan, out) -> None:
+        plan.delegate.run(q, cache, plan.inner, out)

@@ -1,0 +1,143 @@
+"""``flashinfer-cc`` / ``flashinfer-tc``: FlashInfer's paged decode, CUDA-core or tensor-core kernels.
+
+What a FlashInfer-based server does per decode step (FlashInfer 0.6.x,
+``flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper``): ``wrapper.plan(indptr, indices,
+last_page_len, Hq, Hkv, D, P, ...)`` from host index arrays once per step (it copies them into the
+wrapper's device buffers and runs the host-side split-KV scheduler), then ``wrapper.run(q, (K, V),
+out=out)`` once per layer. K and V are read in place in the NHD layout; nothing is copied.
+
+CUDA graphs. FlashInfer supports graphs through ``use_cuda_graph=True`` wrappers: fixed batch size,
+caller-owned index buffers that ``plan()`` overwrites in place, and a grid padded to the device's
+maximum so that a captured ``run()`` stays valid when a later ``plan()`` changes the lengths. With
+``cuda_graph=True`` (the default) this backend keeps one such wrapper per batch size, which is what
+a serving stack that replays decode graphs runs, and ``graph_safe`` is True. ``cuda_graph=False``
+gives the plain wrapper (what the paper timed; the harness uses it for the published protocol),
+whose ``run()`` is not promised to be capturable, so ``graph_safe`` is False there.
+
+The plan does not depend on the cache pointer (``plan()`` never sees K/V), so one plan serves
+every rotated copy of the cache.
+
+A ``plan()`` rewrites the wrapper's state: a plan object is valid until the next ``plan()`` of the
+same wrapper, and ``run()`` with an older one raises rather than computing with the new state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache import Batch
+from ..errors import PKVError, require
+from ..spec import AttentionSpec
+from .base import cuda_reasons, dtype_reasons, missing_module
+from .torch_sdpa import check_step_tensors, torch_dtype
+
+#: FlashInfer's recommended float workspace ("the recommended size is 128MB"); 256 MiB leaves
+#: room for the split-KV partial states of a graph-mode plan (padded to the whole grid).
+WORKSPACE_BYTES = 256 * 1024 * 1024
+#: GQA group sizes the CUDA-core decode kernel is instantiated for (DISPATCH_GQA_GROUP_SIZE in
+#: include/flashinfer/utils.cuh); the tensor-core path (prefill kernels) takes any group size.
+CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
+
+
+@dataclass
+class FlashInferPlan:
+    """A planned step: which wrapper holds it, and the generation that stays valid."""
+
+    wrapper: Any
+    generation: int
+    batch_size: int
+    spec: AttentionSpec
+
+
+class FlashInferBackend:
+    """FlashInfer batch decode over the shared NHD paged cache."""
+
+    def __init__(self, use_tensor_cores: bool, name: str | None = None, cuda_graph: bool = True,
+                 workspace_bytes: int = WORKSPACE_BYTES, device: str = "cuda"):
+        self.use_tensor_cores = bool(use_tensor_cores)
+        self.name = name or ("flashinfer-tc" if self.use_tensor_cores else "flashinfer-cc")
+        self.cuda_graph = bool(cuda_graph)
+        self.graph_safe = self.cuda_graph
+        self.workspace_bytes = int(workspace_bytes)
+        self.device = device
+        self._workspace = None
+        self._plain = None
+        self._graph_wrappers: dict[int, tuple[Any, int]] = {}  # batch size -> (wrapper, index capacity)
+        self._generation: dict[int, int] = {}  # id(wrapper) -> generation of its current plan
+
+    def unavailable(self, spec: AttentionSpec) -> list[str]:
+        reasons = cuda_reasons() + missing_module("flashinfer")
+        reasons += dtype_reasons(spec, ("float16", "bfloat16"), "FlashInfer decode")
+        if not self.use_tensor_cores and spec.group_size not in CUDA_CORE_GROUP_SIZES:
+            reasons.append(f"FlashInfer's CUDA-core decode supports GQA group sizes "
+                           f"{CUDA_CORE_GROUP_SIZES}, not {spec.group_size}")
+        return reasons
+
+    # -- wrappers ---------------------------------------------------------------------------
+    def _float_workspace(self):
+        import torch
+
+        if self._workspace is None:
+            # "Must be initialized to 0 for its first use."
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _wrapper_for(self, batch_size: int, num_indices: int):
+        import torch
+        from flashinfer.decode import BatchDecodeWithPagedKVCacheWrapper
+
+        if not self.cuda_graph:
+            if self._plain is None:
+                self._plain = BatchDecodeWithPagedKVCacheWrapper(
+                    self._float_workspace(), "NHD", use_tensor_cores=self.use_tensor_cores)
+            return self._plain
+        held = self._graph_wrappers.get(batch_size)
+        if held is not None and held[1] >= num_indices:
+            return held[0]
+        # Graph-mode buffers are fixed for the wrapper's life; grow by doubling so a trace whose
+        # rows lengthen step by step re-creates the wrapper only a few times (never mid-case).
+        capacity = max(num_indices, 2 * held[1] if held else num_indices, 1)
+        dev = self.device
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            self._float_workspace(), "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(capacity, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=dev),
+        )
+        self._graph_wrappers[batch_size] = (wrapper, capacity)
+        return wrapper
+
+    # -- the interface ----------------------------------------------------------------------
+    def plan(self, batch: Batch) -> FlashInferPlan:
+        import torch
+
+        spec = batch.spec
+        wrapper = self._wrapper_for(batch.batch_size, int(batch.kv_indices.size))
+        dtype = torch_dtype(spec.dtype)
+        # Host tensors, as a server passes them: plan() copies them into the device buffers.
+        wrapper.plan(
+            torch.from_numpy(batch.kv_indptr), torch.from_numpy(batch.kv_indices),
+            torch.from_numpy(batch.last_page_len),
+            spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
+            pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype,
+        )
+        generation = self._generation.get(id(wrapper), 0) + 1
+        self._generation[id(wrapper)] = generation
+        return FlashInferPlan(wrapper, generation, batch.batch_size, spec)
+
+    def run(self, q, cache, plan: FlashInferPlan, out) -> None:
+        if self._generation.get(id(plan.wrapper)) != plan.generation:
+            raise PKVError(f"{self.name}: stale plan (the wrapper was planned again since); plan the step again")
+        check_step_tensors(plan.spec, plan.batch_size, q, cache, out, self.name)
+        plan.wrapper.run(q, (cache[0], cache[1]), out=out)
+
+
+def make_cuda_core(**options) -> FlashInferBackend:
+    require("use_tensor_cores" not in options, "flashinfer-cc fixes use_tensor_cores=False")
+    return FlashInferBackend(False, **options)
+
+
+def make_tensor_core(**options) -> FlashInferBackend:
+    require("use_tensor_cores" not in options, "flashinfer-tc fixes use_tensor_cores=True")
+    return FlashInferBackend(True, **options)

@@ -1,0 +1,155 @@
+"""The ``torch-sdpa`` backend: the naive baseline, and the torch helpers the GPU adapters share.
+
+What a framework without a paged-attention kernel does: gather each row's pages into contiguous
+K and V (the gather is part of ``run()``, and is timed as such), then call
+``torch.nn.functional.scaled_dot_product_attention``. GQA is done exactly and without repeating
+K/V: the G query heads that share a KV head are folded into the query-length axis
+(q ``[B, Hkv, G, D]`` against k ``[B, Hkv, L, D]``), which is the same computation because a
+decode query attends to every key of its row and no key mask depends on the query.
+
+Rows of unequal length are padded to the widest row's page count; a boolean key mask
+``[B, 1, 1, L]`` hides the padding (and the unused tail of each row's last page).
+
+Works on any torch device (the CPU included, which is how the tests check it against float64).
+The plan does not depend on the cache pointer: it holds the block table and the gather buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..cache import Batch
+from ..errors import require
+from ..spec import AttentionSpec
+from .base import dtype_reasons, missing_module
+
+#: spec.dtype -> torch dtype name, for the adapters that take torch tensors.
+TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64"}
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype for a spec dtype name (``float16`` -> ``torch.float16``)."""
+    import torch
+
+    require(dtype in TORCH_DTYPES, f"dtype {dtype!r} has no torch equivalent")
+    return getattr(torch, TORCH_DTYPES[dtype])
+
+
+def check_step_tensors(spec: AttentionSpec, batch_size: int, q, cache, out, who: str) -> None:
+    """One-line errors for q/out/cache shapes and dtypes that do not match the planned step.
+
+    q, out: [B, Hq, D]; cache: (K, V), each [pages, P, Hkv, D]; all of ``spec.dtype``.
+    Host-side checks only (shapes and dtypes), so they are safe inside a CUDA-graph capture.
+    """
+    want_q = (batch_size, spec.num_qo_heads, spec.head_dim)
+    require(tuple(q.shape) == want_q, f"{who}: q has shape {tuple(q.shape)}, expected {want_q}")
+    require(tuple(out.shape) == want_q, f"{who}: out has shape {tuple(out.shape)}, expected {want_q}")
+    require(isinstance(cache, (tuple, list)) and len(cache) == 2,
+            f"{who}: cache must be a (K, V) pair, got {type(cache).__name__}")
+    k, v = cache
+    tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+    require(k.dim() == 4 and tuple(k.shape[1:]) == tail,
+            f"{who}: K has shape {tuple(k.shape)}, expected [pages, {', '.join(map(str, tail))}]")
+    require(tuple(v.shape) == tuple(k.shape), f"{who}: V shape {tuple(v.shape)} != K shape {tuple(k.shape)}")
+    want = torch_dtype(spec.dtype)
+    for label, t in (("q", q), ("K", k), ("V", v), ("out", out)):
+        require(t.dtype == want, f"{who}: {label} has dtype {t.dtype}, expected {want}")
+
+
+@dataclass
+class SdpaPlan:
+    """Per-step state of the naive baseline.
+
+    table:    int64 [B * W] padded block table, flattened (W = widest row's page count)
+    mask:     bool [B, 1, 1, W * P] (True = attend) or None when every row fills W * P tokens
+    k_buf:    [B * W, P, Hkv, D] gather buffer for K (reused by every layer); v_buf the same for V
+    """
+
+    spec: AttentionSpec
+    batch_size: int
+    width: int
+    table: Any
+    mask: Any
+    k_buf: Any
+    v_buf: Any
+    kv_len: int
+
+
+class TorchSdpaBackend:
+    """Gather + ``scaled_dot_product_attention``; the gather's bytes and time count."""
+
+    graph_safe = True  # index_select(out=...) and SDPA: no host sync; SDPA's own temporaries
+    #                    come from torch's caching allocator, which a CUDA-graph capture pools.
+
+    def __init__(self, name: str = "torch-sdpa", device: str | None = None):
+        self.name = name
+        self.device = device  # None: the device of the cache tensors given to run()/plan()
+
+    def unavailable(self, spec: AttentionSpec) -> list[str]:
+        reasons = missing_module("torch")
+        if reasons:
+            return reasons
+        reasons += dtype_reasons(spec, ("float16", "bfloat16", "float32", "float64"), "torch SDPA")
+        if self._device_name() == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                reasons.append(f"no CUDA device visible to torch {torch.__version__}")
+        return reasons
+
+    def _device_name(self) -> str:
+        if self.device is not None:
+            return str(self.device).split(":")[0]
+        try:
+            import torch
+        except Exception:
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _torch_device(self):
+        import torch
+
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def plan(self, batch: Batch) -> SdpaPlan:
+        import torch
+
+        spec = batch.spec
+        dev = self._torch_device()
+        counts = np.diff(batch.kv_indptr)
+        width = int(counts.max())
+        table = torch.from_numpy(batch.padded_block_table(width, fill=0).reshape(-1).astype(np.int64)).to(dev)
+        kv_len = width * spec.page_size
+        lens = batch.seq_lens.astype(np.int64)
+        mask = None
+        if not np.all(lens == kv_len):
+            positions = np.arange(kv_len, dtype=np.int64)[None, :]
+            mask = torch.from_numpy((positions < lens[:, None]).reshape(batch.batch_size, 1, 1, kv_len)).to(dev)
+        shape = (batch.batch_size * width, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        dtype = torch_dtype(spec.dtype)
+        return SdpaPlan(spec, batch.batch_size, width, table, mask,
+                        torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev),
+                        kv_len)
+
+    def run(self, q, cache, plan: SdpaPlan, out) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        spec = plan.spec
+        check_step_tensors(spec, plan.batch_size, q, cache, out, self.name)
+        k_cache, v_cache = cache
+        torch.index_select(k_cache, 0, plan.table, out=plan.k_buf)
+        torch.index_select(v_cache, 0, plan.table, out=plan.v_buf)
+        B, Hkv, D = plan.batch_size, spec.num_kv_heads, spec.head_dim
+        # [B*W, P, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D] (a strided view, no copy)
+        k = plan.k_buf.view(B, plan.kv_len, Hkv, D).transpose(1, 2)
+        v = plan.v_buf.view(B, plan.kv_len, Hkv, D).transpose(1, 2)
+        qg = q.view(B, Hkv, spec.group_size, D)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=1.0 / math.sqrt(D))
+        out.copy_(o.reshape(B, spec.num_qo_heads, D))

@@ -1,0 +1,158 @@
+"""Bandwidth ceilings measured in the same process as the timings they scale.
+
+read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads over >= 4 GB that
+               XOR-reduces what it reads (so no load can be dropped); GB/s = bytes / time.
+copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsync D2D);
+               bytes moved = read + written = 2 x buffer size.
+
+Each repeat is timed with CUDA events after warm-up launches; the rows (backend ``read-ceiling``
+/ ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into every GPU output, and the
+median read GB/s becomes ``read_ceiling_gbps`` of every timing row of the run.
+
+The kernel is compiled with CuPy (RawModule, NVRTC) and launched on torch's current stream, on
+memory torch owns (shared through DLPack, no copy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PKVError, require
+
+KERNEL_FILE = "ceiling.cu"
+KERNEL_NAME = "read_ceiling"
+READ_BYTES = 4 * 2**30      # >= 4 GB: 70x the H200's 60 MB L2, so L2 hits are negligible
+COPY_BYTES = 2 * 2**30      # per buffer; 4 GiB moved per copy
+THREADS = 256
+BLOCKS_PER_SM = 8           # 2048 resident threads per SM on sm_80/sm_90
+
+
+def kernels_dir() -> Path:
+    """The repository's kernels/ folder (src/persistentkv/ceiling.py -> ../../kernels)."""
+    return Path(__file__).resolve().parents[2] / "kernels"
+
+
+def kernel_source() -> str:
+    path = kernels_dir() / KERNEL_FILE
+    require(path.is_file(), f"{path} is missing (the read-ceiling kernel lives in the repository's kernels/)")
+    return path.read_text()
+
+
+@dataclass(frozen=True)
+class CeilingSample:
+    backend: str        # read-ceiling | copy-ceiling
+    repeat: int
+    bytes_moved: int
+    time_us: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / (self.time_us * 1e-6) / 1e9 if self.time_us > 0 else math.nan
+
+
+_MODULE_CACHE: dict = {}
+
+
+def _read_kernel():
+    import cupy
+
+    if "read" not in _MODULE_CACHE:
+        module = cupy.RawModule(code=kernel_source(), options=("--std=c++17",))
+        _MODULE_CACHE["read"] = module.get_function(KERNEL_NAME)
+    return _MODULE_CACHE["read"]
+
+
+def measure_read(device, nbytes: int = READ_BYTES, repeats: int = 5, warmup: int = 2) -> list[CeilingSample]:
+    """``repeats`` timed launches of the read kernel over ``nbytes`` (a multiple of 16)."""
+    import cupy
+    import torch
+
+    require(nbytes >= 16 and nbytes % 16 == 0, f"read size must be a positive multiple of 16 bytes, got {nbytes}")
+    kernel = _read_kernel()
+    buf = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=device.device)
+    sink = torch.zeros(1, dtype=torch.int32, device=device.device)
+    src_c, sink_c = cupy.from_dlpack(buf), cupy.from_dlpack(sink)
+    grid = (device.sm_count * BLOCKS_PER_SM,)
+    n_vec = np.uint64(nbytes // 16)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device.device).cuda_stream)
+    samples = []
+    with stream:
+        for r in range(warmup + repeats):
+            start, end = device.event(), device.event()
+            start.record()
+            kernel(grid, (THREADS,), (src_c, n_vec, sink_c))
+            end.record()
+            device.synchronize()
+            if r >= warmup:
+                samples.append(CeilingSample("read-ceiling", r - warmup, nbytes, start.elapsed_ms(end) * 1e3))
+    del buf, sink, src_c, sink_c
+    return samples
+
+
+def measure_copy(device, nbytes: int = COPY_BYTES, repeats: int = 5, warmup: int = 2) -> list[CeilingSample]:
+    import torch
+
+    src = torch.full((nbytes,), 0x33, dtype=torch.uint8, device=device.device)
+    dst = torch.empty_like(src)
+    samples = []
+    for r in range(warmup + repeats):
+        start, end = device.event(), device.event()
+        start.record()
+        dst.copy_(src)
+        end.record()
+        device.synchronize()
+        if r >= warmup:
+            samples.append(CeilingSample("copy-ceiling", r - warmup, 2 * nbytes, start.elapsed_ms(end) * 1e3))
+    del src, dst
+    return samples
+
+
+def median_gbps(samples: list[CeilingSample], backend: str = "read-ceiling") -> float:
+    values = [s.gbps for s in samples if s.backend == backend and math.isfinite(s.gbps)]
+    return float(np.median(values)) if values else math.nan
+
+
+def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int = READ_BYTES,
+                     copy_bytes: int = COPY_BYTES, log=print) -> tuple[list[CeilingSample], dict[str, str]]:
+    """(samples, {backend: reason}) - a ceiling that cannot be measured gives a reason, not a crash."""
+    samples: list[CeilingSample] = []
+    failures: dict[str, str] = {}
+    for backend, fn, nbytes in (("read-ceiling", measure_read, read_bytes), ("copy-ceiling", measure_copy, copy_bytes)):
+        try:
+            samples += fn(device, nbytes, repeats, warmup)
+        except ImportError as exc:
+            failures[backend] = f"cupy cannot be imported ({exc})" if "cupy" in str(exc) else str(exc)
+        except PKVError as exc:
+            failures[backend] = str(exc)
+        except Exception as exc:
+            failures[backend] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            device.empty_cache()
+    for backend in ("read-ceiling", "copy-ceiling"):
+        if backend in failures:
+            log(f"{backend}: not measured ({failures[backend]})")
+        else:
+            log(f"{backend}: {median_gbps(samples, backend):.0f} GB/s (median of {repeats})")
+    return samples, failures
+
+
+def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str) -> list[dict]:
+    """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling."""
+    from .measure.rows import raw_row
+
+    read = median_gbps(samples)
+    common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
+                  num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
+                  protocol="ceiling", layers=1, read_ceiling_gbps=read)
+    rows = []
+    for s in samples:
+        rows.append(raw_row(**common, trace=s.backend, kv_bytes=s.bytes_moved, backend=s.backend, route=s.backend,
+                            repeat=s.repeat, time_us=s.time_us, per_layer_us=s.time_us,
+                            frac_of_ceiling=(s.gbps / read) if read > 0 else math.nan))
+    for backend, reason in failures.items():
+        rows.append(raw_row(**common, trace=backend, kv_bytes=0, backend=backend, route=backend,
+                            status="failed", reason=reason))
+    return rows

@@ -1,0 +1,32 @@
+"""``persistentkv bench-kernels``: the synthetic kernel grid, every installed backend, the ceilings (GPU).
+
+    persistentkv bench-kernels --config config/config.yaml --out results/nvidia-h200/bench_kernels.parquet
+
+Cases: B in {1, 2, 4, 8, 16, 64} x {1K, 4K, 8K, 16K, 32K, 128K} tokens per row, plus B=1 at 64K and
+256K, a B=8 bimodal-like row set and a B=8 ragged one (3 x 65536 + 5 short). Protocols: kernel
+(CUDA-graph replay) and eager. Prints per case the kernel time of each backend and our best route
+against the best baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .measure import parse_backends
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="config/config.yaml")
+    parser.add_argument("--out", required=True, help="results/{hw}/bench_kernels.parquet")
+    parser.add_argument("--policy", default=None, help="policy.json for the adaptive backend (else it is unavailable)")
+    parser.add_argument("--backends", default=None, help="comma-separated subset (default: config measure.backends)")
+    parser.add_argument("--quick", action="store_true", help="2 repeats and the grid's corners only: a smoke run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..measure.device import require_cuda
+
+    require_cuda()
+    from ..measure.runner import run_bench
+
+    return run_bench(args.config, args.out, args.policy, parse_backends(args.backends), args.quick)

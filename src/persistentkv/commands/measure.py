@@ -1,0 +1,50 @@
+"""``persistentkv measure``: one experiment under the fair protocols and the published one (GPU).
+
+    persistentkv measure --config config/config.yaml --experiment published \
+        --traces-dir build/traces --out results/nvidia-h200/raw/published.parquet \
+        [--policy results/nvidia-h200/policy.json] [--backends a,b,...] [--quick]
+
+Writes the raw rows of docs/DATA.md (every repeat of every backend and protocol, plus the read
+and copy ceilings measured in the same process) and the provenance sidecar (same path, .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import require
+from ..measure.workload import EXPERIMENTS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="config/config.yaml")
+    parser.add_argument("--experiment", required=True, choices=EXPERIMENTS, help="which grid to measure")
+    parser.add_argument("--traces-dir", default="build/traces", help="folder of {trace}_s{seed}.json")
+    parser.add_argument("--out", required=True, help="results/{hw}/raw/{experiment}.parquet")
+    parser.add_argument("--policy", default=None, help="policy.json for the adaptive backend")
+    parser.add_argument("--backends", default=None, help="comma-separated subset (default: config measure.backends)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one holdout seed, 4x the step stride, 2 repeats: a smoke run, not a result")
+
+
+def parse_backends(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    require(names, f"--backends {text!r} names no backend")
+    from ..backends import registry
+
+    unknown = [n for n in names if n not in registry.names()]
+    require(not unknown, f"unknown backend(s) {', '.join(unknown)} in --backends; expected among {', '.join(registry.names())}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..measure.device import require_cuda
+
+    require_cuda()
+    from ..measure.runner import run_experiment
+
+    backends = parse_backends(args.backends)
+    return run_experiment(args.config, args.experiment, args.traces_dir, args.out, args.policy, backends,
+                          args.quick)

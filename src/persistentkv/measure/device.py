@@ -1,0 +1,217 @@
+"""The device under the harness: torch on a CUDA GPU, or torch on the CPU for the tests.
+
+Everything the protocols need from a device, and nothing more:
+
+    synchronize()          wait for all queued work
+    event()                a timestamp recorded in stream order (CUDA event; host clock on CPU)
+    capture(fn)            record ``fn``'s launches into a CUDA graph; returns a replay callable
+                           (on the CPU: ``fn`` is run once, as capture runs it, and replay runs it)
+    l2_bytes, name, sm_count, free_bytes(), empty_cache(), is_oom(exc)
+    make_copies(batch, copies, seed)   R copies of a case's K/V as views of one tensor
+    queries(spec, B, seed), empty_out(spec, B)
+
+Hardware facts are read from the device once (STYLE: defined once).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..cache import Batch
+from ..errors import PKVError, require
+from ..spec import AttentionSpec
+from ..traces import KV_SEED_OFFSET, Q_SEED_OFFSET
+
+#: Fallback when a CPU "device" is used without telling it an L2 size (tests pass their own).
+CPU_L2_BYTES = 0
+
+
+class _HostEvent:
+    def __init__(self):
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_ms(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+class _CudaEvent:
+    def __init__(self):
+        import torch
+
+        self._e = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self._e.record()
+
+    def elapsed_ms(self, end: "_CudaEvent") -> float:
+        return float(self._e.elapsed_time(end._e))
+
+
+@dataclass
+class Copies:
+    """R copies of one case's cache: k[r], v[r] are [num_pages, P, Hkv, D] views of ``storage``."""
+
+    storage: Any
+    k: list
+    v: list
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+    def pair(self, index: int):
+        return self.k[index], self.v[index]
+
+
+def no_cuda_message() -> str:
+    """Why the GPU commands cannot run here, in one line."""
+    try:
+        import torch
+    except Exception as exc:
+        return f"no CUDA device (torch cannot be imported: {type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return f"no CUDA device visible to torch {torch.__version__} (this command needs a GPU)"
+    return ""
+
+
+def require_cuda() -> None:
+    message = no_cuda_message()
+    if message:
+        raise PKVError(message)
+
+
+class TorchDevice:
+    """torch on ``device`` ("cuda" or "cpu"). ``l2_bytes`` overrides the device's L2 size."""
+
+    def __init__(self, device: str = "cuda", l2_bytes: int | None = None):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self._capture_stream = None
+        if self.is_cuda:
+            require(torch.cuda.is_available(), no_cuda_message() or "no CUDA device")
+            props = torch.cuda.get_device_properties(self.device)
+            self.name = props.name
+            self.sm_count = int(props.multi_processor_count)
+            self.l2_bytes = int(l2_bytes if l2_bytes is not None else getattr(props, "L2_cache_size", 0))
+            self.total_bytes = int(props.total_memory)
+        else:
+            self.name = "cpu"
+            self.sm_count = 0
+            self.l2_bytes = int(l2_bytes if l2_bytes is not None else CPU_L2_BYTES)
+            self.total_bytes = 0
+
+    # -- timing ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def event(self):
+        return _CudaEvent() if self.is_cuda else _HostEvent()
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """A CUDA graph of ``fn``'s launches, captured on a side stream; returns its replay."""
+        if not self.is_cuda:
+            fn()
+            return fn
+        torch = self.torch
+        # capture_begin/end on our own side stream rather than the torch.cuda.graph context, which
+        # runs gc.collect() and empty_cache() per capture: a case captures up to copies x backends
+        # graphs. Each graph gets its own private memory pool (replays come in any order).
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = self._capture_stream
+        self.synchronize()
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
+        self.synchronize()
+        return graph.replay
+
+    # -- memory ---------------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        if self.is_cuda:
+            free, _ = self.torch.cuda.mem_get_info(self.device)
+            return int(free) + int(self.torch.cuda.memory_reserved(self.device) - self.torch.cuda.memory_allocated(self.device))
+        return 1 << 62
+
+    def empty_cache(self) -> None:
+        if self.is_cuda:
+            self.torch.cuda.empty_cache()
+
+    def is_oom(self, exc: BaseException) -> bool:
+        oom = getattr(self.torch.cuda, "OutOfMemoryError", None)
+        return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+    # -- tensors --------------------------------------------------------------------------
+    def dtype(self, spec: AttentionSpec):
+        from ..backends.torch_sdpa import torch_dtype
+
+        return torch_dtype(spec.dtype)
+
+    def generator(self, seed: int):
+        gen = self.torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    def make_copies(self, batch: Batch, copies: int, seed: int, source=None) -> Copies:
+        """R copies of the case's K and V, all with the same bytes.
+
+        One tensor ``[R, 2, pages, P, Hkv, D]`` holds them, so copy r's K is ``storage[r, 0]``
+        (a contiguous view). Copy 0 is standard-normal (seeded ``seed + 7``) or ``source`` (a
+        (K, V) pair of host tensors, for validation); the others are device-side copies of it.
+        """
+        torch = self.torch
+        spec = batch.spec
+        require(copies >= 1, f"copies must be >= 1, got {copies}")
+        shape = (copies, 2, batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        storage = torch.empty(shape, dtype=self.dtype(spec), device=self.device)
+        if source is None:
+            storage[0].normal_(generator=self.generator(seed + KV_SEED_OFFSET))
+        else:
+            storage[0, 0].copy_(source[0])
+            storage[0, 1].copy_(source[1])
+        for r in range(1, copies):
+            storage[r].copy_(storage[0])
+        return Copies(storage, [storage[r, 0] for r in range(copies)], [storage[r, 1] for r in range(copies)])
+
+    def queries(self, spec: AttentionSpec, batch_size: int, seed: int):
+        """q [B, Hq, D], standard-normal seeded ``seed + 2026``."""
+        q = self.torch.empty((batch_size, spec.num_qo_heads, spec.head_dim), dtype=self.dtype(spec), device=self.device)
+        q.normal_(generator=self.generator(seed + Q_SEED_OFFSET))
+        return q
+
+    def empty_out(self, spec: AttentionSpec, batch_size: int):
+        return self.torch.empty((batch_size, spec.num_qo_heads, spec.head_dim), dtype=self.dtype(spec), device=self.device)
+
+    def index(self, values):
+        """An int64 index tensor on the device (the published protocol's Q gather)."""
+        return self.torch.as_tensor(values, dtype=self.torch.int64, device=self.device)
+
+
+def copies_fit(copy_bytes: int, copies: int, free_bytes: int, headroom: float = 0.8) -> int:
+    """How many of ``copies`` fit in ``headroom`` x free memory (0 when not even one does)."""
+    if copy_bytes <= 0:
+        return copies
+    return int(min(copies, (headroom * free_bytes) // copy_bytes))
+
+
+def check_fits(copy_bytes: int, free_bytes: int, headroom: float = 0.8) -> None:
+    if copy_bytes > headroom * free_bytes:
+        raise PKVError(f"the case needs {copy_bytes / 2**30:.1f} GiB for one copy of its cache, "
+                       f"{free_bytes / 2**30:.1f} GiB is free")

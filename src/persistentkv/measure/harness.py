@@ -1,0 +1,397 @@
+"""One case at a time: availability, device caches, plans, warm-up, graphs, interleaved rounds.
+
+For each case:
+
+1. Availability. A variant whose backend cannot be created, or whose ``unavailable(spec)`` gives
+   reasons, contributes ONE ``unavailable`` row per (experiment, backend, spec, reasons) and is
+   skipped; the others are unaffected.
+2. Device data. R rotated copies of the case's compact cache (R from the device's L2 and
+   ``cold_l2_factor``, capped by ``max_copies``; fewer if memory is short, which the run log
+   says), one Q, one output buffer per variant.
+3. Per variant, outside any timing: plan once (the plan does not depend on the cache pointer for
+   any adapter here, so it serves every copy), one eager warm-up call (JIT compilation, lazy
+   buffers), the kernel protocol's CUDA graphs (one per starting copy, rotation.graph_offsets),
+   and a warm-up of the instances the step and published protocols use. Those are separate
+   instances of the same backend (so a re-plan there never rewrites the state that the main plan
+   and its graphs hold); for FlashInfer the published instance is the plain (non-graph) wrapper
+   the paper timed.
+4. Rounds (persistentkv.measure.schedule): every variant once per round in a seeded shuffled
+   order, all protocols per visit; warm-up rounds are discarded.
+
+Anything a backend raises (import, compile, capture, run, out of memory) becomes a ``failed`` row
+with the reason, for that protocol (or all of them when planning fails); after an OOM the
+allocator cache is emptied; the other backends carry on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..backends.registry import CPU_ONLY, PKV_ROUTES
+from ..errors import PKVError
+from .protocols import eager_once, kernel_once, published_once, step_once
+from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
+from .rows import PROTOCOLS, case_fields, one_line, raw_row
+from .schedule import rounds
+from .statistics import frac_of_ceiling
+from .workload import Case, Variant
+
+#: Options that turn a variant into the instance the published protocol times (FlashInfer: the
+#: plain wrapper, as in the paper).
+PUBLISHED_OPTIONS = {"flashinfer-cc": (("cuda_graph", False),), "flashinfer-tc": (("cuda_graph", False),)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    layers: int = 32
+    repeats: int = 5
+    warmup: int = 3
+    calls_per_graph: int = 10
+    cold_l2_factor: float = 3.0
+    protocols: tuple[str, ...] = PROTOCOLS
+    seed: int = 0
+    max_copies: int = 64   # graphs per backend = copies; only sub-3 MB cases want more
+
+    @classmethod
+    def from_config(cls, config: dict, protocols=PROTOCOLS, quick: bool = False, seed: int = 0) -> "Settings":
+        m = config["measure"]
+        return cls(layers=int(m["layers"]), repeats=2 if quick else int(m["repeats"]),
+                   warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
+                   calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
+                   protocols=tuple(protocols), seed=seed)
+
+
+class BackendFactory:
+    """Backend instances per (variant, role), created once and reused across cases.
+
+    role: "main" (plan once per case, kernel + eager), "step", "published".
+    """
+
+    def __init__(self, create: Callable[..., Any] | None = None):
+        if create is None:
+            from ..backends import registry
+
+            create = registry.create
+        self._create = create
+        self._instances: dict[tuple, Any] = {}
+
+    def get(self, variant: Variant, role: str = "main"):
+        options = variant.options
+        if role == "published":
+            options = tuple(sorted(dict(options + PUBLISHED_OPTIONS.get(variant.name, ())).items()))
+        key = (variant.name, options, role)
+        if key not in self._instances:
+            self._instances[key] = self._create(variant.name, **dict(options))
+        return self._instances[key]
+
+
+@dataclass
+class RunContext:
+    run_id: str
+    read_ceiling_gbps: float = float("nan")
+    log: Callable[[str], None] = print
+    reported_unavailable: set = field(default_factory=set)
+
+
+# -- what a plan tells the rows ------------------------------------------------------------------
+_CHILDREN = ("plan", "host_plan", "inner", "delegate_plan")
+
+
+def _children(plan) -> list:
+    if isinstance(plan, tuple):
+        return list(plan)
+    return [getattr(plan, a, None) for a in _CHILDREN]
+
+
+def _find_counters(plan, depth: int = 0) -> dict | None:
+    """Counters (launches, decode_ctas, merge_state_bytes, ...) of a plan, as a dict: from
+    ``plan.counters()`` (a persistentkv.plan.StepCounters or a dict), or one or two levels down
+    (plan.plan, plan.host_plan, plan.inner, plan.delegate_plan, the elements of a tuple)."""
+    if plan is None or depth > 2:
+        return None
+    method = getattr(plan, "counters", None)
+    if callable(method):
+        try:
+            found = method()
+        except Exception:
+            found = None
+        if isinstance(found, dict):
+            return found
+        if found is not None and hasattr(found, "to_dict"):
+            return found.to_dict()
+    for child in _children(plan):
+        found = _find_counters(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _find_num_splits(plan, depth: int = 0) -> int | None:
+    """S from a persistentkv.plan.Plan's params (or one found under the plan), else None."""
+    if plan is None or depth > 2:
+        return None
+    params = getattr(plan, "params", None)
+    if isinstance(params, dict) and params.get("num_splits") is not None:
+        return int(params["num_splits"])
+    for child in _children(plan):
+        found = _find_num_splits(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def route_of(name: str, backend, plan) -> str:
+    """The route that ran: the adaptive backend's chosen delegate, else the backend itself.
+
+    For ``adaptive``: ``backend.last_decision.backend``, else ``plan.route`` / ``plan.backend``
+    when it names a registered backend, else "adaptive" (the decision could not be read)."""
+    if name != "adaptive":
+        return name
+    from ..backends.registry import names as registered
+
+    decision = getattr(backend, "last_decision", None) or getattr(plan, "decision", None)
+    chosen = getattr(decision, "backend", None)
+    if isinstance(chosen, str) and chosen in registered():
+        return chosen
+    for attr in ("route", "backend"):
+        value = getattr(plan, attr, None)
+        if isinstance(value, str) and value in registered():
+            return value
+    return name
+
+
+def plan_fields(variant: Variant, backend, plan) -> dict:
+    route = route_of(variant.name, backend, plan)
+    fields: dict[str, Any] = {"route": route}
+    if route in PKV_ROUTES:
+        counters = _find_counters(plan) or {}
+        for key in ("launches", "decode_ctas", "merge_state_bytes"):
+            if counters.get(key) is not None:
+                fields[key] = float(counters[key])
+        splits = _find_num_splits(plan)
+        fields["num_splits"] = splits if splits is not None else variant.num_splits
+    return fields
+
+
+def plan_inside_published(route: str) -> bool:
+    """The paper timed its baseline's plan() inside the window and its own metadata outside."""
+    return route not in PKV_ROUTES
+
+
+# -- one case ----------------------------------------------------------------------------------
+@dataclass
+class Bound:
+    """A variant ready to measure on the current case."""
+
+    variant: Variant
+    backend: Any
+    plan: Any
+    fields: dict
+    out: Any
+    step_backend: Any = None
+    published_backend: Any = None
+    published_inside: bool = True
+    replays: list = field(default_factory=list)
+    skip: dict = field(default_factory=dict)   # protocol -> (status, reason)
+
+
+def copies_for(case: Case, device, settings: Settings, log) -> int:
+    """R for this case: the cold-L2 count, capped by ``max_copies`` and by free memory."""
+    from .rotation import cache_bytes
+
+    wanted = cold_copies(case.batch.kv_bytes, device.l2_bytes, settings.cold_l2_factor)
+    copies = min(wanted, settings.max_copies)
+    if copies < wanted:
+        log(f"  {case.label}: {copies} cache copies (cap), a cold L2 wants {wanted}")
+    one = cache_bytes(case.batch)
+    free = device.free_bytes()
+    if one > 0.8 * free:
+        raise PKVError(f"the case needs {one / 2**30:.1f} GiB for one copy of its cache, {free / 2**30:.1f} GiB is free")
+    fit = max(1, int(0.6 * free // max(one, 1)))
+    if fit < copies:
+        log(f"  {case.label}: memory holds {fit} of the {copies} cache copies a cold L2 wants")
+        copies = fit
+    return copies
+
+
+def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ctx: RunContext,
+             case_index: int = 0) -> list[dict]:
+    """Measure every variant of ``case`` under ``settings.protocols``; return raw rows."""
+    base = dict(case_fields(case), run_id=ctx.run_id, read_ceiling_gbps=ctx.read_ceiling_gbps)
+    spec, batch = case.spec, case.batch
+    rows: list[dict] = []
+
+    def status_row(variant: Variant, status: str, reason: str, protocol: str = "", repeat: int = -1, **extra):
+        return raw_row(**base, backend=variant.name, route=extra.pop("route", variant.name),
+                       num_splits=variant.num_splits, protocol=protocol, repeat=repeat,
+                       status=status, reason=reason, **extra)
+
+    # 1. availability
+    live: list[tuple[Variant, Any]] = []
+    for variant in case.variants:
+        if variant.name in CPU_ONLY:
+            reasons = [f"{variant.name} runs on NumPy arrays on the host; the harness times torch tensors"]
+        else:
+            try:
+                backend = factory.get(variant)
+                reasons = list(backend.unavailable(spec))
+            except Exception as exc:
+                reasons = [one_line(exc)]
+        if reasons:
+            key = (case.experiment, variant.name, spec, tuple(reasons))
+            if key not in ctx.reported_unavailable:
+                ctx.reported_unavailable.add(key)
+                rows.append(status_row(variant, "unavailable", "; ".join(one_line(r) for r in reasons)))
+            continue
+        live.append((variant, backend))
+    if not live:
+        return rows
+
+    # 2. device data
+    try:
+        n_copies = copies_for(case, device, settings, ctx.log)
+        copies = device.make_copies(batch, n_copies, case.seed)
+        q = device.queries(spec, batch.batch_size, case.seed)
+        gather_index = device.index(list(range(batch.batch_size)))
+    except Exception as exc:
+        if device.is_oom(exc):
+            device.empty_cache()
+        for variant, _ in live:
+            rows += [status_row(variant, "failed", f"building the case's cache: {one_line(exc)}", p)
+                     for p in settings.protocols]
+        return rows
+    cursor = CopyCursor(n_copies, settings.calls_per_graph)
+
+    # 3. plans, warm-up, graphs
+    bound: list[Bound] = []
+    for variant, backend in live:
+        try:
+            plan = backend.plan(batch)
+            out = device.empty_out(spec, batch.batch_size)
+            backend.run(q, copies.pair(0), plan, out)
+            device.synchronize()
+            b = Bound(variant, backend, plan, plan_fields(variant, backend, plan), out)
+        except Exception as exc:
+            if device.is_oom(exc):
+                device.empty_cache()
+            rows += [status_row(variant, "failed", f"plan/first run: {one_line(exc)}", p) for p in settings.protocols]
+            continue
+        _prepare_protocols(b, case, device, factory, settings, copies, q, gather_index)
+        bound.append(b)
+
+    # 4. interleaved rounds
+    for rnd in rounds(len(bound), settings.repeats, settings.warmup, settings.seed, case_index):
+        for i in rnd.order:
+            b = bound[i]
+            for protocol in settings.protocols:
+                if protocol in b.skip:
+                    continue
+                try:
+                    fields = _measure(protocol, b, case, device, settings, cursor, copies, q, gather_index)
+                except Exception as exc:
+                    if device.is_oom(exc):
+                        device.empty_cache()
+                    b.skip[protocol] = ("failed", f"{protocol} repeat {rnd.repeat}: {one_line(exc)}")
+                    continue
+                if rnd.warmup:
+                    continue
+                rows.append(_timing_row(base, b, protocol, rnd.repeat, fields, ctx.read_ceiling_gbps, case))
+    for b in bound:
+        for protocol, (status, reason) in b.skip.items():
+            rows.append(status_row(b.variant, status, reason, protocol, **{k: v for k, v in b.fields.items()
+                                                                           if k in ("route",)}))
+        b.replays.clear()
+    del copies, bound
+    return rows
+
+
+def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, settings: Settings, copies, q,
+                       gather_index) -> None:
+    """Graphs for the kernel protocol; warmed-up step/published instances. Failures go to b.skip."""
+    batch = case.batch
+    if "kernel" in settings.protocols:
+        if not getattr(b.backend, "graph_safe", True):
+            b.skip["kernel"] = ("unavailable", f"{b.variant.name}.run() is not CUDA-graph capturable "
+                                               "(graph_safe = False); kernel rows need graph replay")
+        else:
+            try:
+                for offset in graph_offsets(len(copies)):
+                    chosen = graph_copies(offset, len(copies), settings.calls_per_graph)
+
+                    def captured(chosen=chosen):
+                        for c in chosen:
+                            b.backend.run(q, copies.pair(c), b.plan, b.out)
+
+                    b.replays.append(device.capture(captured))
+            except Exception as exc:
+                if device.is_oom(exc):
+                    device.empty_cache()
+                b.replays.clear()
+                b.skip["kernel"] = ("failed", f"CUDA graph capture: {one_line(exc)}")
+    if "step" in settings.protocols:
+        try:
+            b.step_backend = factory.get(b.variant, "step")
+            step_plan = b.step_backend.plan(batch)
+            b.step_backend.run(q, copies.pair(0), step_plan, b.out)
+            device.synchronize()
+        except Exception as exc:
+            b.skip["step"] = ("failed", f"step instance: {one_line(exc)}")
+    if "published" in settings.protocols:
+        b.published_inside = plan_inside_published(b.fields["route"])
+        try:
+            if b.published_inside:
+                b.published_backend = factory.get(b.variant, "published")
+                pub_plan = b.published_backend.plan(batch)
+                b.published_backend.run(q.index_select(0, gather_index).contiguous(), copies.pair(0), pub_plan, b.out)
+            else:
+                b.published_backend = b.backend
+            device.synchronize()
+        except Exception as exc:
+            b.skip["published"] = ("failed", f"published instance: {one_line(exc)}")
+
+
+def _measure(protocol: str, b: Bound, case: Case, device, settings: Settings, cursor: CopyCursor, copies, q,
+             gather_index) -> dict:
+    batch = case.batch
+    if protocol == "kernel":
+        return kernel_once(device, b.replays, cursor, settings.calls_per_graph)
+    if protocol == "eager":
+        return eager_once(device, lambda c: b.backend.run(q, copies.pair(c), b.plan, b.out), cursor)
+    if protocol == "step":
+        sb = b.step_backend
+        return step_once(device, lambda: sb.plan(batch), lambda p, c: sb.run(q, copies.pair(c), p, b.out),
+                         settings.layers, cursor)
+    if protocol == "published":
+        pb = b.published_backend
+        if b.published_inside:
+            def body(c):
+                p = pb.plan(batch)
+                pb.run(q.index_select(0, gather_index).contiguous(), copies.pair(c), p, b.out)
+        else:
+            def body(c):
+                pb.run(q, copies.pair(c), b.plan, b.out)
+        return published_once(device, body, cursor)
+    raise PKVError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
+
+
+def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, ceiling: float, case: Case) -> dict:
+    layers = int(fields.get("layers", 1))
+    per_layer = fields["time_us"] / layers
+    return raw_row(**base, backend=b.variant.name, protocol=protocol, repeat=repeat,
+                   **{**{"num_splits": b.variant.num_splits}, **b.fields},
+                   time_us=fields["time_us"], wall_us=fields.get("wall_us", float("nan")),
+                   host_us=fields.get("host_us", float("nan")), layers=layers, per_layer_us=per_layer,
+                   frac_of_ceiling=frac_of_ceiling(case.batch.kv_bytes, per_layer, ceiling), status="ok")
+
+
+def run_cases(cases: list[Case], device, factory: BackendFactory, settings: Settings, ctx: RunContext,
+              progress: bool = True) -> list[dict]:
+    """Every case in turn (tqdm progress bar); returns all raw rows."""
+    from tqdm import tqdm
+
+    rows: list[dict] = []
+    for index, case in enumerate(tqdm(cases, desc="cases", unit="case", disable=not progress)):
+        rows += run_case(case, device, factory, settings, ctx, case_index=index)
+    return rows
+

@@ -1,0 +1,77 @@
+"""The four timing protocols, each measuring ONE repetition of one backend on one case.
+
+``run_on(copy)`` below stands for ``backend.run(q, copies.pair(copy), plan, out)``: the plan is
+made before, as a server makes it once per step. Every call reads the copy the shared cursor
+hands out (persistentkv.measure.rotation), so no call finds its K/V warm in L2.
+
+kernel     device time of run() alone: CUDA-graph replays of ``calls_per_graph`` captured calls
+           cycling over the copies; time_us = event time of one replay / calls.
+eager      CUDA events around one Python run() call (plan reused): time_us is the event time,
+           host_us the host (CPU) time of the call itself, before any synchronisation.
+step       synchronized wall clock of plan + ``layers`` x run (layers cycling over the copies):
+           what one decode step of an L-layer model spends in attention. time_us is the whole
+           step; per_layer_us = time_us / layers.
+published  the paper's timed region, one layer, CUDA events AND synchronized wall clock of the
+           SAME execution: for a baseline (FlashInfer in the paper) wrapper.plan() and the Q gather
+           (index_select + contiguous) run inside the window; for our routes the metadata is
+           precomputed outside it, as the paper's artifact did.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .rotation import CopyCursor
+from .statistics import per_call_us
+
+
+def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int) -> dict:
+    """Replay the next graph (``replays[cursor.next_graph()]``) once between two events."""
+    replay = replays[cursor.next_graph()]
+    start, end = device.event(), device.event()
+    start.record()
+    replay()
+    end.record()
+    device.synchronize()
+    return {"time_us": per_call_us(start.elapsed_ms(end), calls), "layers": 1}
+
+
+def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor) -> dict:
+    copy = cursor.next_copy()
+    device.synchronize()
+    start, end = device.event(), device.event()
+    start.record()
+    t0 = time.perf_counter()
+    run_on(copy)
+    host_us = (time.perf_counter() - t0) * 1e6
+    end.record()
+    device.synchronize()
+    return {"time_us": start.elapsed_ms(end) * 1e3, "host_us": host_us, "layers": 1}
+
+
+def step_once(device, plan: Callable[[], object], run_on: Callable[[object, int], None], layers: int,
+              cursor: CopyCursor) -> dict:
+    """plan() once, then ``layers`` calls of run_on(plan, copy); the returned plan is discarded."""
+    device.synchronize()
+    t0 = time.perf_counter()
+    step_plan = plan()
+    for _ in range(layers):
+        run_on(step_plan, cursor.next_copy())
+    device.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    return {"time_us": wall_us, "layers": layers}
+
+
+def published_once(device, body: Callable[[int], None], cursor: CopyCursor) -> dict:
+    """One execution of ``body(copy)`` (plan + Q gather + run, or run alone) inside both windows."""
+    copy = cursor.next_copy()
+    device.synchronize()
+    start, end = device.event(), device.event()
+    t0 = time.perf_counter()
+    start.record()
+    body(copy)
+    end.record()
+    device.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    return {"time_us": start.elapsed_ms(end) * 1e3, "wall_us": wall_us, "layers": 1}

@@ -1,0 +1,127 @@
+"""The raw timing rows of docs/DATA.md (results/{hw}/raw/{experiment}.parquet, bench_kernels) and
+the GPU validation rows (validation_gpu.parquet): column order, dtypes, and row builders.
+
+Every frame the harness writes goes through :func:`raw_frame` / :func:`validation_frame`, so the
+columns and their dtypes are fixed in one place. Ceiling rows use backend ``read-ceiling`` /
+``copy-ceiling``, protocol ``ceiling`` and kv_bytes = bytes moved.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import PKVError, require
+
+#: column -> pandas dtype, in the order of docs/DATA.md.
+RAW_COLUMNS: dict[str, str] = {
+    "run_id": "string",
+    "experiment": "string",
+    "trace": "string",
+    "seed": "int64",
+    "step": "int64",
+    "batch_size": "int64",
+    "max_len": "int64",
+    "total_tokens": "int64",
+    "kv_bytes": "int64",
+    "num_qo_heads": "int64",
+    "num_kv_heads": "int64",
+    "head_dim": "int64",
+    "page_size": "int64",
+    "dtype": "string",
+    "hole_fraction": "float64",
+    "backend": "string",
+    "route": "string",
+    "num_splits": "int64",
+    "protocol": "string",
+    "repeat": "int64",
+    "time_us": "float64",
+    "wall_us": "float64",
+    "host_us": "float64",
+    "layers": "int64",
+    "per_layer_us": "float64",
+    "read_ceiling_gbps": "float64",
+    "frac_of_ceiling": "float64",
+    "launches": "float64",
+    "decode_ctas": "float64",
+    "merge_state_bytes": "float64",
+    "status": "string",
+    "reason": "string",
+}
+
+VALIDATION_COLUMNS: dict[str, str] = {
+    "trace": "string",
+    "seed": "int64",
+    "step": "int64",
+    "backend": "string",
+    "dtype": "string",
+    "rel_err": "float64",
+    "max_abs_err": "float64",
+    "rtol": "float64",
+    "passed": "bool",
+    "nan_count": "int64",
+    "unwritten": "int64",
+    "status": "string",
+    "reason": "string",
+}
+
+PROTOCOLS = ("kernel", "eager", "step", "published")
+STATUSES = ("ok", "unavailable", "failed")
+CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
+
+_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling",
+                 "launches", "decode_ctas", "merge_state_bytes")
+
+
+def one_line(text: object) -> str:
+    """An exception or message as one line (the first non-empty line, trimmed to 300 chars)."""
+    if isinstance(text, BaseException):
+        body = str(text).strip()
+        first = next((line.strip() for line in body.splitlines() if line.strip()), "")
+        text = f"{type(text).__name__}: {first}" if first else type(text).__name__
+    line = " ".join(str(text).split())
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def raw_row(**fields) -> dict:
+    """A raw row with every column present: unknown names are an error, missing times are NaN."""
+    unknown = sorted(set(fields) - set(RAW_COLUMNS))
+    require(not unknown, f"unknown raw-row column(s): {', '.join(unknown)}")
+    row = {name: (math.nan if name in _NAN_DEFAULTS else None) for name in RAW_COLUMNS}
+    row.update(layers=1, num_splits=-1, repeat=-1, reason="", status="ok")
+    row.update(fields)
+    require(row["status"] in STATUSES, f"status must be one of {STATUSES}, got {row['status']!r}")
+    require(row["status"] == "ok" or row["reason"], "a row that is not ok needs a reason")
+    return row
+
+
+def case_fields(case) -> dict:
+    """The workload and spec columns of a case (persistentkv.measure.workload.Case)."""
+    b, s = case.batch, case.batch.spec
+    return dict(experiment=case.experiment, trace=case.trace, seed=int(case.seed), step=int(case.step),
+                batch_size=b.batch_size, max_len=b.max_len, total_tokens=b.total_tokens, kv_bytes=b.kv_bytes,
+                num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                page_size=s.page_size, dtype=s.dtype, hole_fraction=float(case.hole_fraction))
+
+
+def raw_frame(rows):
+    """DataFrame with exactly RAW_COLUMNS, in order, with their dtypes."""
+    return _frame(rows, RAW_COLUMNS)
+
+
+def validation_frame(rows):
+    return _frame(rows, VALIDATION_COLUMNS)
+
+
+def _frame(rows, columns: dict[str, str]):
+    import pandas as pd
+
+    rows = list(rows)
+    for row in rows:
+        unknown = sorted(set(row) - set(columns))
+        require(not unknown, f"unknown column(s): {', '.join(unknown)}")
+    frame = pd.DataFrame(rows, columns=list(columns))
+    for name, dtype in columns.items():
+        if dtype in ("int64", "bool") and frame[name].isna().any():
+            raise PKVError(f"column {name} has missing values in {int(frame[name].isna().sum())} row(s)")
+        frame[name] = frame[name].astype(dtype)
+    return frame

@@ -1,0 +1,173 @@
+"""The GPU commands' bodies: config -> cases -> ceilings -> rows -> parquet + provenance sidecar.
+
+Called by persistentkv.commands.{measure, bench_kernels, validate_gpu} after they have checked
+that a CUDA device is present. Every output is written atomically (persistentkv.io).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..io import atomic_write_parquet
+from ..provenance import collect, new_run_id, utc_now, write_sidecar
+from .harness import BackendFactory, RunContext, Settings, run_cases
+from .rows import raw_frame, validation_frame
+from .workload import (bench_grid, default_splits, experiment_cases, load_config, load_trace, sampled_steps,
+                       seeds_of, spec_from_config, synthetic_case, trace_cases, variants)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _device():
+    from .device import TorchDevice
+
+    device = TorchDevice("cuda")
+    log(f"device: {device.name}, {device.sm_count} SMs, L2 {device.l2_bytes / 2**20:.0f} MiB, "
+        f"{device.total_bytes / 2**30:.0f} GiB")
+    return device
+
+
+def _ceilings(device, run_id: str, experiment: str, quick: bool):
+    from ..ceiling import ceiling_rows, measure_ceilings, median_gbps
+
+    samples, failures = measure_ceilings(device, repeats=3 if quick else 5, warmup=2, log=log)
+    return ceiling_rows(samples, failures, run_id, experiment), median_gbps(samples)
+
+
+def _write(out: str, frame, run_id: str, record: dict) -> None:
+    atomic_write_parquet(out, frame)
+    sidecar = write_sidecar(out, run_id, record)
+    log(f"wrote {out} ({len(frame)} rows) and {sidecar}")
+
+
+def _summary(frame) -> None:
+    bad = frame[frame["status"] != "ok"]
+    for (backend, status), group in bad.groupby(["backend", "status"], sort=True):
+        log(f"  {backend}: {len(group)} {status} row(s), e.g. {group['reason'].iloc[0]}")
+
+
+def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str, policy: str | None,
+                   backends: list[str] | None, quick: bool) -> int:
+    config = load_config(config_path)
+    cases = experiment_cases(experiment, config, traces_dir, policy, backends, quick)
+    device = _device()
+    started = utc_now()
+    run_id = new_run_id(experiment, started)
+    rows, ceiling = _ceilings(device, run_id, experiment, quick)
+    settings = Settings.from_config(config, quick=quick, seed=int(config["seeds"]["calibration"]))
+    log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
+        f"{settings.repeats} repeats after {settings.warmup} warm-up rounds")
+    ctx = RunContext(run_id, ceiling, log=log)
+    rows += run_cases(cases, device, BackendFactory(), settings, ctx)
+    frame = raw_frame(rows)
+    _write(out, frame, run_id, collect(config, seeds_of(cases), started, device))
+    _summary(frame)
+    return 0
+
+
+def bench_cases(config: dict, policy: str | None, backends: list[str] | None, quick: bool):
+    spec = spec_from_config(config)
+    names = list(backends) if backends else list(config["measure"]["backends"])
+    vs = variants(names, config, default_splits(config), policy)
+    grid = bench_grid()
+    if quick:
+        grid = [g for g in grid if g[0] in ("B1xN1024", "B1xN131072", "B64xN1024", "B8-ragged")]
+    return [synthetic_case("bench_kernels", name, lengths, spec, vs) for name, lengths in grid]
+
+
+def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool) -> int:
+    from .statistics import kernel_table
+
+    config = load_config(config_path)
+    cases = bench_cases(config, policy, backends, quick)
+    device = _device()
+    started = utc_now()
+    run_id = new_run_id("bench_kernels", started)
+    rows, ceiling = _ceilings(device, run_id, "bench_kernels", quick)
+    settings = Settings.from_config(config, protocols=("kernel", "eager"), quick=quick,
+                                    seed=int(config["seeds"]["calibration"]))
+    rows += run_cases(cases, device, BackendFactory(), settings, RunContext(run_id, ceiling, log=log))
+    frame = raw_frame(rows)
+    _write(out, frame, run_id, collect(config, [0], started, device))
+    _summary(frame)
+    table = kernel_table(frame)
+    if not table.empty:
+        import pandas as pd
+
+        with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.1f}".format):
+            print("kernel time per call (us, median); speedup = best baseline / best pkv route")
+            print(table.to_string())
+    return 0
+
+
+def run_validation(config_path: str, traces_dir: str, out: str, policy: str | None,
+                   backends: list[str] | None) -> int:
+    from tqdm import tqdm
+
+    from .validation import failing, validate_case
+
+    config = load_config(config_path)
+    spec = spec_from_config(config)
+    names = list(backends) if backends else list(config["measure"]["backends"])
+    seed = int(config["seeds"]["calibration"])
+    gpu = config["validation"]["gpu"]
+    rtols = {"float16": float(gpu["rtol_float16"]), "bfloat16": float(gpu["rtol_bfloat16"])}
+    cases = []
+    for entry in config["traces"]:
+        trace = load_trace(traces_dir, entry["name"], seed)
+        steps = sampled_steps(trace, int(gpu["steps_per_trace"]))
+        cases += trace_cases("validation", trace, spec, 0.0, steps,
+                             variants(names, config, int(entry["splits"]), policy), entry["name"])
+    device = _device()
+    started = utc_now()
+    run_id = new_run_id("validation_gpu", started)
+    factory = BackendFactory()
+    rows = []
+    for case in tqdm(cases, desc="validate", unit="step"):
+        rows += validate_case(case, device, factory, rtols=rtols, log=log)
+    frame = validation_frame(rows)
+    _write(out, frame, run_id, collect(config, [seed], started, device))
+    bad = failing(rows)
+    for row in bad[:20]:
+        log(f"FAIL {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['status']}: {row['reason']}")
+    if bad:
+        log(f"validate-gpu: {len(bad)} failing row(s) of {len(rows)}")
+        return 1
+    log(f"validate-gpu: every backend that ran passed ({len(rows)} rows)")
+    return 0
+
+
+def run_smoke_command(config_path: str | None, out: str | None, policy: str | None,
+                      backends: list[str] | None) -> int:
+    from ..backends import registry
+    from ..spec import AttentionSpec
+    from .smoke import run_smoke
+    from .validation import failing
+    from .workload import Variant, variant_for
+
+    config = load_config(config_path) if config_path else None
+    spec = spec_from_config(config) if config else AttentionSpec()
+    names = list(backends) if backends else [n for n in registry.names() if n not in registry.CPU_ONLY]
+    if config:
+        vs = tuple(variant_for(n, config, default_splits(config), policy) for n in names)
+    else:
+        vs = tuple(Variant(n, (("num_splits", 32),)) if n in ("pkv-buckets", "pkv-split")
+                   else Variant(n, (("policy_path", policy),)) if n == "adaptive" and policy else Variant(n)
+                   for n in names)
+    rtols = ({"float16": float(config["validation"]["gpu"]["rtol_float16"]),
+              "bfloat16": float(config["validation"]["gpu"]["rtol_bfloat16"])} if config
+             else {"float16": 2e-3, "bfloat16": 1e-2})
+    device = _device()
+    started = utc_now()
+    run_id = new_run_id("smoke", started)
+    vrows, trows = run_smoke(spec, vs, device, run_id, rtols, log=print)
+    if out:
+        atomic_write_parquet(out, validation_frame(vrows))
+        timing = Path(out).with_name(Path(out).stem + "_timing.parquet")
+        atomic_write_parquet(timing, raw_frame(trows))
+        write_sidecar(out, run_id, collect(config or {}, [0], started, device))
+        log(f"wrote {out}, {timing}")
+    return 1 if failing(vrows) else 0

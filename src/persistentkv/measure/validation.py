@@ -1,0 +1,157 @@
+"""Every backend against the independent float64 reference, on the device.
+
+For each case the K/V pages are generated on the host (float32 standard normals, seeded), rounded
+to the serving dtype there, and copied to the device, so the float64 reference
+(persistentkv.reference.reference_decode, which never looks at a plan) sees exactly the bytes the
+backends read. Each backend's output buffer is poisoned first with a value no attention output can
+take (a convex combination of V rows of standard normals stays far inside +-24576), so a kernel that
+skips an output element is caught as ``unwritten`` rather than passing on stale data.
+
+A row per (trace, seed, step, backend, dtype): rel_err = ||out - ref|| / ||ref|| (inf with any
+NaN), max_abs_err, rtol (config validation.gpu.rtol_<dtype>), passed, nan_count, unwritten,
+status (ok / unavailable / failed) and reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ..backends.registry import CPU_ONLY
+from ..cache import Batch
+from ..reference import reference_decode, relative_error
+from ..traces import KV_SEED_OFFSET, Q_SEED_OFFSET
+from .rows import one_line
+from .workload import Case, Variant
+
+#: Exactly representable in float16 and bfloat16 (-1.5 x 2**14); |attention output| <= max |V|.
+POISON = -24576.0
+DTYPES = ("float16", "bfloat16")
+
+
+def host_inputs(batch: Batch, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 K, V [pages, P, Hkv, D] and q [B, Hq, D], standard normal, seeded like the artifact
+    (K/V from ``seed + 7``, q from ``seed + 2026``). Drawn with torch's CPU generator, which is
+    multi-threaded: a 130K-token step holds 270M values."""
+    import torch
+
+    spec = batch.spec
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    gen = torch.Generator().manual_seed(int(seed) + KV_SEED_OFFSET)
+    k = torch.randn(shape, generator=gen, dtype=torch.float32)
+    v = torch.randn(shape, generator=gen, dtype=torch.float32)
+    gen_q = torch.Generator().manual_seed(int(seed) + Q_SEED_OFFSET)
+    q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen_q, dtype=torch.float32)
+    return k.numpy(), v.numpy(), q.numpy()
+
+
+def rounded(values: np.ndarray, dtype: str):
+    """(torch CPU tensor in ``dtype``, NumPy array holding exactly those values)."""
+    import torch
+
+    source = torch.from_numpy(values)
+    if dtype == "float16":
+        t = source.to(torch.float16)
+        return t, t.numpy()
+    if dtype == "bfloat16":
+        t = source.to(torch.bfloat16)
+        return t, t.to(torch.float32).numpy()  # bfloat16 values are exact in float32
+    if dtype in ("float32", "float64"):
+        t = source.to(getattr(torch, dtype))
+        return t, t.numpy()
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def compare(out: np.ndarray, ref: np.ndarray, rtol: float) -> dict[str, Any]:
+    """Error metrics of ``out`` (any float dtype) against the float64 reference."""
+    out64 = np.asarray(out, dtype=np.float64)
+    nan_count = int(np.isnan(out64).sum())
+    unwritten = int((out64 == POISON).sum())
+    rel = relative_error(out64, ref)
+    finite = np.isfinite(out64)
+    max_abs = float(np.max(np.abs(np.where(finite, out64, 0.0) - ref))) if out64.size else 0.0
+    if not finite.all():
+        max_abs = math.inf
+    passed = bool(nan_count == 0 and unwritten == 0 and rel <= rtol)
+    return {"rel_err": float(rel), "max_abs_err": max_abs, "nan_count": nan_count, "unwritten": unwritten,
+            "passed": passed}
+
+
+def validate_case(case: Case, device, factory, dtypes=DTYPES, rtols: dict[str, float] | None = None,
+                  inputs=None, log=print) -> list[dict]:
+    """Rows for every variant of ``case`` in every dtype (see the module docstring)."""
+    rtols = rtols or {"float16": 2e-3, "bfloat16": 1e-2}
+    k32, v32, q32 = inputs if inputs is not None else host_inputs(case.batch, case.seed + case.step)
+    rows: list[dict] = []
+    for dtype in dtypes:
+        spec = replace(case.spec, dtype=dtype)
+        batch = replace(case.batch, spec=spec)
+        k_host, k_ref = rounded(k32, dtype)
+        v_host, v_ref = rounded(v32, dtype)
+        q_host, q_ref = rounded(q32, dtype)
+        ref = reference_decode(q_ref, k_ref, v_ref, batch)
+        base = dict(trace=case.trace, seed=int(case.seed), step=int(case.step), dtype=dtype, rtol=float(rtols[dtype]))
+        try:
+            copies = device.make_copies(batch, 1, case.seed, source=(k_host, v_host))
+            q = q_host.to(device.device)
+        except Exception as exc:
+            if device.is_oom(exc):
+                device.empty_cache()
+            rows += [_status(base, v.name, "failed", f"building the case on the device: {one_line(exc)}")
+                     for v in case.variants]
+            continue
+        for variant in case.variants:
+            rows.append(_validate_one(variant, factory, spec, batch, device, copies, q, ref, base))
+        del copies, q
+    return rows
+
+
+def _status(base: dict, backend: str, status: str, reason: str) -> dict:
+    return dict(base, backend=backend, rel_err=math.nan, max_abs_err=math.nan, passed=False, nan_count=0,
+                unwritten=0, status=status, reason=reason)
+
+
+def _validate_one(variant: Variant, factory, spec, batch: Batch, device, copies, q, ref, base) -> dict:
+    if variant.name in CPU_ONLY:
+        return _status(base, variant.name, "unavailable",
+                       f"{variant.name} runs on NumPy arrays on the host (validate-cpu checks it)")
+    try:
+        backend = factory.get(variant)
+        reasons = list(backend.unavailable(spec))
+    except Exception as exc:
+        reasons = [one_line(exc)]
+    if reasons:
+        return _status(base, variant.name, "unavailable", "; ".join(one_line(r) for r in reasons))
+    try:
+        plan = backend.plan(batch)
+        out = device.empty_out(spec, batch.batch_size)
+        out.fill_(POISON)
+        backend.run(q, copies.pair(0), plan, out)
+        device.synchronize()
+        result = out.to("cpu").to(device.torch.float64).numpy()
+    except Exception as exc:
+        if device.is_oom(exc):
+            device.empty_cache()
+        return _status(base, variant.name, "failed", one_line(exc))
+    metrics = compare(result, ref, base["rtol"])
+    reason = "" if metrics["passed"] else _why(metrics, base["rtol"])
+    return dict(base, backend=variant.name, status="ok", reason=reason, **metrics)
+
+
+def _why(metrics: dict, rtol: float) -> str:
+    parts = []
+    if metrics["nan_count"]:
+        parts.append(f"{metrics['nan_count']} NaN")
+    if metrics["unwritten"]:
+        parts.append(f"{metrics['unwritten']} elements never written")
+    if metrics["rel_err"] > rtol:
+        parts.append(f"rel_err {metrics['rel_err']:.3g} > rtol {rtol:g}")
+    return "; ".join(parts)
+
+
+def failing(rows: list[dict]) -> list[dict]:
+    """Rows that fail the command: a backend that ran and missed the tolerance, or raised."""
+    return [r for r in rows if r["status"] == "failed" or (r["status"] == "ok" and not r["passed"])]

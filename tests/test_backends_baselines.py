@@ -1,0 +1,393 @@
+"""Baseline adapters and the registry, on the CPU.
+
+* The registry: names, lazy imports (a missing package never breaks another backend), one-line
+  errors, reasons instead of exceptions.
+* torch-sdpa runs anywhere torch does: checked against the float64 reference over ragged rows,
+  page-boundary lengths, scattered pages with holes, and G in {1, 2, 4, 8}.
+* FlashInfer, vLLM FA3 and XQA cannot run here, so their adapters are driven through stand-in
+  modules that implement each library's documented call (FlashInfer 0.6.14 decode.py, vLLM 0.26
+  vllm_flash_attn) by plain paged attention from exactly the arguments the adapter passes. A
+  wrong block table, length, layout, scale or split cap in the adapter changes the output or
+  fails an assertion on the recorded call.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from persistentkv.backends import registry
+from persistentkv.cache import make_batch
+from persistentkv.errors import PKVError
+from persistentkv.reference import reference_decode, relative_error
+from persistentkv.spec import AttentionSpec
+
+torch = pytest.importorskip("torch")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def host_case(spec: AttentionSpec, lengths, hole_fraction=0.3, seed=0, dtype=np.float32):
+    batch = make_batch(spec, lengths, hole_fraction=hole_fraction, seed=seed)
+    rng = np.random.default_rng(seed + 11)
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k = rng.standard_normal(shape).astype(dtype)
+    v = rng.standard_normal(shape).astype(dtype)
+    q = rng.standard_normal((batch.batch_size, spec.num_qo_heads, spec.head_dim)).astype(dtype)
+    return batch, q, k, v
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """Plain paged decode attention in float64 from a padded block table: the semantics every
+    library documents. q [B, Hq, D]; caches [pages, P, Hkv, D] (NHD); block_table [B, W]."""
+    B, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(B):
+        n = int(seq_lens[i])
+        pages = block_table[i, : -(-n // P)].long()
+        k = k_cache[pages].reshape(-1, Hkv, D)[:n].double()
+        v = v_cache[pages].reshape(-1, Hkv, D)[:n].double()
+        for h in range(Hkv):
+            s = (q[i, h * G:(h + 1) * G].double() @ k[:, h].T) * scale
+            out[i, h * G:(h + 1) * G] = torch.softmax(s, dim=-1) @ v[:, h]
+    return out
+
+
+# -- registry ----------------------------------------------------------------------------------
+def test_registry_names_cover_every_backend():
+    names = registry.names()
+    for name in ("pkv-workqueue", "pkv-buckets", "pkv-split", "adaptive", "flashinfer-cc", "flashinfer-tc",
+                 "vllm-fa3", "trtllm-xqa", "trtllm-native", "torch-sdpa", "numpy"):
+        assert name in names
+    assert len(set(names)) == len(names)
+
+
+def test_unknown_backend_is_one_line_error_naming_it():
+    with pytest.raises(PKVError, match="unknown backend 'flashinfer'") as info:
+        registry.create("flashinfer")
+    assert "\n" not in str(info.value)
+
+
+def test_available_never_raises_and_gives_reasons_here():
+    spec = AttentionSpec()
+    result = registry.available(spec)
+    assert set(result) == set(registry.names())
+    for name, reasons in result.items():
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), name
+    if not torch.cuda.is_available():
+        for gpu_only in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa"):
+            assert any("CUDA" in r for r in result[gpu_only]), result[gpu_only]
+    assert any("tensorrt_llm" in r for r in result["trtllm-native"])
+    assert result["torch-sdpa"] == []
+
+
+def test_adaptive_without_policy_is_a_reason_not_a_crash():
+    reasons = registry.available(AttentionSpec(), ["adaptive"])["adaptive"]
+    assert reasons and ("policy" in reasons[0] or "does not exist" in reasons[0])
+
+
+def test_a_missing_module_is_a_reason(monkeypatch):
+    monkeypatch.setitem(registry._ENTRIES, "ghost", registry.Entry("no_such_module_here", "Ghost", owner="nobody"))
+    with pytest.raises(PKVError, match="does not exist"):
+        registry.create("ghost")
+    assert "does not exist" in registry.available(AttentionSpec(), ["ghost"])["ghost"][0]
+
+
+def test_registry_import_does_not_import_gpu_packages():
+    code = ("import sys, persistentkv.backends.registry as r; r.names(); "
+            "print(sorted(m for m in ('torch', 'flashinfer', 'vllm', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_bad_options_are_a_one_line_error():
+    with pytest.raises(PKVError, match="bad options"):
+        registry.create("torch-sdpa", no_such_option=1)
+
+
+def test_spec_reasons_are_listed_even_without_a_gpu():
+    odd = AttentionSpec(num_qo_heads=40, num_kv_heads=8, page_size=8, dtype="float32")
+    result = registry.available(odd, ["flashinfer-cc", "flashinfer-tc", "trtllm-xqa", "vllm-fa3"])
+    assert any("group sizes" in r for r in result["flashinfer-cc"])
+    assert not any("group sizes" in r for r in result["flashinfer-tc"])
+    assert any("page sizes" in r for r in result["trtllm-xqa"])
+    for name in result:
+        assert any("float32" in r for r in result[name]), name
+
+
+def test_trtllm_native_says_why_it_does_not_run():
+    backend = registry.create("trtllm-native")
+    assert backend.graph_safe is False
+    reasons = backend.unavailable(AttentionSpec())
+    assert reasons and all(r for r in reasons)
+    with pytest.raises(PKVError, match="unavailable"):
+        backend.plan(make_batch(AttentionSpec(), [16]))
+
+
+# -- torch-sdpa against float64 ------------------------------------------------------------------
+def run_sdpa(spec, batch, q, k, v, device="cpu"):
+    backend = registry.create("torch-sdpa", device=device)
+    assert backend.unavailable(spec) == []
+    plan = backend.plan(batch)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    out = torch.full(qt.shape, -24576.0, dtype=qt.dtype)
+    backend.run(qt, (kt, vt), plan, out)
+    return out.numpy(), plan
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 32])
+def test_sdpa_matches_float64_on_ragged_scattered_rows(group_size, page_size):
+    spec = AttentionSpec(num_qo_heads=2 * group_size, num_kv_heads=2, head_dim=64, page_size=page_size,
+                         dtype="float32")
+    lengths = [1, page_size, page_size + 1, max(1, page_size - 1), 97, 300]
+    batch, q, k, v = host_case(spec, lengths, hole_fraction=0.4, seed=group_size)
+    out, plan = run_sdpa(spec, batch, q, k, v)
+    assert plan.mask is not None
+    assert relative_error(out, reference_decode(q, k, v, batch)) < 1e-5
+
+
+def test_sdpa_equal_full_pages_needs_no_mask_and_is_exact():
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    batch, q, k, v = host_case(spec, [64, 64, 64], hole_fraction=0.0)
+    out, plan = run_sdpa(spec, batch, q, k, v)
+    assert plan.mask is None
+    assert relative_error(out, reference_decode(q, k, v, batch)) < 1e-5
+
+
+def test_sdpa_float16_within_serving_tolerance():
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
+    batch, q, k, v = host_case(spec, [1, 15, 17, 1000], hole_fraction=0.5, dtype=np.float16)
+    out, _ = run_sdpa(spec, batch, q, k, v)
+    assert not np.isnan(out).any() and not (out == -24576.0).any()
+    assert relative_error(out, reference_decode(q, k, v, batch)) < 2e-3
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=5), page_exp=st.integers(0, 5),
+       group=st.sampled_from([1, 4]), rho=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 1000))
+def test_sdpa_property_random_batches(lengths, page_exp, group, rho, seed):
+    spec = AttentionSpec(num_qo_heads=2 * group, num_kv_heads=2, head_dim=64, page_size=2 ** page_exp,
+                         dtype="float32")
+    batch, q, k, v = host_case(spec, lengths, hole_fraction=rho, seed=seed)
+    out, _ = run_sdpa(spec, batch, q, k, v)
+    assert relative_error(out, reference_decode(q, k, v, batch)) < 1e-5
+
+
+def test_sdpa_plan_serves_any_copy_of_the_cache():
+    """The plan holds no cache pointer: one plan, two different caches, each answer right."""
+    spec = AttentionSpec(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    batch, q, k, v = host_case(spec, [40, 7], seed=3)
+    backend = registry.create("torch-sdpa", device="cpu")
+    plan = backend.plan(batch)
+    qt = torch.from_numpy(q)
+    for scale in (1.0, -2.0):
+        kk, vv = k * scale, v + scale
+        out = torch.empty_like(qt)
+        backend.run(qt, (torch.from_numpy(kk), torch.from_numpy(vv)), plan, out)
+        assert relative_error(out.numpy(), reference_decode(q, kk, vv, batch)) < 1e-5
+
+
+def test_step_tensor_checks_are_one_line_errors():
+    spec = AttentionSpec(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    batch, q, k, v = host_case(spec, [40, 7])
+    backend = registry.create("torch-sdpa", device="cpu")
+    plan = backend.plan(batch)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    with pytest.raises(PKVError, match=r"q has shape \(1, 4, 64\)"):
+        backend.run(qt[:1], (kt, vt), plan, torch.empty_like(qt))
+    with pytest.raises(PKVError, match="dtype"):
+        backend.run(qt.double(), (kt, vt), plan, torch.empty_like(qt))
+    with pytest.raises(PKVError, match="K has shape"):
+        backend.run(qt, (kt[:, :8], vt), plan, torch.empty_like(qt))
+
+
+# -- FlashInfer, vLLM, XQA through stand-in modules -------------------------------------------------
+class _FakeWrapper:
+    """BatchDecodeWithPagedKVCacheWrapper (FlashInfer 0.6.14) reduced to its documented contract."""
+
+    created: list = []
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        assert float_workspace_buffer.dtype == torch.uint8 and not float_workspace_buffer.any(), "zeroed workspace"
+        if use_cuda_graph:
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+        self.use_cuda_graph, self.use_tensor_cores = use_cuda_graph, use_tensor_cores
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.plans = []
+        _FakeWrapper.created.append(self)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", q_data_type="float16", kv_data_type=None, **kwargs):
+        for t in (indptr, indices, last_page_len):
+            assert t.device.type == "cpu" and t.dtype == torch.int32, "host int32 index arrays"
+        if self.use_cuda_graph:
+            assert len(last_page_len) == len(self.buffers[2]), "graph wrappers have a fixed batch size"
+            assert len(indices) <= len(self.buffers[1])
+        self.state = (indptr.clone(), indices.clone(), last_page_len.clone(), num_qo_heads, num_kv_heads,
+                      head_dim, page_size, q_data_type)
+        self.plans.append(self.state)
+
+    def run(self, q, paged_kv_cache, *args, out=None, **kwargs):
+        indptr, indices, last, hq, hkv, d, p, dtype = self.state
+        k, v = paged_kv_cache
+        assert q.dtype == dtype and tuple(k.shape[1:]) == (p, hkv, d) and q.shape[1] == hq
+        B = len(last)
+        lens = [(int(indptr[i + 1] - indptr[i]) - 1) * p + int(last[i]) for i in range(B)]
+        width = max(int(indptr[i + 1] - indptr[i]) for i in range(B))
+        table = torch.zeros((B, width), dtype=torch.int32)
+        for i in range(B):
+            table[i, : int(indptr[i + 1] - indptr[i])] = indices[int(indptr[i]):int(indptr[i + 1])]
+        out.copy_(paged_attention(q, k, v, table, lens, 1.0 / math.sqrt(d)).to(out.dtype))
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    _FakeWrapper.created = []
+    decode = types.ModuleType("flashinfer.decode")
+    decode.BatchDecodeWithPagedKVCacheWrapper = _FakeWrapper
+    calls = []
+
+    def trtllm_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len,
+                                          bmm1_scale=1.0, bmm2_scale=1.0, window_left=-1, out=None,
+                                          kv_layout="HND", backend="auto", **kwargs):
+        calls.append(dict(kv_layout=kv_layout, backend=backend, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale,
+                          max_seq_len=max_seq_len, workspace=workspace_buffer, table=block_tables))
+        assert kv_layout == "NHD" and backend == "xqa"
+        assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+        k, v = kv_cache
+        assert max_seq_len == block_tables.shape[1] * k.shape[1]
+        # xqa_batch_decode_with_kv_cache: q_scale = bmm1_scale / (bmm2_scale * o_scale) * sqrt(D), and the
+        # kernel scales q.k by q_scale / sqrt(D)
+        q_scale = bmm1_scale / bmm2_scale * math.sqrt(query.shape[-1])
+        scale = q_scale / math.sqrt(query.shape[-1])
+        out.copy_(paged_attention(query, k, v, block_tables, seq_lens, scale).to(out.dtype))
+        return out
+
+    decode.trtllm_batch_decode_with_kv_cache = trtllm_batch_decode_with_kv_cache
+    package = types.ModuleType("flashinfer")
+    package.decode = decode
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
+    return calls
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    calls = {"metadata": [], "run": []}
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+
+    def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                               cache_seqlens, qkv_dtype=torch.bfloat16, cu_seqlens_q=None, page_size=None,
+                               causal=False, window_size=(-1, -1), num_splits=0, **kwargs):
+        calls["metadata"].append(dict(batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                      num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=headdim,
+                                      qkv_dtype=qkv_dtype, page_size=page_size, causal=causal, num_splits=num_splits))
+        assert int(cache_seqlens.max()) == max_seqlen_k
+        return torch.zeros(1 + 4 * batch_size, dtype=torch.int32)
+
+    def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                               softmax_scale=None, causal=False, block_table=None, out=None,
+                               scheduler_metadata=None, fa_version=2, num_splits=0, **kwargs):
+        calls["run"].append(dict(fa_version=fa_version, num_splits=num_splits, causal=causal,
+                                 has_metadata=scheduler_metadata is not None, max_seqlen_q=max_seqlen_q))
+        assert cu_seqlens_k is None and block_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
+        assert torch.equal(cu_seqlens_q, torch.arange(q.shape[0] + 1, dtype=torch.int32))
+        out.copy_(paged_attention(q, k, v, block_table, seqused_k, softmax_scale).to(out.dtype))
+        return out
+
+    fa.get_scheduler_metadata = get_scheduler_metadata
+    fa.flash_attn_varlen_func = flash_attn_varlen_func
+    interface = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
+    interface.FA3_AVAILABLE = True
+    fa.flash_attn_interface = interface
+    package = types.ModuleType("vllm")
+    package.vllm_flash_attn = fa
+    monkeypatch.setitem(sys.modules, "vllm", package)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", interface)
+    return calls
+
+
+GPU_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+LENGTHS = [1, 15, 16, 17, 150]
+
+
+def drive(backend, spec=GPU_SPEC, lengths=LENGTHS, seed=5):
+    batch, q, k, v = host_case(spec, lengths, hole_fraction=0.4, seed=seed)
+    plan = backend.plan(batch)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    out = torch.full(qt.shape, -24576.0, dtype=qt.dtype)
+    backend.run(qt, (kt, vt), plan, out)
+    return relative_error(out.numpy(), reference_decode(q, k, v, batch)), plan, batch
+
+
+@pytest.mark.parametrize("name", ["flashinfer-cc", "flashinfer-tc"])
+def test_flashinfer_adapter_passes_a_correct_step(fake_flashinfer, name):
+    backend = registry.create(name, device="cpu")
+    err, plan, batch = drive(backend)
+    assert err < 1e-5
+    (wrapper,) = _FakeWrapper.created
+    assert wrapper.use_cuda_graph and backend.graph_safe
+    assert wrapper.use_tensor_cores == (name == "flashinfer-tc")
+    indptr, indices, last, hq, hkv, d, p, _ = wrapper.state
+    assert np.array_equal(indptr.numpy(), batch.kv_indptr) and np.array_equal(indices.numpy(), batch.kv_indices)
+    assert np.array_equal(last.numpy(), batch.last_page_len) and (hq, hkv, d, p) == (8, 2, 64, 16)
+
+
+def test_flashinfer_graph_wrappers_per_batch_size_and_stale_plans(fake_flashinfer):
+    backend = registry.create("flashinfer-tc", device="cpu")
+    drive(backend, lengths=[40, 40])
+    drive(backend, lengths=[40, 41])                 # same B, fits: same wrapper
+    assert len(_FakeWrapper.created) == 1
+    drive(backend, lengths=[4000, 40])               # same B, more pages: a bigger wrapper
+    assert len(_FakeWrapper.created) == 2
+    drive(backend, lengths=[40, 40, 40])             # another batch size: another wrapper
+    assert len(_FakeWrapper.created) == 3
+    batch, q, k, v = host_case(GPU_SPEC, [30, 31])
+    first = backend.plan(batch)
+    backend.plan(batch)                               # re-plans the same wrapper
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    with pytest.raises(PKVError, match="stale plan"):
+        backend.run(qt, (kt, vt), first, torch.empty_like(qt))
+
+
+def test_flashinfer_plain_wrapper_is_not_graph_safe(fake_flashinfer):
+    backend = registry.create("flashinfer-tc", device="cpu", cuda_graph=False)
+    err, _, _ = drive(backend)
+    assert err < 1e-5 and backend.graph_safe is False
+    assert not _FakeWrapper.created[0].use_cuda_graph
+
+
+def test_vllm_adapter_uses_fa3_scheduler_metadata_and_the_graph_split_cap(fake_vllm):
+    backend = registry.create("vllm-fa3", device="cpu")
+    err, plan, batch = drive(backend)
+    assert err < 1e-5
+    (meta,) = fake_vllm["metadata"]
+    assert meta == dict(batch_size=5, max_seqlen_q=1, max_seqlen_k=150, num_heads_q=8, num_heads_kv=2, headdim=64,
+                        qkv_dtype=torch.float32, page_size=16, causal=True, num_splits=32)
+    (run,) = fake_vllm["run"]
+    assert run == dict(fa_version=3, num_splits=32, causal=True, has_metadata=True, max_seqlen_q=1)
+    assert tuple(plan.block_table.shape) == (5, 10)
+
+
+def test_xqa_adapter_reads_nhd_in_place_with_plain_softmax_scale(fake_flashinfer):
+    backend = registry.create("trtllm-xqa", device="cpu", workspace_bytes=1 << 20)
+    err, plan, batch = drive(backend)
+    assert err < 1e-5
+    (call,) = fake_flashinfer
+    assert call["kv_layout"] == "NHD" and call["backend"] == "xqa"
+    assert call["bmm1_scale"] == pytest.approx(1 / 8) and call["bmm2_scale"] == 1.0
+    assert call["workspace"].dtype == torch.uint8 and not call["workspace"].any()

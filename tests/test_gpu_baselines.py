@@ -1,0 +1,165 @@
+"""Baselines and the harness on a CUDA GPU (skipped, with the reason, anywhere else).
+
+Each installed baseline against the float64 reference (fp16 and bf16; ragged rows at page
+boundaries; scattered pages with holes; G = 1, 4, 8), with a poisoned output so an unwritten
+element fails; one plan serving two cache copies; CUDA-graph replay equal to eager; the harness
+end to end on a small case; the ceilings; GPU validation rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from persistentkv.backends import registry
+from persistentkv.cache import make_batch
+from persistentkv.spec import AttentionSpec
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)"),
+]
+
+BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa", "torch-sdpa")
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+LENGTHS = [1, 15, 16, 17, 1000, 4097]
+
+
+def backend_or_skip(name: str, spec: AttentionSpec, **options):
+    backend = registry.create(name, **options)
+    reasons = backend.unavailable(spec)
+    if reasons:
+        pytest.skip(f"{name} unavailable: {'; '.join(reasons)}")
+    return backend
+
+
+def device_inputs(spec: AttentionSpec, lengths, hole_fraction=0.4, seed=0):
+    batch = make_batch(spec, lengths, hole_fraction=hole_fraction, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dtype = getattr(torch, spec.dtype)
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+    q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda").to(dtype)
+    return batch, q, k, v
+
+
+def reference64(batch, q, k, v):
+    """Dense float64 attention row by row through the block table (never looks at a plan)."""
+    spec = batch.spec
+    G, D = spec.group_size, spec.head_dim
+    out = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    idx = torch.from_numpy(batch.kv_indices.astype(np.int64)).cuda()
+    for i in range(batch.batch_size):
+        n = int(batch.seq_lens[i])
+        pages = idx[int(batch.kv_indptr[i]):int(batch.kv_indptr[i + 1])]
+        kk = k[pages].reshape(-1, spec.num_kv_heads, D)[:n].double()
+        vv = v[pages].reshape(-1, spec.num_kv_heads, D)[:n].double()
+        for h in range(spec.num_kv_heads):
+            s = (q[i, h * G:(h + 1) * G].double() @ kk[:, h].T) / math.sqrt(D)
+            out[i, h * G:(h + 1) * G] = torch.softmax(s, -1) @ vv[:, h]
+    return out
+
+
+def rel_err(out, ref) -> float:
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    return float(torch.linalg.norm(o - ref) / torch.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("name", BASELINES)
+def test_baseline_matches_float64(name, group, dtype):
+    spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype)
+    backend = backend_or_skip(name, spec)
+    batch, q, k, v = device_inputs(spec, LENGTHS, seed=group)
+    plan = backend.plan(batch)
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, (k, v), plan, out)
+    torch.cuda.synchronize()
+    assert rel_err(out, reference64(batch, q, k, v)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_one_plan_serves_two_cache_copies(name):
+    spec = AttentionSpec(dtype="float16")
+    backend = backend_or_skip(name, spec)
+    batch, q, k, v = device_inputs(spec, [300, 5000, 33], seed=3)
+    plan = backend.plan(batch)
+    for kk, vv in ((k, v), (-k, v * 0.5)):
+        out = torch.full_like(q, float("nan"))
+        backend.run(q, (kk.contiguous(), vv.contiguous()), plan, out)
+        torch.cuda.synchronize()
+        assert rel_err(out, reference64(batch, q, kk, vv)) < TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_graph_replay_equals_eager(name):
+    spec = AttentionSpec(dtype="float16")
+    backend = backend_or_skip(name, spec)
+    if not getattr(backend, "graph_safe", True):
+        pytest.skip(f"{name} is not graph-safe")
+    batch, q, k, v = device_inputs(spec, [1, 17, 9000], seed=5)
+    plan = backend.plan(batch)
+    eager = torch.empty_like(q)
+    backend.run(q, (k, v), plan, eager)
+    torch.cuda.synchronize()
+    out = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.run(q, (k, v), plan, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_harness_end_to_end_on_a_small_case():
+    from persistentkv.measure.device import TorchDevice
+    from persistentkv.measure.harness import BackendFactory, RunContext, Settings, run_case
+    from persistentkv.measure.rows import raw_frame
+    from persistentkv.measure.workload import Variant, synthetic_case
+
+    spec = AttentionSpec(dtype="float16")
+    case = synthetic_case("test", "B2-ragged", [4096, 700], spec, tuple(Variant(n) for n in BASELINES))
+    rows = run_case(case, TorchDevice("cuda"), BackendFactory(), Settings(layers=4, repeats=2, warmup=1),
+                    RunContext("gpu-test", 4000.0, log=print))
+    frame = raw_frame(rows)
+    available = [n for n in BASELINES if not registry.create(n).unavailable(spec)]
+    assert available, "no baseline is available on this GPU"
+    for name in available:
+        mine = frame[frame["backend"] == name]
+        assert (mine["status"] == "ok").all(), mine[mine["status"] != "ok"]["reason"].tolist()
+        assert set(mine["protocol"]) == {"kernel", "eager", "step", "published"}
+        assert (mine["time_us"] > 0).all()
+
+
+def test_ceilings_are_plausible():
+    from persistentkv.ceiling import measure_ceilings, median_gbps
+    from persistentkv.measure.device import TorchDevice
+
+    samples, failures = measure_ceilings(TorchDevice("cuda"), repeats=3, warmup=1, read_bytes=2**30,
+                                         copy_bytes=2**29, log=print)
+    if "read-ceiling" in failures:
+        pytest.skip(f"read ceiling not measurable here: {failures['read-ceiling']}")
+    assert 100 < median_gbps(samples) < 20_000
+    assert 50 < median_gbps(samples, "copy-ceiling") < 20_000
+
+
+def test_validation_rows_pass_for_available_baselines():
+    from persistentkv.measure.device import TorchDevice
+    from persistentkv.measure.harness import BackendFactory
+    from persistentkv.measure.validation import failing, validate_case
+    from persistentkv.measure.workload import Variant, synthetic_case
+
+    spec = AttentionSpec(dtype="float16")
+    case = synthetic_case("v", "B3", [1, 16, 2049], spec, tuple(Variant(n) for n in BASELINES), hole_fraction=0.5)
+    rows = validate_case(case, TorchDevice("cuda"), BackendFactory())
+    assert not failing(rows), failing(rows)
+    assert any(r["status"] == "ok" for r in rows)

@@ -1,0 +1,703 @@
+"""The measurement harness on the CPU: everything that is not a CUDA call.
+
+Rotation (compact caches, cold-L2 copy counts, the copy walk across graphs), the interleaved
+schedule, statistics, the raw-row schema against docs/DATA.md, the experiment grids from the real
+config, the harness with fake backends on torch's CPU device (protocol bookkeeping, interleaving,
+unavailable/failed/OOM rows, routes and counters), validation metrics and poison, provenance, the
+ceiling kernel's compilation, and the GPU commands' one-line refusal without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from persistentkv.cache import make_batch
+from persistentkv.errors import PKVError
+from persistentkv.measure import rotation, schedule, statistics, workload
+from persistentkv.measure.rows import (RAW_COLUMNS, VALIDATION_COLUMNS, one_line, raw_frame, raw_row,
+                                       validation_frame)
+from persistentkv.spec import AttentionSpec
+from persistentkv.traces import build, write_trace
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "config" / "config.yaml"
+
+
+# -- rotation ----------------------------------------------------------------------------------
+def test_compact_batch_keeps_rows_order_and_scattering():
+    spec = AttentionSpec(page_size=16)
+    full = make_batch(spec, [100, 33, 500], hole_fraction=0.0, seed=4)
+    compact = rotation.compact_batch(full, 0.0, seed=1)
+    assert np.array_equal(compact.seq_lens, full.seq_lens) and np.array_equal(compact.kv_indptr, full.kv_indptr)
+    n = full.kv_indices.size
+    assert compact.num_pages == n and sorted(compact.kv_indices) == list(range(n))
+    # relative physical order of the used pages is kept
+    assert np.array_equal(np.argsort(compact.kv_indices, kind="stable"), np.argsort(full.kv_indices, kind="stable"))
+
+
+def test_compact_batch_with_holes_spreads_pages_over_a_larger_universe():
+    spec = AttentionSpec(page_size=16)
+    full = make_batch(spec, [1000, 2000], hole_fraction=0.5, seed=2)
+    compact = rotation.compact_batch(full, 0.5, seed=9)
+    n = full.kv_indices.size
+    assert compact.num_pages == math.ceil(n / 0.5)
+    assert len(set(compact.kv_indices.tolist())) == n
+    assert np.array_equal(np.argsort(compact.kv_indices), np.argsort(full.kv_indices))
+    again = rotation.compact_batch(full, 0.5, seed=9)
+    assert np.array_equal(again.kv_indices, compact.kv_indices)
+
+
+def test_compact_batch_shrinks_a_trace_step_to_its_pages():
+    config = workload.load_config(CONFIG)
+    trace = build(workload.trace_entry(config, "bimodal_b8"), 20260622, ROOT)
+    spec = workload.spec_from_config(config)
+    cases = workload.trace_cases("t", trace, spec, 0.0, [0, 10], (), "bimodal_b8")
+    for case in cases:
+        assert case.batch.num_pages == case.batch.kv_indices.size  # only used pages
+        assert rotation.cache_bytes(case.batch) >= case.batch.kv_bytes
+
+
+def test_cold_copies_worked_number():
+    # B=1 at 4096 tokens reads 16.8 MB; 3 x 60 MB of L2 -> 11 copies
+    assert rotation.cold_copies(4096 * 4096, 60 * 10**6, 3) == 11
+    assert rotation.cold_copies(10**10, 60 * 10**6, 3) == 1
+    with pytest.raises(PKVError):
+        rotation.cold_copies(0, 1, 3)
+
+
+def test_graph_offsets_and_copies():
+    assert rotation.graph_offsets(7) == list(range(7))
+    assert rotation.graph_copies(10, 20, 10) == list(range(10, 20))
+    assert rotation.graph_copies(5, 7, 10) == [5, 6, 0, 1, 2, 3, 4, 5, 6, 0]
+    with pytest.raises(PKVError):
+        rotation.graph_offsets(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(copies=st.integers(1, 60), calls=st.integers(1, 12), ops=st.lists(st.booleans(), min_size=1, max_size=60))
+def test_copy_walk_rereads_a_copy_only_after_all_others(copies, calls, ops):
+    """Whatever mix of graph replays and single calls, the reads are exactly the walk 0, 1, 2, ...
+    mod R: a copy is read again only after the R - 1 others."""
+    cursor = rotation.CopyCursor(copies, calls)
+    reads = []
+    for is_graph in ops:
+        if is_graph:
+            reads += rotation.graph_copies(cursor.offsets[cursor.next_graph()], copies, calls)
+        else:
+            reads.append(cursor.next_copy())
+    assert reads == [i % copies for i in range(len(reads))]
+
+
+# -- schedule ----------------------------------------------------------------------------------
+def test_rounds_warmup_repeats_and_permutations():
+    rs = schedule.rounds(4, repeats=5, warmup=3, seed=7, case_index=2)
+    assert [r.repeat for r in rs] == [-1, -1, -1, 0, 1, 2, 3, 4]
+    assert all(sorted(r.order) == [0, 1, 2, 3] for r in rs)
+    assert len({r.order for r in rs}) > 1  # shuffled per round
+    assert rs == schedule.rounds(4, repeats=5, warmup=3, seed=7, case_index=2)
+    assert [r.order for r in rs] != [r.order for r in schedule.rounds(4, 5, 3, seed=8, case_index=2)]
+    with pytest.raises(PKVError):
+        schedule.rounds(3, repeats=0, warmup=0, seed=0)
+
+
+# -- statistics --------------------------------------------------------------------------------
+def test_statistics_worked_numbers():
+    assert statistics.per_call_us(1.0, 10) == pytest.approx(100.0)
+    assert statistics.gbps(134_217_728, 42.9) == pytest.approx(3128.6, rel=1e-3)
+    assert statistics.frac_of_ceiling(134_217_728, 42.9, 4520) == pytest.approx(0.692, abs=1e-3)
+    assert math.isnan(statistics.frac_of_ceiling(1, 1.0, math.nan))
+    assert math.isnan(statistics.gbps(1, 0.0))
+    assert statistics.median([3.0, math.nan, 1.0, 2.0]) == 2.0
+
+
+def test_kernel_table_speedup_vs_best_baseline():
+    import pandas as pd
+
+    rows = [dict(trace="c1", backend=b, protocol="kernel", status="ok", time_us=t)
+            for b, t in [("flashinfer-tc", 10.0), ("vllm-fa3", 8.0), ("pkv-workqueue", 4.0), ("pkv-buckets", 5.0),
+                         ("torch-sdpa", 1.0)]]
+    rows += [dict(trace="c1", backend="vllm-fa3", protocol="eager", status="ok", time_us=1.0)]
+    table = statistics.kernel_table(pd.DataFrame(rows))
+    assert table.loc["c1", "best_baseline"] == 8.0 and table.loc["c1", "best_pkv"] == 4.0
+    assert table.loc["c1", "speedup"] == 2.0  # torch-sdpa is no baseline of the comparison
+
+
+# -- rows against docs/DATA.md -------------------------------------------------------------------
+def _doc_table_columns(section_title: str) -> list[str]:
+    text = (ROOT / "docs" / "DATA.md").read_text()
+    section = text.split(section_title, 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith("| column") and not line.startswith("|---"):
+            names += [n.strip() for n in line.split("|")[1].split(",")]
+    return names
+
+
+def test_raw_columns_are_the_documented_ones_in_order():
+    assert list(RAW_COLUMNS) == _doc_table_columns("## results/{hw}/raw/{experiment}.parquet")
+
+
+def test_validation_columns_are_the_documented_ones():
+    text = (ROOT / "docs" / "DATA.md").read_text()
+    line = text.split("## results/{hw}/validation_gpu.parquet", 1)[1].split("\n\n", 2)[1]
+    key = re.search(r"Per \(([^)]*)\)", line).group(1)
+    documented = [n.strip() for n in key.split(",")] + re.findall(r"`([a-z_]+)`", line.split(":", 1)[1])
+    assert sorted(VALIDATION_COLUMNS) == sorted(documented)
+
+
+def test_raw_row_defaults_and_checks():
+    row = raw_row(backend="x", protocol="kernel", time_us=1.0)
+    assert set(row) == set(RAW_COLUMNS) and math.isnan(row["wall_us"]) and row["num_splits"] == -1
+    with pytest.raises(PKVError, match="unknown raw-row column"):
+        raw_row(bogus=1)
+    with pytest.raises(PKVError, match="needs a reason"):
+        raw_row(status="failed")
+    with pytest.raises(PKVError, match="column seed has missing values"):
+        raw_frame([row])
+    case = workload.synthetic_case("t", "c", [10], AttentionSpec(), ())
+    from persistentkv.measure.rows import case_fields
+    frame = raw_frame([raw_row(**case_fields(case), run_id="r", backend="x", route="x", protocol="kernel",
+                               time_us=1.0)])
+    assert list(frame.columns) == list(RAW_COLUMNS)
+    assert str(frame["time_us"].dtype) == "float64" and str(frame["repeat"].dtype) == "int64"
+    assert validation_frame([]).columns.tolist() == list(VALIDATION_COLUMNS)
+
+
+def test_one_line_reasons():
+    assert one_line(ValueError("bad\nthings\nhappened")) == "ValueError: bad"
+    assert one_line("a   b\n c") == "a b c"
+    assert len(one_line("x" * 1000)) == 300
+
+
+# -- experiments from the real config ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def config():
+    return workload.load_config(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def traces_dir(tmp_path_factory, config):
+    folder = tmp_path_factory.mktemp("traces")
+    seeds = [config["seeds"]["calibration"]] + list(config["seeds"]["holdout"])
+    for entry in config["traces"]:
+        for seed in seeds:
+            write_trace(build(entry, seed, ROOT), workload.trace_path(folder, entry["name"], seed))
+    return folder
+
+
+def test_published_experiment_uses_holdout_seeds_and_the_stride(config, traces_dir):
+    cases = workload.experiment_cases("published", config, traces_dir)
+    assert {c.trace for c in cases} == set(workload.PUBLISHED_TRACES)
+    assert workload.seeds_of(cases) == sorted(config["seeds"]["holdout"])
+    stride = config["measure"]["step_stride"]
+    for (trace, seed) in {(c.trace, c.seed) for c in cases}:
+        steps = [c.step for c in cases if c.trace == trace and c.seed == seed]
+        full = workload.load_trace(traces_dir, trace, seed)
+        assert steps == [full.steps[i].index for i in range(0, len(full.steps), stride)]
+    names = [v.name for v in cases[0].variants]
+    assert names == config["measure"]["backends"]
+    bimodal = next(c for c in cases if c.trace == "bimodal_b8")
+    assert dict(next(v for v in bimodal.variants if v.name == "pkv-buckets").options) == {"num_splits": 20}
+    wq = next(v for v in bimodal.variants if v.name == "pkv-workqueue")
+    assert wq.kwargs == {"target_items": config["planner"]["target_items"]}
+
+
+def test_calibration_has_no_adaptive_and_adds_the_batch_sweep(config, traces_dir):
+    cases = workload.experiment_cases("calibration", config, traces_dir)
+    assert workload.seeds_of(cases) in ([config["seeds"]["calibration"]], [0, config["seeds"]["calibration"]])
+    assert all("adaptive" not in [v.name for v in c.variants] for c in cases)
+    sweep = config["measure"]["batch_sweep"]
+    synthetic = [c for c in cases if c.trace.startswith("B")]
+    assert len(synthetic) == len(sweep["batch_sizes"]) * len(sweep["lengths"])
+    assert {c.trace for c in cases} >= {t["name"] for t in config["traces"]}
+
+
+def test_gqa_fragmented_long_context_and_split_sweep(config, traces_dir):
+    gqa = workload.experiment_cases("gqa_sweep", config, traces_dir)
+    hkv = config["spec"]["num_kv_heads"]
+    assert sorted({c.spec.num_qo_heads for c in gqa}) == sorted(g * hkv for g in config["measure"]["gqa_sweep"]["group_sizes"])
+    frag = workload.experiment_cases("fragmented", config, traces_dir)
+    rho = config["measure"]["fragmented"]["hole_fraction"]
+    assert all(c.hole_fraction == rho and c.batch.num_pages == math.ceil(c.batch.kv_indices.size / (1 - rho))
+               for c in frag)
+    lc = workload.experiment_cases("long_context", config, traces_dir)
+    assert [c.batch.max_len for c in lc] == config["measure"]["long_context"]["lengths"]
+    splits = workload.experiment_cases("split_sensitivity", config, traces_dir)
+    values = config["ablations"]["splits"]["values"]
+    for case in splits:
+        got = sorted(v.num_splits for v in case.variants if v.name == "pkv-buckets")
+        assert got == sorted(values)
+        assert {v.name for v in case.variants} == {"pkv-buckets", "pkv-split"}
+    assert {c.trace for c in splits} == set(workload.SPLIT_SENSITIVITY_TRACES)
+
+
+def test_quick_is_smaller_and_unknown_names_are_one_line_errors(config, traces_dir):
+    full = workload.experiment_cases("published", config, traces_dir)
+    quick = workload.experiment_cases("published", config, traces_dir, quick=True)
+    assert 0 < len(quick) < len(full) and workload.seeds_of(quick) == [config["seeds"]["holdout"][0]]
+    with pytest.raises(PKVError, match="unknown experiment 'nope'"):
+        workload.experiment_cases("nope", config, traces_dir)
+    with pytest.raises(PKVError, match="does not exist"):
+        workload.experiment_cases("published", config, traces_dir / "missing")
+
+
+def test_bench_grid_and_sampled_steps(config, traces_dir):
+    grid = workload.bench_grid()
+    names = [n for n, _ in grid]
+    assert len(names) == len(set(names)) == 6 * 6 + 4
+    lengths = dict(grid)
+    assert lengths["B8-ragged"][:3] == [65536] * 3 and len(lengths["B8-ragged"]) == 8
+    assert lengths["B1xN262144"] == [262144]
+    trace = workload.load_trace(traces_dir, "bimodal_b8", config["seeds"]["calibration"])
+    picked = workload.sampled_steps(trace, 4)
+    heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
+    assert len(picked) == 4 and 0 in picked and heaviest in picked and picked == sorted(set(picked))
+    assert workload.sampled_steps(trace, 4) == picked
+
+
+# -- the harness with fake backends on the CPU ------------------------------------------------------
+from persistentkv.measure.device import TorchDevice  # noqa: E402
+from persistentkv.measure.harness import BackendFactory, RunContext, Settings, run_case  # noqa: E402
+
+SPEC = AttentionSpec(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+
+
+class Log:
+    def __init__(self):
+        self.events = []
+
+
+class FakeBackend:
+    """Records every plan/run (with the copy it read) into a shared log; behaviour by options."""
+
+    def __init__(self, name, log, role, reasons=(), fail=None, graph_safe=True, counters=None, decision=None):
+        self.name, self.log, self.role = name, log, role
+        self.reasons, self.fail, self.graph_safe = list(reasons), fail, graph_safe
+        self._counters, self.last_decision = counters, decision
+
+    def unavailable(self, spec):
+        return self.reasons
+
+    def plan(self, batch):
+        self.log.events.append(("plan", self.name, self.role))
+        if self.fail == "plan":
+            raise RuntimeError("planner exploded\nsecond line")
+        counters = self._counters
+
+        class P:
+            def counters(self_inner):
+                return counters
+        return P() if counters is not None else object()
+
+    def run(self, q, cache, plan, out):
+        self.log.events.append(("run", self.name, self.role, cache[0].data_ptr()))
+        if self.fail == "oom":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        if self.fail == "second-eager" and sum(1 for e in self.log.events if e[:2] == ("run", self.name)) > 3:
+            raise RuntimeError("flaky")
+        out.copy_(q)
+
+
+class FakeDevice(TorchDevice):
+    def __init__(self, l2_bytes, log=None):
+        super().__init__("cpu", l2_bytes=l2_bytes)
+        self.emptied = 0
+        self.copies = None
+        self.log = log
+
+    def event(self):
+        if self.log is not None:
+            self.log.events.append(("event",))
+        return super().event()
+
+    def empty_cache(self):
+        self.emptied += 1
+
+    def make_copies(self, batch, copies, seed, source=None):
+        self.copies = super().make_copies(batch, copies, seed, source)
+        return self.copies
+
+
+def make_factory(log, behaviours):
+    def create(name, **options):
+        return FakeBackend(name, log, role=None, **behaviours.get(name, {}))
+
+    factory = BackendFactory(create)
+    original = factory.get
+
+    def get(variant, role="main"):
+        backend = original(variant, role)
+        backend.role = role
+        return backend
+    factory.get = get
+    return factory
+
+
+def case_with(names, lengths=(40, 17), experiment="t"):
+    return workload.synthetic_case(experiment, "c", list(lengths), SPEC, tuple(workload.Variant(n) for n in names))
+
+
+def copy_index(device, ptr):
+    for i, k in enumerate(device.copies.k):
+        if k.data_ptr() == ptr:
+            return i
+    raise AssertionError("run() read something that is not a cache copy")
+
+
+def test_harness_rows_per_protocol_and_repeat():
+    log = Log()
+    device = FakeDevice(l2_bytes=200_000)
+    case = case_with(["flashinfer-tc", "pkv-workqueue"])
+    settings_ = Settings(layers=3, repeats=4, warmup=2, calls_per_graph=5)
+    rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("run1", 1000.0, log=lambda m: None))
+    frame = raw_frame(rows)
+    assert (frame["status"] == "ok").all() and len(frame) == 2 * 4 * 4
+    for (backend, protocol), group in frame.groupby(["backend", "protocol"]):
+        assert sorted(group["repeat"]) == [0, 1, 2, 3]
+    step = frame[frame["protocol"] == "step"]
+    assert (step["layers"] == 3).all() and np.allclose(step["per_layer_us"] * 3, step["time_us"])
+    assert frame[frame["protocol"] == "eager"]["host_us"].notna().all()
+    assert frame[frame["protocol"] == "published"]["wall_us"].notna().all()
+    assert (frame["time_us"] > 0).all() and frame["frac_of_ceiling"].notna().all()
+    assert (frame["run_id"] == "run1").all() and (frame["read_ceiling_gbps"] == 1000.0).all()
+    assert (frame["kv_bytes"] == case.batch.kv_bytes).all()
+
+
+def test_harness_interleaves_every_backend_once_per_round():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    case = case_with(["flashinfer-tc", "vllm-fa3", "trtllm-xqa"])
+    settings_ = Settings(layers=1, repeats=3, warmup=1, calls_per_graph=2, protocols=("eager",))
+    run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    eager_runs = [e[1] for e in log.events if e[0] == "run" and e[2] == "main"]
+    timed = eager_runs[3:]  # after each backend's warm-up call
+    rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert len(rounds) == 4 and all(sorted(r) == ["flashinfer-tc", "trtllm-xqa", "vllm-fa3"] for r in rounds)
+
+
+def test_harness_walks_cold_copies_across_backends_and_graphs():
+    log = Log()
+    case_bytes = case_with(["a"]).batch.kv_bytes
+    device = FakeDevice(l2_bytes=case_bytes * 2, log=log)  # 3 x L2 / case = 6 copies
+    case = case_with(["flashinfer-tc", "vllm-fa3"])
+    settings_ = Settings(layers=2, repeats=3, warmup=1, calls_per_graph=4, cold_l2_factor=3.0)
+    run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    R = len(device.copies)
+    assert R == 6
+    # after set-up (warm-ups, graph capture: no timing events yet), every timed read continues one
+    # walk over the copies, across backends and protocols
+    setup_end = next(i for i, e in enumerate(log.events) if e[0] == "event")
+    reads = [copy_index(device, e[3]) for e in log.events[setup_end:] if e[0] == "run"]
+    assert len(reads) > 3 * R
+    assert reads == [(reads[0] + i) % R for i in range(len(reads))]
+
+
+def test_published_protocol_plans_inside_for_baselines_only():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    case = case_with(["flashinfer-tc", "pkv-workqueue"])
+    settings_ = Settings(repeats=3, warmup=0, protocols=("published",))
+    run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    plans = [e for e in log.events if e[0] == "plan"]
+    assert sum(1 for e in plans if e[1] == "flashinfer-tc" and e[2] == "published") == 1 + 3
+    assert not any(e[1] == "pkv-workqueue" and e[2] == "published" for e in plans)
+    assert sum(1 for e in plans if e[1] == "pkv-workqueue") == 1   # the case plan, made once
+
+
+def test_step_protocol_plans_once_per_step_on_its_own_instance():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    case = case_with(["vllm-fa3"])
+    settings_ = Settings(layers=5, repeats=2, warmup=1, protocols=("step",))
+    run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    step_plans = [e for e in log.events if e[0] == "plan" and e[2] == "step"]
+    step_runs = [e for e in log.events if e[0] == "run" and e[2] == "step"]
+    assert len(step_plans) == 1 + 3 and len(step_runs) == 1 + 3 * 5
+    assert sum(1 for e in log.events if e[0] == "plan" and e[2] == "main") == 1
+
+
+def test_unavailable_failed_and_oom_rows_leave_others_measured():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    behaviours = {"trtllm-native": {"reasons": ["tensorrt_llm cannot be imported"]},
+                  "vllm-fa3": {"fail": "plan"},
+                  "trtllm-xqa": {"fail": "oom"},
+                  "flashinfer-cc": {"graph_safe": False}}
+    names = ["trtllm-native", "vllm-fa3", "trtllm-xqa", "flashinfer-cc", "flashinfer-tc"]
+    settings_ = Settings(repeats=2, warmup=0)
+    ctx = RunContext("r", log=lambda m: None)
+    factory = make_factory(log, behaviours)
+    rows = run_case(case_with(names), device, factory, settings_, ctx)
+    rows += run_case(case_with(names, lengths=(5,)), device, factory, settings_, ctx, case_index=1)
+    frame = raw_frame(rows)
+    native = frame[frame["backend"] == "trtllm-native"]
+    assert len(native) == 1 and native["status"].iloc[0] == "unavailable"   # once per experiment and spec
+    vllm = frame[frame["backend"] == "vllm-fa3"]
+    assert (vllm["status"] == "failed").all() and len(vllm) == 8
+    assert vllm["reason"].str.contains("RuntimeError: planner exploded").all()
+    assert not vllm["reason"].str.contains("second line").any()
+    xqa = frame[frame["backend"] == "trtllm-xqa"]
+    assert (xqa["status"] == "failed").all() and xqa["reason"].str.contains("OutOfMemoryError").all()
+    assert device.emptied >= 1
+    cc = frame[frame["backend"] == "flashinfer-cc"]
+    kernel = cc[cc["protocol"] == "kernel"]
+    assert len(kernel) == 2 and (kernel["status"] == "unavailable").all()
+    assert kernel["reason"].str.contains("graph").all()
+    assert (cc[cc["protocol"] != "kernel"]["status"] == "ok").all()
+    tc = frame[frame["backend"] == "flashinfer-tc"]
+    assert (tc["status"] == "ok").all() and len(tc) == 2 * 4 * 2
+
+
+def test_a_failure_mid_run_keeps_earlier_repeats_and_says_which_repeat():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    rows = run_case(case_with(["flashinfer-tc"]), device, make_factory(log, {"flashinfer-tc": {"fail": "second-eager"}}),
+                    Settings(repeats=4, warmup=0, protocols=("eager",)), RunContext("r", log=lambda m: None))
+    frame = raw_frame(rows)
+    ok, failed = frame[frame["status"] == "ok"], frame[frame["status"] == "failed"]
+    assert len(ok) == 2 and len(failed) == 1 and "eager repeat 2" in failed["reason"].iloc[0]
+
+
+def test_routes_and_counters_for_our_routes_and_adaptive():
+    from types import SimpleNamespace
+
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    counters = {"launches": 2, "decode_ctas": 264, "merge_state_bytes": 1024}
+    behaviours = {"pkv-buckets": {"counters": counters},
+                  "adaptive": {"counters": counters, "decision": SimpleNamespace(backend="pkv-buckets")}}
+    case = workload.synthetic_case("t", "c", [40], SPEC, (workload.Variant("pkv-buckets", (("num_splits", 8),)),
+                                                          workload.Variant("adaptive"), workload.Variant("flashinfer-tc")))
+    rows = run_case(case, device, make_factory(log, behaviours), Settings(repeats=2, warmup=0, protocols=("eager",)),
+                    RunContext("r", log=lambda m: None))
+    frame = raw_frame(rows).set_index("backend")
+    assert frame.loc["pkv-buckets", "route"].tolist() == ["pkv-buckets"] * 2
+    assert (frame.loc["pkv-buckets", "num_splits"] == 8).all() and (frame.loc["pkv-buckets", "launches"] == 2).all()
+    assert (frame.loc["adaptive", "route"] == "pkv-buckets").all()
+    assert (frame.loc["adaptive", "decode_ctas"] == 264).all()
+    assert frame.loc["flashinfer-tc", "launches"].isna().all() and (frame.loc["flashinfer-tc", "num_splits"] == -1).all()
+
+
+def test_harness_with_the_real_torch_sdpa_backend_on_cpu():
+    case = workload.synthetic_case("t", "c", [33, 70], SPEC, (workload.Variant("torch-sdpa"), workload.Variant("numpy")))
+    rows = run_case(case, TorchDevice("cpu", l2_bytes=0), BackendFactory(), Settings(layers=2, repeats=2, warmup=1),
+                    RunContext("r", log=lambda m: None))
+    frame = raw_frame(rows)
+    sdpa = frame[frame["backend"] == "torch-sdpa"]
+    assert (sdpa["status"] == "ok").all() and len(sdpa) == 8
+    assert frame[frame["backend"] == "numpy"]["status"].tolist() == ["unavailable"]
+
+
+# -- validation ----------------------------------------------------------------------------------
+from persistentkv.measure import validation  # noqa: E402
+
+
+def test_compare_counts_nan_and_unwritten():
+    ref = np.ones((2, 4, 8))
+    out = ref.copy()
+    assert validation.compare(out, ref, 1e-3)["passed"]
+    out[0, 0, :3] = validation.POISON
+    got = validation.compare(out, ref, 1e-3)
+    assert got["unwritten"] == 3 and not got["passed"]
+    out[1, 1, 1] = np.nan
+    got = validation.compare(out, ref, 1e-3)
+    assert got["nan_count"] == 1 and got["rel_err"] == math.inf and got["max_abs_err"] == math.inf
+
+
+def test_poison_is_exact_in_both_serving_dtypes():
+    assert float(np.float16(validation.POISON)) == validation.POISON
+    assert float(torch.tensor(validation.POISON, dtype=torch.bfloat16)) == validation.POISON
+
+
+class SkipRowZero:
+    """A broken backend: right everywhere except row 0, which it never writes."""
+
+    name = "skipper"
+    graph_safe = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def unavailable(self, spec):
+        return []
+
+    def plan(self, batch):
+        return self.inner.plan(batch)
+
+    def run(self, q, cache, plan, out):
+        keep = out[0].clone()
+        self.inner.run(q, cache, plan, out)
+        out[0] = keep
+
+
+def test_validate_case_on_cpu_catches_unwritten_rows_and_reports_unavailable():
+    from persistentkv.backends.torch_sdpa import TorchSdpaBackend
+
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")
+    case = workload.synthetic_case("v", "c", [1, 17, 300], spec,
+                                   (workload.Variant("torch-sdpa"), workload.Variant("skipper"),
+                                    workload.Variant("flashinfer-tc")), hole_fraction=0.5)
+
+    def create(name, **options):
+        if name == "skipper":
+            return SkipRowZero(TorchSdpaBackend(device="cpu"))
+        from persistentkv.backends import registry
+        return registry.create(name, **options)
+
+    rows = validation.validate_case(case, TorchDevice("cpu"), BackendFactory(create), dtypes=("float16", "bfloat16"),
+                                    rtols={"float16": 2e-3, "bfloat16": 1e-2})
+    by = {(r["backend"], r["dtype"]): r for r in rows}
+    for dtype in ("float16", "bfloat16"):
+        assert by[("torch-sdpa", dtype)]["passed"], by[("torch-sdpa", dtype)]
+        bad = by[("skipper", dtype)]
+        assert bad["status"] == "ok" and not bad["passed"] and bad["unwritten"] == 8 * 64
+        assert "never written" in bad["reason"]
+        if not torch.cuda.is_available():
+            assert by[("flashinfer-tc", dtype)]["status"] == "unavailable"
+    assert {r["backend"] for r in validation.failing(rows)} == {"skipper"}
+    assert validation_frame(rows).shape[0] == 6
+
+
+def test_host_inputs_are_seeded():
+    batch = make_batch(SPEC, [20, 5])
+    a, b = validation.host_inputs(batch, 3), validation.host_inputs(batch, 3)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], validation.host_inputs(batch, 4)[0])
+
+
+# -- provenance ----------------------------------------------------------------------------------
+from persistentkv import provenance  # noqa: E402
+
+
+def test_config_hash_is_canonical_and_sensitive(config):
+    assert provenance.config_hash(config) == provenance.config_hash(json.loads(json.dumps(config)))
+    changed = json.loads(json.dumps(config))
+    changed["measure"]["repeats"] += 1
+    assert provenance.config_hash(changed) != provenance.config_hash(config)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_state_in_and_out_of_a_repository(tmp_path):
+    assert provenance.git_state(tmp_path) == (None, None)
+    env = ["-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f").write_text("1")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "f"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), *env, "commit", "-qm", "x"], check=True)
+    commit, dirty = provenance.git_state(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{40}", commit) and dirty is False
+    (tmp_path / "f").write_text("2")
+    assert provenance.git_state(tmp_path)[1] is True
+
+
+def test_collect_and_sidecar(tmp_path, config):
+    record = provenance.collect(config, [3, 1], "2026-11-29T00:00:00Z", TorchDevice("cpu"), argv=["pkv", "x y"])
+    assert set(record) == set(provenance.FIELDS)
+    assert record["seeds"] == [1, 3] and record["command"] == "pkv 'x y'" and record["torch"] == torch.__version__
+    assert record["gpu"] is None  # never guessed
+    out = tmp_path / "raw" / "published.parquet"
+    path = provenance.write_sidecar(out, "rid", record)
+    assert path == tmp_path / "raw" / "published.json"
+    assert json.loads(path.read_text())["rid"]["config_hash"] == record["config_hash"]
+    assert provenance.new_run_id("published", "2026-11-29T21:30:00Z").startswith("published-20261129T213000Z-")
+
+
+# -- ceiling -------------------------------------------------------------------------------------
+from persistentkv import ceiling  # noqa: E402
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (the kernel compiles on GPU hosts)")
+def test_ceiling_kernel_compiles_for_hopper_without_spills(tmp_path):
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "c.cubin"),
+                           str(ceiling.kernels_dir() / ceiling.KERNEL_FILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "0 bytes spill stores" in done.stderr
+    ptx = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", "-", str(ceiling.kernels_dir() / ceiling.KERNEL_FILE)],
+                         capture_output=True, text=True, check=True).stdout
+    assert ptx.count("ld.global.nc.v4") >= 4   # 16-byte loads, four in flight
+    assert "atom.global.xor" in ptx             # the reduction keeps every load
+
+
+def test_ceiling_rows_from_samples_and_failures():
+    samples = [ceiling.CeilingSample("read-ceiling", i, 4 * 10**9, t) for i, t in enumerate([1000.0, 1100.0, 900.0])]
+    samples.append(ceiling.CeilingSample("copy-ceiling", 0, 2 * 10**9, 1000.0))
+    assert ceiling.median_gbps(samples) == pytest.approx(4000.0)
+    rows = ceiling.ceiling_rows(samples, {}, "rid", "bench_kernels")
+    frame = raw_frame(rows)
+    assert (frame["protocol"] == "ceiling").all() and np.allclose(frame["read_ceiling_gbps"], 4000.0)
+    copy = frame[frame["backend"] == "copy-ceiling"]
+    assert copy["frac_of_ceiling"].iloc[0] == pytest.approx(0.5)
+    failed = raw_frame(ceiling.ceiling_rows([], {"read-ceiling": "cupy cannot be imported"}, "rid", "x"))
+    assert failed["status"].tolist() == ["failed"] and math.isnan(failed["read_ceiling_gbps"].iloc[0])
+
+
+# -- the commands without a GPU ------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("argv", [
+    ["measure", "--config", str(CONFIG), "--experiment", "published", "--out", "x.parquet"],
+    ["bench-kernels", "--config", str(CONFIG), "--out", "x.parquet"],
+    ["validate-gpu", "--config", str(CONFIG), "--out", "x.parquet"],
+    ["validate-gpu", "--smoke"],
+])
+def test_gpu_commands_refuse_in_one_line_without_a_gpu(argv, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "persistentkv", *argv], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: no CUDA device") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_parse_backends_rejects_unknown_names():
+    from persistentkv.commands.measure import parse_backends
+
+    assert parse_backends("flashinfer-tc, vllm-fa3") == ["flashinfer-tc", "vllm-fa3"]
+    assert parse_backends(None) is None
+    with pytest.raises(PKVError, match="unknown backend"):
+        parse_backends("flashinfer-tc,warp-drive")
+
+
+# -- the command body end to end, with fake backends on the CPU -----------------------------------
+def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeypatch, traces_dir, capsys):
+    import pandas as pd
+
+    from persistentkv.measure import runner
+
+    log = Log()
+    monkeypatch.setattr(runner, "_device", lambda: FakeDevice(l2_bytes=0))
+
+    def fake_ceilings(device, run_id, experiment, quick):
+        samples = [ceiling.CeilingSample("read-ceiling", 0, 4 * 10**9, 1000.0)]
+        return ceiling.ceiling_rows(samples, {}, run_id, experiment), ceiling.median_gbps(samples)
+
+    monkeypatch.setattr(runner, "_ceilings", fake_ceilings)
+    monkeypatch.setattr(runner, "BackendFactory", lambda: make_factory(log, {"vllm-fa3": {"fail": "plan"}}))
+    out = tmp_path / "raw" / "long_context.parquet"
+    rc = runner.run_experiment(str(CONFIG), "long_context", str(traces_dir), str(out), None,
+                               ["flashinfer-tc", "pkv-buckets", "vllm-fa3"], quick=True)
+    assert rc == 0
+    frame = pd.read_parquet(out)
+    assert list(frame.columns) == list(RAW_COLUMNS)
+    run_ids = set(frame["run_id"])
+    assert len(run_ids) == 1
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert list(sidecar) == list(run_ids)
+    assert set(sidecar[next(iter(run_ids))]) == set(provenance.FIELDS)
+    ok = frame[(frame["status"] == "ok") & (frame["protocol"] != "ceiling")]
+    assert set(ok["backend"]) == {"flashinfer-tc", "pkv-buckets"}
+    assert set(ok["protocol"]) == {"kernel", "eager", "step", "published"}
+    assert (ok["read_ceiling_gbps"] == 4000.0).all()
+    assert sorted(set(ok["max_len"])) == sorted(workload.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
+    assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
+    assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
