@@ -1,0 +1,157 @@
+"""``persistentkv validate-cpu``: our routes, run by the NumPy executor, against float64.
+
+For each config trace at the calibration seed, ``validation.cpu.steps_per_trace`` steps (always
+the first and the longest) are planned with the workqueue, buckets and split routes and executed
+by ``reference.execute_plan`` on an FP16 cache laid out on the trace's real (scattered) pages;
+``reference.reference_decode`` (float64, plan-free) is the judge. Writes
+results/counters/validation_cpu.parquet (docs/DATA.md) and exits 1 after writing it when any row
+fails, so the workflow stops on a wrong plan.
+
+Cost, napkin math: the longest published step (homogeneous B8) holds 8 x 32.8K = 262K tokens, so
+its K and V are 262K x 8 heads x 128 x 2 B = 0.54 GB each in FP16. Only the pages the step
+uses are materialised (renumbered densely, physical order kept), never the trace's whole page
+universe (1.6 GB of FP16 for bimodal B8), and ``cache.random_cache`` draws them in chunks of
+:data:`CACHE_CHUNK_PAGES` pages because it draws float64 first (4x the FP16 bytes at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .. import configuration
+from ..cache import Batch, allocate, batch_for_step, random_cache, random_queries
+from ..counters import buckets_variant, split_variant, to_frame, workqueue_variant
+from ..errors import require
+from ..io import atomic_write_parquet
+from ..reference import execute_plan, reference_decode, relative_error
+from ..spec import AttentionSpec
+from ..traces import Step, Trace, read_trace
+
+#: Pages per random_cache call: a 64 MB float64 draw per chunk instead of 2 GB for the longest step.
+CACHE_CHUNK_PAGES = 512
+#: results/counters/validation_cpu.parquet: DATA.md's columns, plus the step's shape and S.
+COLUMNS = ("trace", "seed", "step", "route", "num_splits", "batch_size", "max_len", "total_tokens",
+           "rel_err", "max_abs_err", "rtol", "passed", "nan_count")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    configuration.add_config_argument(parser)
+    parser.add_argument("--traces-dir", type=Path, default=Path("build/traces"),
+                        help="where {trace}_s{seed}.json live (default: build/traces)")
+    parser.add_argument("--out", type=Path, required=True, help="output parquet")
+    parser.add_argument("--trace", action="append", default=None, metavar="NAME",
+                        help="validate only this config trace (repeatable; default: all)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="sampled steps per trace (default: validation.cpu.steps_per_trace)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def sample_steps(steps: tuple[Step, ...], count: int) -> list[Step]:
+    """``count`` steps, deterministic, in trace order: the longest (most tokens, earliest on a
+    tie), the first, then steps evenly spaced over the trace."""
+    require(count >= 1, f"steps per trace must be >= 1, got {count}")
+    totals = np.array([s.total_tokens for s in steps], dtype=np.int64)
+    spread = np.linspace(0, len(steps) - 1, num=min(count, len(steps))).round().astype(int).tolist()
+    priority = [int(np.argmax(totals)), 0] + spread + list(range(len(steps)))
+    chosen = list(dict.fromkeys(priority))[:count]  # first occurrences, in priority order
+    return [steps[i] for i in sorted(chosen)]
+
+
+def compact_batch(batch: Batch) -> tuple[Batch, np.ndarray]:
+    """The batch renumbered onto only the pages it uses.
+
+    Returns (batch on pages 0..U-1, used page ids int64 [U] in ascending order). Renumbering by
+    rank keeps the physical order of the original ids, so rows stay scattered and interleaved
+    exactly as on the real cache.
+    """
+    used, dense = np.unique(batch.kv_indices, return_inverse=True)
+    return Batch(batch.spec, batch.seq_lens, batch.kv_indptr, dense.astype(np.int32), int(used.size)), used
+
+
+def step_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V, each [num_pages, page_size, Hkv, D] in ``spec.dtype``, standard-normal values from
+    ``cache.random_cache`` drawn :data:`CACHE_CHUNK_PAGES` pages at a time (chunk c seeded seed + c)."""
+    shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k_cache = np.empty(shape, dtype=np.dtype(spec.dtype))
+    v_cache = np.empty_like(k_cache)
+    for chunk, start in enumerate(range(0, num_pages, CACHE_CHUNK_PAGES)):
+        stop = min(start + CACHE_CHUNK_PAGES, num_pages)
+        k_cache[start:stop], v_cache[start:stop] = random_cache(spec, stop - start, seed + chunk)
+    return k_cache, v_cache
+
+
+def errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
+    """(relative error, max |out - ref|, NaN count) of out [B, Hq, D] against float64 ref."""
+    out64 = np.asarray(out, dtype=np.float64)
+    nan_count = int(np.isnan(out64).sum())
+    finite = bool(np.isfinite(out64).all())
+    max_abs = float(np.abs(out64 - ref).max()) if finite else math.inf
+    return relative_error(out, ref), max_abs, nan_count
+
+
+def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: dict, steps: int,
+                   rtol: float, progress=None) -> list[dict]:
+    """Rows of validation_cpu.parquet for ``trace``: each sampled step x (workqueue, buckets, split)."""
+    spec16 = dataclasses.replace(spec, dtype="float16")
+    variants = [workqueue_variant(int(planner["target_items"]), int(planner["min_chunk_tiles"])),
+                buckets_variant(num_splits), split_variant(num_splits)]
+    allocation = allocate(trace.requests, spec16.page_size, 0.0, trace.seed)
+    rows = []
+    for step in sample_steps(trace.steps, steps):
+        batch, _ = compact_batch(batch_for_step(spec16, allocation, step))
+        k_cache, v_cache = step_cache(spec16, batch.num_pages, trace.seed)
+        q = random_queries(spec16, batch.batch_size, trace.seed)
+        ref = reference_decode(q, k_cache, v_cache, batch)
+        for variant in variants:
+            out = execute_plan(variant.plan(batch), q, k_cache, v_cache, batch)
+            rel_err, max_abs, nan_count = errors(out, ref)
+            rows.append({"trace": trace.name, "seed": int(trace.seed), "step": int(step.index),
+                         "route": variant.route, "num_splits": int(variant.num_splits),
+                         "batch_size": batch.batch_size, "max_len": batch.max_len,
+                         "total_tokens": batch.total_tokens, "rel_err": rel_err, "max_abs_err": max_abs,
+                         "rtol": float(rtol), "passed": bool(rel_err <= rtol and nan_count == 0),
+                         "nan_count": nan_count})
+            if progress is not None:
+                progress.update(1)
+        del k_cache, v_cache  # the next step's cache must not coexist with this one
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    config = configuration.load_config(args.config)
+    names = args.trace or configuration.trace_names(config)
+    entries = [configuration.trace_entry(config, name) for name in names]
+    steps = config["validation"]["cpu"]["steps_per_trace"] if args.steps is None else args.steps
+    require(steps >= 1, f"--steps must be >= 1, got {steps}")
+    rtol = float(config["validation"]["cpu"]["rtol"])
+    seed = configuration.calibration_seed(config)
+    spec = configuration.spec(config)
+    loaded = []
+    for entry in entries:
+        path = args.traces_dir / f"{entry['name']}_s{seed}.json"
+        require(path.is_file(), f"trace {path} does not exist (make it with: persistentkv traces "
+                                f"--trace {entry['name']} --seed {seed} --out {path})")
+        loaded.append((read_trace(path), int(entry["splits"])))
+
+    total = sum(3 * min(steps, len(trace.steps)) for trace, _ in loaded)
+    rows = []
+    with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
+        for trace, splits in loaded:
+            rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
+    frame = to_frame(rows, COLUMNS)
+    atomic_write_parquet(args.out, frame)
+    failed = frame[~frame["passed"]]
+    print(f"{args.out}: {len(frame)} runs, {len(frame) - len(failed)} passed, "
+          f"max rel_err {frame['rel_err'].max():.3g} (rtol {rtol:g})")
+    for row in failed.itertuples():
+        print(f"FAILED {row.trace} seed {row.seed} step {row.step} {row.route}: rel_err {row.rel_err:.3g} > "
+              f"rtol {row.rtol:g}, {row.nan_count} NaN", file=sys.stderr)
+    return 1 if len(failed) else 0

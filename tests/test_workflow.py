@@ -1,0 +1,226 @@
+"""The Snakemake workflow on a copy of the repository: dry runs with and without a GPU, one-line
+errors when it loads, lint, and a small real run that is then up to date."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from persistentkv import configuration, hardware
+from persistentkv.errors import PKVError
+
+#: Tests that run Snakemake itself (the hardware tests below need only the library).
+needs_snakemake = pytest.mark.skipif(importlib.util.find_spec("snakemake") is None,
+                                     reason="the workflow needs snakemake (Python >= 3.11)")
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What the workflow reads from the repository (results/ and paper/ are outputs or optional inputs).
+WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "kernels", "environment.yml")
+CONFIG = configuration.load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
+SEED = configuration.calibration_seed(CONFIG)
+
+NO_GPU = "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\nexit 9\n"
+H200 = ("#!/bin/sh\ncase \"$*\" in\n  *compute_cap*) echo 9.0 ;;\n  *name*) echo 'NVIDIA H200' ;;\n"
+        "  *) echo unknown ;;\nesac\n")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    copy = tmp_path_factory.mktemp("repo")
+    for part in WORKFLOW_PARTS:
+        source = ROOT / part
+        if source.is_dir():
+            shutil.copytree(source, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.is_file():
+            shutil.copy2(source, copy / part)
+    return copy
+
+
+def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
+    """An environment whose PATH starts with a stand-in nvidia-smi (no GPU, or an H200)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(script)
+    exe.chmod(0o755)
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def snakemake(repo: Path, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's 'Job stats' table as {rule: count}."""
+    table = output.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
+
+
+@needs_snakemake
+def test_dry_run_all_without_gpu(repo, tmp_path):
+    done = snakemake(repo, "-n", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert done.returncode == 0, done.stderr + done.stdout
+    counts = job_counts(done.stdout)
+    traces, seeds = len(configuration.trace_names(CONFIG)), len(configuration.all_seeds(CONFIG))
+    assert counts["trace"] == counts["counter"] == traces * seeds == 42
+    for rule in ("validate_cpu", "ablation_buckets", "ablation_splits", "kernels", "all"):
+        assert counts[rule] == 1, rule
+    for gpu_rule in ("measure", "bench_kernels", "validate_gpu", "calibrate", "provenance"):
+        assert gpu_rule not in counts
+
+
+@needs_snakemake
+def test_dry_run_all_with_a_gpu(repo, tmp_path):
+    done = snakemake(repo, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, H200))
+    assert done.returncode == 0, done.stderr + done.stdout
+    counts = job_counts(done.stdout)
+    from persistentkv.measure.workload import EXPERIMENTS
+
+    assert counts["measure"] == len(EXPERIMENTS) == 7
+    for rule in ("bench_kernels", "validate_gpu", "calibrate", "provenance"):
+        assert counts[rule] == 1, rule
+    out = done.stdout
+    assert "persistentkv compile-kernels --arch sm_90 --out build/kernels/report.json" in out
+    assert ("persistentkv measure --config config/config.yaml --experiment calibration --traces-dir build/traces"
+            " --out results/nvidia-h200/raw/calibration.parquet  >") in out
+    assert ("--experiment published --traces-dir build/traces --out results/nvidia-h200/raw/published.parquet"
+            " --policy results/nvidia-h200/policy.json") in out
+    assert ("persistentkv calibrate --config config/config.yaml --timings results/nvidia-h200/raw/calibration.parquet"
+            " --out results/nvidia-h200/policy.json") in out
+    assert "persistentkv bench-kernels --config config/config.yaml --out results/nvidia-h200/bench_kernels.parquet" in out
+    assert "results/nvidia-h200/provenance.json" in out
+    one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
+    assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
+
+
+@needs_snakemake
+def test_lint_is_clean(repo, tmp_path):
+    for script in (NO_GPU, H200):
+        done = snakemake(repo, "--lint", env=fake_nvidia_smi(tmp_path, script))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
+
+
+def edited_copy(repo: Path, tmp_path: Path, old: str, new: str) -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".snakemake"))
+    path = copy / "config" / "config.yaml"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return copy
+
+
+@needs_snakemake
+@pytest.mark.parametrize("old, new, message", [
+    ("max_active: 8, num_steps: 48, splits: 20}", "max_active: 0, num_steps: 48, splits: 20}",
+     "error: config: traces[1].max_active: 0 is less than the minimum of 1"),
+    ("  page_size: 16\n", "  page_size: 16\n  colour: blue\n", "error: config: spec: unknown key 'colour'"),
+    ("measure: auto", "measure: always", "error: hardware.measure is 'always' but no GPU was found"),
+])
+def test_workflow_load_errors_are_one_line(repo, tmp_path, old, new, message):
+    copy = edited_copy(repo, tmp_path, old, new)
+    done = snakemake(copy, "-n", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(message), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@needs_snakemake
+def test_config_overrides_the_commands_would_miss_are_refused(repo, tmp_path):
+    done = snakemake(repo, "-n", "all", "--config", "planner={target_items: 100, min_chunk_tiles: 1}",
+                     env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("error: config: planner.target_items:")
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("planner: {target_items: 100, min_chunk_tiles: 1}\n")
+    done = snakemake(repo, "-n", "all", "--configfile", str(partial), env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: config: spec differs from {partial}")
+
+
+@needs_snakemake
+def test_small_run_then_nothing_to_do(repo, tmp_path):
+    env = fake_nvidia_smi(tmp_path, NO_GPU)
+    target = f"build/counters/bimodal_b4_s{SEED}.parquet"
+    done = snakemake(repo, "--cores", "1", target, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (repo / target).is_file() and (repo / f"build/traces/bimodal_b4_s{SEED}.json").is_file()
+    assert (repo / f"logs/counters/bimodal_b4_s{SEED}.log").is_file()
+    again = snakemake(repo, "-n", target, env=env)
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+
+# ---- hardware: the decisions the Snakefile takes as it loads ------------------------------------
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NVIDIA H200", "nvidia-h200"), ("NVIDIA GeForce RTX 3060", "nvidia-geforce-rtx-3060"),
+    ("  NVIDIA A100-SXM4-80GB ", "nvidia-a100-sxm4-80gb"), ("H100 (PCIe)", "h100-pcie")])
+def test_slug(name, expected):
+    assert hardware.slug(name) == expected
+
+
+def test_slug_of_nothing_is_an_error():
+    with pytest.raises(PKVError, match="has no letters or digits"):
+        hardware.slug(" -- ")
+
+
+@pytest.mark.parametrize("script, gpu, arch", [(H200, "NVIDIA H200", "sm_90"), (NO_GPU, None, None)])
+def test_detect_gpu_and_measure_modes(tmp_path, monkeypatch, script, gpu, arch):
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, script)["PATH"])
+    assert hardware.detect_gpu() == gpu
+    assert hardware.detect_arch() == arch
+    mode = lambda m: {"hardware": {"measure": m, "kernel_archs": ["sm_80"]}}
+    assert hardware.measure_enabled(mode("never")) is False
+    assert hardware.measure_enabled(mode("auto")) is (gpu is not None)
+    if gpu is None:
+        with pytest.raises(PKVError, match="hardware.measure is 'always' but no GPU was found"):
+            hardware.measure_enabled(mode("always"))
+    else:
+        assert hardware.measure_enabled(mode("always")) is True
+    assert hardware.kernel_archs(mode("auto"), arch) == ([arch] if arch else ["sm_80"])
+
+
+def test_no_nvidia_smi_means_no_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: nvidia-smi is not found
+    assert hardware.detect_gpu() is None and hardware.detect_arch() is None
+
+
+# ---- provenance: the sidecars of one hardware merged ---------------------------------------------
+
+def merge_provenance(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "workflow" / "scripts" / "merge_provenance.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_merge_provenance(tmp_path):
+    import json
+
+    a, b = tmp_path / "published.json", tmp_path / "bench_kernels.json"
+    a.write_text(json.dumps({"published-1": {"gpu": "NVIDIA H200", "seeds": [1, 2]}}))
+    b.write_text(json.dumps({"bench-1": {"gpu": "NVIDIA H200"}, "published-1": {"gpu": "NVIDIA H200", "seeds": [1, 2]}}))
+    out = tmp_path / "hw" / "provenance.json"
+    done = merge_provenance("--out", out, a, b)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"bench-1": {"gpu": "NVIDIA H200"},
+                                           "published-1": {"gpu": "NVIDIA H200", "seeds": [1, 2]}}
+    b.write_text(json.dumps({"published-1": {"gpu": "NVIDIA A100"}}))  # one id, two different runs
+    out.unlink()
+    done = merge_provenance("--out", out, a, b)
+    assert done.returncode == 2 and not out.exists()
+    assert done.stderr.count("\n") == 1 and "run id 'published-1' has different records" in done.stderr
+    b.write_text("[1, 2")
+    done = merge_provenance("--out", out, a, b)
+    assert done.returncode == 2 and "not valid JSON" in done.stderr and not out.exists()

@@ -1,0 +1,43 @@
+# Names shared by the workflow's .smk files: the conda environment, traces and seeds, wildcard
+# constraints. The Snakefile has validated the config and set CONFIG_FILE before this file is read.
+
+import glob
+import mimetypes
+import os
+
+from persistentkv import configuration, hardware
+
+#: The environment of DESIGN.md; declared only where the file exists (a missing one fails every job).
+CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.basedir, "environment.yml")) else None
+
+# `snakemake --report` embeds tables as downloads; without a type it labels parquet text/plain.
+mimetypes.add_type("application/vnd.apache.parquet", ".parquet")
+
+TRACE_NAMES = configuration.trace_names(config)
+CALIBRATION_SEED = configuration.calibration_seed(config)
+SEEDS = configuration.all_seeds(config)
+TRACE_FILES = expand("build/traces/{trace}_s{seed}.json", trace=TRACE_NAMES, seed=SEEDS)
+CALIBRATION_TRACE_FILES = expand("build/traces/{trace}_s{seed}.json", trace=TRACE_NAMES, seed=CALIBRATION_SEED)
+COUNTER_FILES = expand("build/counters/{trace}_s{seed}.parquet", trace=TRACE_NAMES, seed=SEEDS)
+
+
+def ablation_trace_files(kind):
+    """Trace files an ablation reads: its traces at the calibration seed."""
+    return expand("build/traces/{trace}_s{seed}.json", trace=config["ablations"][kind]["traces"],
+                  seed=CALIBRATION_SEED)
+
+
+def trace_entry(wildcards):
+    """The config entry of a trace (passed as a parameter, so editing it reruns that trace's jobs)."""
+    return configuration.trace_entry(config, wildcards.trace)
+
+
+def trace_source(wildcards):
+    """A file trace's CSV (an input: editing the file regenerates the trace); nothing otherwise."""
+    entry = configuration.trace_entry(config, wildcards.trace)
+    return [entry["path"]] if entry["kind"] == "file" else []
+
+
+wildcard_constraints:
+    trace="|".join(TRACE_NAMES),
+    seed=r"\d+",

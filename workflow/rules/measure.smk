@@ -1,0 +1,141 @@
+import os
+
+# GPU rules, included only when hardware.measure_enabled(config): a GPU is present (measure: auto)
+# or required (measure: always). Everything lands in results/<hw>/ of the GPU found, never in
+# another hardware's folder. A GPU job asks for every core (threads: workflow.cores), so no other
+# job, GPU or CPU, runs beside it and disturbs its timings.
+
+from persistentkv.measure.workload import EXPERIMENTS
+
+HW = hardware.slug(GPU)
+RESULTS = f"results/{HW}"
+POLICY = f"{RESULTS}/policy.json"
+#: Provenance sidecars the GPU commands write beside their parquet (docs/DATA.md).
+SIDECARS = expand(f"{RESULTS}/raw/{{experiment}}.json", experiment=EXPERIMENTS) + [
+    f"{RESULTS}/bench_kernels.json",
+    f"{RESULTS}/validation_gpu.json",
+]
+#: What a GPU run adds to `all` (and what rendering results/<hw>/ should wait for).
+MEASURE_TARGETS = expand(f"{RESULTS}/raw/{{experiment}}.parquet", experiment=EXPERIMENTS) + [
+    f"{RESULTS}/bench_kernels.parquet",
+    f"{RESULTS}/validation_gpu.parquet",
+    POLICY,
+    f"{RESULTS}/provenance.json",
+]
+
+
+wildcard_constraints:
+    experiment="|".join(EXPERIMENTS),
+
+
+rule bench_kernels:
+    input:
+        kernels=rules.kernels.output,
+    output:
+        table=f"{RESULTS}/bench_kernels.parquet",
+        provenance=f"{RESULTS}/bench_kernels.json",
+    log:
+        f"logs/measure/{HW}/bench_kernels.log",
+    params:
+        config=CONFIG_FILE,
+        spec=config["spec"],
+        measure=config["measure"],
+    threads: workflow.cores
+    conda:
+        CONDA_ENV
+    shell:
+        "persistentkv bench-kernels --config {params.config} --out {output.table} > {log} 2>&1"
+
+
+rule measure:
+    input:
+        traces=TRACE_FILES,
+        kernels=rules.kernels.output,
+        # the adaptive backend needs the calibrated policy in every experiment but calibration
+        policy=lambda wildcards: [] if wildcards.experiment == "calibration" else [POLICY],
+    output:
+        table=f"{RESULTS}/raw/{{experiment}}.parquet",
+        provenance=f"{RESULTS}/raw/{{experiment}}.json",
+    log:
+        f"logs/measure/{HW}/{{experiment}}.log",
+    params:
+        config=CONFIG_FILE,
+        spec=config["spec"],
+        measure=config["measure"],
+        traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
+        policy=lambda wildcards, input: f"--policy {input.policy}" if input.policy else "",
+    threads: workflow.cores
+    conda:
+        CONDA_ENV
+    shell:
+        "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
+        " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1"
+
+
+# One named target per experiment: `snakemake measure_published`.
+for _experiment in EXPERIMENTS:
+
+    rule:
+        name:
+            f"measure_{_experiment}"
+        input:
+            f"{RESULTS}/raw/{_experiment}.parquet",
+
+
+rule validate_gpu:
+    input:
+        traces=TRACE_FILES,
+        kernels=rules.kernels.output,
+        policy=POLICY,
+    output:
+        table=report(f"{RESULTS}/validation_gpu.parquet", caption="../report/validation_gpu.rst",
+                     category="Validation", subcategory=HW),
+        provenance=f"{RESULTS}/validation_gpu.json",
+    log:
+        f"logs/measure/{HW}/validate_gpu.log",
+    params:
+        config=CONFIG_FILE,
+        spec=config["spec"],
+        validation=config["validation"]["gpu"],
+        traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
+    threads: workflow.cores
+    conda:
+        CONDA_ENV
+    shell:
+        "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
+        " --out {output.table} --policy {input.policy} > {log} 2>&1"
+
+
+rule calibrate:
+    input:
+        timings=f"{RESULTS}/raw/calibration.parquet",
+    output:
+        report(POLICY, caption="../report/policy.rst", category="Policy", subcategory=HW),
+    log:
+        f"logs/measure/{HW}/calibrate.log",
+    params:
+        config=CONFIG_FILE,
+        policy=config["policy"],
+    conda:
+        CONDA_ENV
+    shell:
+        "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1"
+
+
+rule provenance:
+    input:
+        SIDECARS,
+    output:
+        report(f"{RESULTS}/provenance.json", caption="../report/provenance.rst", category="Provenance",
+               subcategory=HW),
+    log:
+        f"logs/measure/{HW}/provenance.log",
+    params:
+        script=workflow.source_path("../scripts/merge_provenance.py"),
+        # git commits of earlier runs made from a tree without .git (docs/DATA.md)
+        annotations=(f"--annotations {RESULTS}/run_commits.json"
+                     if os.path.isfile(f"{RESULTS}/run_commits.json") else ""),
+    conda:
+        CONDA_ENV
+    shell:
+        "python {params.script} --out {output} {params.annotations} {input} > {log} 2>&1"
