@@ -1,0 +1,25 @@
+"""persistentkv claims: judge every numbered claim of the paper from one hardware's results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..render.cli_args import add_results_arguments, load
+
+
+def add_arguments(parser) -> None:
+    add_results_arguments(parser)
+    parser.add_argument("--out", required=True, type=Path, help="claims.json to write")
+
+
+def run(args) -> int:
+    from .. import claims
+    from ..io import atomic_write_json
+
+    results = load(args)
+    payload = claims.judge(results)
+    atomic_write_json(args.out, payload)
+    c = payload["counts"]
+    print(f"{results.hw}: {len(payload['claims'])} claims: " + ", ".join(f"{v} {n}" for v, n in c.items())
+          + f" -> {args.out}")
+    return 0

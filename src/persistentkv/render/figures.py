@@ -1,0 +1,553 @@
+"""Seaborn figures: SVG for the HTML report, PDF for the paper, one style throughout.
+
+Each ``fig_*`` function takes tidy frames and returns a matplotlib :class:`Figure` (no pyplot
+state); each ``data_*`` function derives those frames from :class:`Results`. A figure whose rows
+are absent renders as a placeholder that says "not measured on <hw> yet", never as an empty or
+invented plot. :func:`render_all` writes every figure of :data:`FIGURES` atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)   # headless: the renderers never open a window
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+
+from .. import analysis, claims
+from ..errors import PKVError, require
+from ..io import atomic_path
+from . import FIGURE_NAMES as _NAMES
+from .inputs import Results
+
+WIDTH = 6.8     # inches: the paper's text width and a comfortable report width
+#: One colour per backend in every figure (colour-blind-safe base palette).
+BACKEND_ORDER = ("pkv-workqueue", "pkv-buckets", "pkv-split", "adaptive", "flashinfer-tc", "flashinfer-cc",
+                 "vllm-fa3", "trtllm-xqa", "torch-sdpa")
+_PALETTE = sns.color_palette("colorblind", 10)
+#: Ours in blues/greens, FlashInfer in oranges/browns, other baselines purple/grey/yellow.
+BACKEND_COLORS = {b: _PALETTE[i] for b, i in zip(BACKEND_ORDER, (0, 2, 9, 3, 1, 5, 4, 7, 8))}
+PROTOCOL_LABELS = {"published": "published protocol (CUDA events)",
+                   "step": "fair protocol (step: plan + L layers)"}
+#: Tick values offered on ratio axes (log scale): readable numbers rather than powers of ten.
+RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 7, 10, 20)
+FORMATS = ("svg", "pdf", "png")
+
+
+@contextlib.contextmanager
+def style():
+    """The house style, scoped: nothing leaks into the caller's matplotlib state."""
+    rc = {"svg.fonttype": "none", "svg.hashsalt": "persistentkv", "pdf.fonttype": 42,
+          "axes.spines.top": False, "axes.spines.right": False, "axes.titlesize": 9,
+          "axes.labelsize": 8.5, "xtick.labelsize": 7.5, "ytick.labelsize": 7.5, "legend.fontsize": 7.5,
+          "legend.title_fontsize": 8, "font.family": "DejaVu Sans", "grid.linewidth": 0.5}
+    with sns.axes_style("whitegrid"), sns.plotting_context("paper"), matplotlib.rc_context(rc):
+        yield
+
+
+def color(backend: str):
+    base = backend.split("/")[0]
+    return BACKEND_COLORS.get(base, (0.4, 0.4, 0.4))
+
+
+def _order(names) -> list[str]:
+    names = list(dict.fromkeys(names))
+    rank = {b: i for i, b in enumerate(BACKEND_ORDER)}
+    return sorted(names, key=lambda b: (rank.get(b.split("/")[0], 99), b))
+
+
+def placeholder(title: str, message: str, height: float = 1.6) -> Figure:
+    """A figure that states what is missing (used wherever the rows are absent)."""
+    with style():
+        fig = Figure(figsize=(WIDTH, height), layout="constrained")
+        ax = fig.subplots()
+        ax.set_axis_off()
+        ax.text(0.5, 0.62, title, ha="center", va="center", fontsize=10, weight="bold", transform=ax.transAxes)
+        ax.text(0.5, 0.32, message, ha="center", va="center", fontsize=9, color="#b03030", transform=ax.transAxes)
+    return fig
+
+
+def not_measured(hw: str, what: str) -> str:
+    return f"{what}: not measured on {hw} yet"
+
+
+def ratio_axis(ax) -> None:
+    """Log-scaled ratio axis with plain tick labels (0.8, 1, 1.25, ...) inside the data range."""
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in RATIO_TICKS if lo <= t <= hi]
+    if len(ticks) > 7:
+        ticks = [t for t in ticks if t in (0.1, 0.2, 0.5, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 20)]
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def pow2_axis(ax, axis: str = "x", tokens: bool = False) -> None:
+    """Log2 axis labelled 1, 2, 4 ... (or 4K, 32K ... for token counts)."""
+    getattr(ax, f"set_{axis}scale")("log", base=2)
+    fmt = (lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}") if tokens else (lambda v, _: f"{v:g}")
+    getattr(ax, f"{axis}axis").set_major_formatter(matplotlib.ticker.FuncFormatter(fmt))
+
+
+def _dodged(ax, frame: pd.DataFrame, x: str, order: list, hue: str, hue_order: list, y="ratio",
+            lo="lo", hi="hi", width: float = 0.7, marker="o", label=True) -> None:
+    """Points with precomputed interval bars, dodged by ``hue`` within each ``x`` category."""
+    n = max(len(hue_order), 1)
+    step = width / n
+    for j, h in enumerate(hue_order):
+        part = frame[frame[hue] == h]
+        if part.empty:
+            continue
+        xs = np.array([order.index(v) for v in part[x]]) - width / 2 + step * (j + 0.5)
+        yv = part[y].to_numpy(float)
+        err = np.vstack([yv - part[lo].to_numpy(float), part[hi].to_numpy(float) - yv])
+        ax.errorbar(xs, yv, yerr=np.where(np.isfinite(err), err, 0), fmt=marker, ms=4, lw=1.1, capsize=2,
+                    color=color(h), label=h if label else None)
+    ax.set_xticks(range(len(order)), order)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Throughput ratio vs best FlashInfer per trace, both protocols
+
+def data_trace_ratios(results: Results) -> pd.DataFrame:
+    """Per (protocol, trace, backend): geometric mean over holdout seeds of the speedup over the
+    faster FlashInfer, published experiment. Columns: protocol, trace, backend, ratio, lo, hi, seeds."""
+    out = []
+    for protocol in PROTOCOL_LABELS:
+        cells = claims._cells(results, "published", protocol)
+        per = analysis.ratios(cells, claims.REFERENCE)
+        per = per[~per["backend"].isin(analysis.FLASHINFER)]
+        if per.empty:
+            continue
+        g = analysis.geomean(per, by=["trace", "backend"])
+        g["protocol"] = protocol
+        out.append(g.drop(columns="boot").rename(columns={"n_rows": "seeds"}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(
+        columns=["protocol", "trace", "backend", "ratio", "lo", "hi", "seeds"])
+
+
+def fig_trace_ratios(frame: pd.DataFrame, hw: str) -> Figure:
+    title = "Speedup over the faster FlashInfer, per trace"
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "published-trace timings"))
+    traces = [r.trace for r in claims.PUBLISHED_ROWS if r.trace in set(frame["trace"])]
+    traces += sorted(set(frame["trace"]) - set(traces))
+    backends = _order(frame["backend"])
+    with style():
+        fig = Figure(figsize=(WIDTH, 3.0), layout="constrained")
+        axes = fig.subplots(1, 2, sharey=True)
+        for ax, protocol in zip(axes, PROTOCOL_LABELS):
+            part = frame[frame["protocol"] == protocol]
+            ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+            ax.set_title(PROTOCOL_LABELS[protocol])
+            if part.empty:
+                ax.text(0.5, 0.5, f"not measured on {hw} yet", transform=ax.transAxes, ha="center",
+                        color="#b03030")
+                ax.set_xticks(range(len(traces)), traces)
+            else:
+                _dodged(ax, part, "trace", traces, "backend", backends, label=protocol == "step" or
+                        frame[frame["protocol"] == "step"].empty)
+            if protocol == "published":
+                pts = [(traces.index(r.trace), r.event) for r in claims.PUBLISHED_ROWS if r.trace in traces]
+                if pts:
+                    ax.scatter(*zip(*pts), marker="x", color="black", s=28, zorder=5,
+                               label=f"paper ({claims.PAPER_GPU})")
+            ax.tick_params(axis="x", rotation=25)
+            ax.set_xlabel("")
+        axes[0].set_ylabel("speedup vs faster FlashInfer (×)")
+        ratio_axis(axes[0])
+        handles, labels = [], []
+        for ax in axes:
+            for h, l in zip(*ax.get_legend_handles_labels()):
+                if l not in labels:
+                    handles.append(h)
+                    labels.append(l)
+        fig.legend(handles, labels, loc="outside right center", frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Fraction of the read ceiling vs KV bytes per step
+
+def data_ceiling(results: Results) -> pd.DataFrame:
+    """Kernel rows (device time per call) of every experiment: median fraction of the read ceiling
+    per (trace, backend, kv_bytes)."""
+    timing = results.timing
+    if timing.empty:
+        return pd.DataFrame()
+    rows = timing[timing["protocol"] == "kernel"]
+    # The synthetic grids (equal-length rows) place each point cleanly; trace steps only where
+    # no grid was measured, so the figure never goes blank while kernel rows exist.
+    grid = rows[rows["experiment"].isin(["bench_kernels", "long_context", "batch_sweep"])]
+    return analysis.ceiling_fraction(grid if not grid.empty else rows)
+
+
+def fig_ceiling(frame: pd.DataFrame, hw: str) -> Figure:
+    title = "Fraction of the measured read ceiling"
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "kernel timings"))
+    with style():
+        fig = Figure(figsize=(WIDTH, 3.0), layout="constrained")
+        ax = fig.subplots()
+        for b in _order(frame["backend"]):
+            part = frame[frame["backend"] == b].sort_values("kv_bytes")
+            x = part["kv_bytes"].to_numpy(float) / 1e6
+            y = part["frac"].to_numpy(float)
+            err = np.vstack([y - part["lo"].to_numpy(float), part["hi"].to_numpy(float) - y])
+            ax.errorbar(x, y, yerr=err, fmt="o", ms=3.5, lw=0.9, capsize=1.5, color=color(b), label=b, alpha=0.85)
+        ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("KV bytes read per step and layer (MB, log scale)")
+        ax.set_ylabel("fraction of read ceiling")
+        ax.set_ylim(0, max(1.05, float(np.nanmax(frame["hi"])) * 1.05))
+        ax.set_title(title)
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Launch fan-out and merge traffic (counters)
+
+def fig_fanout_merge(ablation: pd.DataFrame, hw: str) -> Figure:
+    title = "Launch fan-out and merge-state traffic per step (planner counters)"
+    need = {"trace", "variant", "launches", "paper_merge_state_bytes"}
+    if ablation.empty or not need <= set(ablation.columns):
+        return placeholder(title, "bucket ablation counters not computed yet (results/counters/ablation_buckets.parquet)")
+    frame = ablation.copy()
+    frame["merge MB"] = frame["paper_merge_state_bytes"] / 1e6
+    def rank(v: str):
+        size = v.split("_")[-1]
+        return (v != "exact", not v.startswith("padded"), v != "split_rect",
+                int(size) if size.isdigit() else 0, v)
+
+    variants = sorted(frame["variant"].unique(), key=rank)
+    traces = [r.trace for r in claims.PUBLISHED_ROWS if r.trace in set(frame["trace"])]
+    traces += sorted(set(frame["trace"]) - set(traces))
+    with style():
+        fig = Figure(figsize=(WIDTH, 2.8), layout="constrained")
+        axes = fig.subplots(1, 2)
+        pal = dict(zip(variants, sns.color_palette("crest", len(variants))))
+        if "workqueue" in pal:
+            pal["workqueue"] = BACKEND_COLORS["pkv-workqueue"]
+        for ax, col, label in ((axes[0], "launches", "launches per step"), (axes[1], "merge MB", "merge state, MB per step")):
+            sns.barplot(frame, x="trace", y=col, hue="variant", order=traces, hue_order=variants, ax=ax,
+                        estimator="median", errorbar=("pi", 100), palette=pal, err_kws={"linewidth": 0.8},
+                        legend=ax is axes[1])
+            ax.set_xlabel("")
+            ax.set_ylabel(label)
+            ax.tick_params(axis="x", rotation=25)
+        axes[0].set_yscale("log")
+        axes[1].legend(title="plan", loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        fig.suptitle("median over steps, bars span min to max; merge bytes use the paper's (D+2)-float count",
+                     fontsize=7.5, color="0.35")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Split sensitivity
+
+def data_split_times(results: Results) -> pd.DataFrame:
+    """Measured split_sensitivity rows: per (trace, num_splits) the pkv route's speedup over the
+    faster FlashInfer (fair step protocol, else kernel), geometric mean over holdout seeds."""
+    for protocol in ("step", "kernel"):
+        cells = claims._cells(results, "split_sensitivity", protocol)
+        if not cells:
+            continue
+        per = analysis.ratios(cells, claims.REFERENCE)
+        per = per[per["backend"].str.startswith("pkv")]
+        if per.empty:
+            continue
+        per["num_splits"] = per["backend"].str.extract(r"/S(\d+)$")[0].astype(float)
+        per["route"] = per["backend"].str.split("/").str[0]
+        g = analysis.geomean(per.dropna(subset=["num_splits"]), by=["trace", "route", "num_splits"])
+        g["protocol"] = protocol
+        return g.drop(columns="boot")
+    return pd.DataFrame()
+
+
+def fig_split_sensitivity(times: pd.DataFrame, splits: pd.DataFrame, hw: str) -> Figure:
+    title = "Split sensitivity"
+    have_counts = not splits.empty and {"num_splits", "merge_state_bytes", "route", "trace"} <= set(splits.columns)
+    if times.empty and not have_counts:
+        return placeholder(title, not_measured(hw, "split sensitivity") + "; split counters not computed yet")
+    with style():
+        fig = Figure(figsize=(WIDTH, 2.8), layout="constrained")
+        axes = fig.subplots(1, 2)
+        ax = axes[0]
+        if times.empty:
+            ax.text(0.5, 0.5, f"timings: not measured on {hw} yet", ha="center", va="center",
+                    transform=ax.transAxes, color="#b03030")
+            ax.set_axis_off()
+        else:
+            for (trace, route), part in times.groupby(["trace", "route"]):
+                part = part.sort_values("num_splits")
+                y = part["ratio"].to_numpy(float)
+                ax.errorbar(part["num_splits"], y, yerr=[y - part["lo"], part["hi"] - y], marker="o", ms=3,
+                            lw=1, capsize=1.5, label=f"{trace} ({route})")
+            ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+            pow2_axis(ax)
+            ratio_axis(ax)
+            ax.set_xlabel("splits S")
+            ax.set_ylabel("speedup vs faster FlashInfer (×)")
+            ax.set_title(f"measured ({times['protocol'].iloc[0]} rows)")
+            ax.legend(frameon=False, fontsize=6.5)
+        ax = axes[1]
+        if not have_counts:
+            ax.text(0.5, 0.5, "split counters not computed yet", ha="center", va="center", transform=ax.transAxes,
+                    color="#b03030")
+            ax.set_axis_off()
+        else:
+            part = splits[splits["route"] == "split"] if (splits["route"] == "split").any() else splits
+            agg = part.groupby(["trace", "num_splits"], as_index=False)["merge_state_bytes"].mean()
+            agg["merge MB"] = agg["merge_state_bytes"] / 1e6
+            agg = agg[agg["merge MB"] > 0]        # S = 1 writes no merge state: nothing to draw on a log axis
+            sns.lineplot(agg, x="num_splits", y="merge MB", hue="trace", marker="o", ax=ax, markersize=4)
+            pow2_axis(ax)
+            ax.set_yscale("log")
+            ax.set_xlabel("splits S")
+            ax.set_ylabel("merge state, MB per step (mean)")
+            ax.set_title("planner counters (rectangular split)")
+            ax.legend(frameon=False, fontsize=6.5)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Batch-size sweep
+
+def data_batch_sweep(results: Results) -> pd.DataFrame:
+    """Speedup over the faster FlashInfer per (length, batch size, backend) for batch_sweep rows
+    (kernel protocol; step rows where no kernel rows exist)."""
+    rows = results.experiment("batch_sweep")
+    if rows.empty:
+        return pd.DataFrame()
+    protocol = "kernel" if (rows["protocol"] == "kernel").any() else "step"
+    rows = rows[rows["protocol"] == protocol]
+    per = analysis.ratios(claims._cells(results, "batch_sweep", protocol, holdout=False), claims.REFERENCE)
+    per = per[~per["backend"].isin(analysis.FLASHINFER)]
+    if per.empty:
+        return pd.DataFrame()
+    shape = rows.drop_duplicates("trace").set_index("trace")[["batch_size", "max_len"]]
+    per = per.join(shape, on="trace")
+    per["protocol"] = protocol
+    return per.drop(columns="boot")
+
+
+def fig_batch_sweep(frame: pd.DataFrame, hw: str) -> Figure:
+    title = "Batch-size sweep"
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "batch-size sweep"))
+    lengths = sorted(frame["max_len"].unique())
+    ncol = min(3, len(lengths))
+    nrow = math.ceil(len(lengths) / ncol)
+    with style():
+        fig = Figure(figsize=(WIDTH, 1.1 + 1.9 * nrow), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(nrow, ncol, sharey=True, squeeze=False)).ravel()
+        for ax, n in zip(axes, lengths):
+            part = frame[frame["max_len"] == n]
+            for b in _order(part["backend"]):
+                p = part[part["backend"] == b].sort_values("batch_size")
+                y = p["ratio"].to_numpy(float)
+                ax.errorbar(p["batch_size"], y, yerr=[y - p["lo"], p["hi"] - y], marker="o", ms=3, lw=1,
+                            capsize=1.5, color=color(b), label=b)
+            ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+            pow2_axis(ax)
+            n = int(n)
+            ax.set_title(f"{n / 1024:g}K tokens per row" if n >= 1024 else f"{n} tokens per row")
+            ax.set_xlabel("batch size B")
+        for ax in axes[len(lengths):]:
+            ax.set_axis_off()
+        ratio_axis(axes[0])                # shared y: once, after every panel has set its limits
+        axes[0].set_ylabel("speedup vs faster FlashInfer (×)")
+        handles, labels = axes[0].get_legend_handles_labels()
+        for ax in axes[1:]:
+            for h, l in zip(*ax.get_legend_handles_labels()):
+                if l not in labels:
+                    handles.append(h)
+                    labels.append(l)
+        fig.legend(handles, labels, loc="outside right center", frameon=False)
+        fig.suptitle(f"{frame['protocol'].iloc[0]} protocol; geometric scale", fontsize=7.5, color="0.35")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Policy decisions
+
+def data_policy(results: Results) -> pd.DataFrame:
+    """One row per step the adaptive backend ran: experiment, trace, seed, step, batch_size,
+    max_len, route (the delegate it chose)."""
+    timing = results.timing
+    if timing.empty or "route" not in timing.columns:
+        return pd.DataFrame()
+    rows = timing[(timing["backend"] == "adaptive") & (timing["status"] == "ok")]
+    if rows.empty:
+        return pd.DataFrame()
+    cols = ["experiment", "trace", "seed", "step", "batch_size", "max_len", "route"]
+    return rows.drop_duplicates(["experiment", "trace", "seed", "step", "num_qo_heads", "hole_fraction"])[cols]
+
+
+def fig_policy(frame: pd.DataFrame, hw: str) -> Figure:
+    title = "Adaptive policy: the route chosen per step"
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "adaptive-backend runs"))
+    rng = np.random.default_rng(0)   # jitter only separates overlapping markers; fixed for byte-stable output
+    with style():
+        fig = Figure(figsize=(WIDTH, 2.9), layout="constrained")
+        ax = fig.subplots()
+        for route in _order(frame["route"]):
+            part = frame[frame["route"] == route]
+            jitter = np.exp(rng.uniform(-0.08, 0.08, len(part)))
+            ax.scatter(part["max_len"], part["batch_size"] * jitter, s=12, alpha=0.7, color=color(route),
+                       label=f"{route} ({len(part)})", edgecolors="none")
+        pow2_axis(ax, "x", tokens=True)
+        pow2_axis(ax, "y")
+        ax.set_xlabel("N_max: longest row of the step (tokens)")
+        ax.set_ylabel("batch size B")
+        ax.set_title(title)
+        ax.legend(title="route (steps)", loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Validation status per backend
+
+def data_validation(results: Results) -> pd.DataFrame:
+    """GPU validation rows plus CPU (NumPy executor) rows as backend ``cpu:<route>``.
+    Columns: backend, rel_err, rtol, passed, status, reason, source."""
+    parts = []
+    v = results.validation_gpu
+    if not v.empty:
+        p = v.copy()
+        p["source"] = "gpu"
+        parts.append(p)
+    c = results.validation_cpu
+    if not c.empty:
+        p = c.copy()
+        p["backend"] = "cpu:" + p["route"].astype(str)
+        p["source"] = "cpu"
+        p["status"] = p.get("status", "ok")
+        p["reason"] = p.get("reason", "")
+        parts.append(p)
+    if not parts:
+        return pd.DataFrame()
+    frame = pd.concat(parts, ignore_index=True)
+    for col, default in (("status", "ok"), ("reason", ""), ("rtol", np.nan), ("passed", False)):
+        if col not in frame.columns:
+            frame[col] = default
+    return frame[["backend", "rel_err", "rtol", "passed", "status", "reason", "source"]]
+
+
+def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
+    title = "Validation against the float64 reference"
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "validation"))
+    backends = _order(frame["backend"])
+    with style():
+        fig = Figure(figsize=(WIDTH, 0.9 + 0.26 * len(backends)), layout="constrained")
+        ax = fig.subplots()
+        ok = frame[(frame["status"] == "ok") & np.isfinite(pd.to_numeric(frame["rel_err"], errors="coerce"))]
+        floor = 1e-8
+        for i, b in enumerate(backends):
+            part = ok[ok["backend"] == b]
+            if not part.empty:
+                y = i + np.linspace(-0.18, 0.18, len(part)) if len(part) > 1 else np.array([i])
+                passed = part["passed"].astype(bool).to_numpy()
+                err = np.maximum(part["rel_err"].to_numpy(float), floor)
+                ax.scatter(err[passed], y[passed], s=10, color=color(b), alpha=0.8, edgecolors="none")
+                ax.scatter(err[~passed], y[~passed], s=22, marker="x", color="#c0392b")
+                rtol = pd.to_numeric(part["rtol"], errors="coerce").dropna()
+                if not rtol.empty:
+                    ax.plot([rtol.max()] * 2, [i - 0.35, i + 0.35], color="0.2", lw=1)
+            bad = frame[(frame["backend"] == b) & (frame["status"] != "ok")]
+            if part.empty and not bad.empty:
+                ax.text(1.0, i, f"{bad['status'].iloc[0]}", transform=ax.get_yaxis_transform(), ha="right",
+                        va="center", fontsize=7, color="#b03030")
+        ax.set_yticks(range(len(backends)), backends)
+        ax.set_xscale("log")
+        ax.set_ylim(len(backends) - 0.5, -0.5)
+        ax.set_xlabel("relative error ‖out − ref‖ / ‖ref‖ (log); bar = tolerance; × = failed")
+        ax.set_title(title)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and writing
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str
+    title: str
+    how_to_read: str
+    build: Callable[[Results], Figure]
+
+
+FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("trace_ratios", "Speedup over FlashInfer per published trace",
+               "Each point is a geometric mean over holdout seeds of FlashInfer's time over the backend's "
+               "(above the dashed line = faster than the faster FlashInfer configuration), with its 95% bootstrap "
+               "interval; left: the paper's timed region, right: the fair step protocol; crosses: the paper's RTX 3060 figures.",
+               lambda r: fig_trace_ratios(data_trace_ratios(r), r.hw)),
+    FigureSpec("read_ceiling", "Fraction of the read ceiling",
+               "Achieved KV read bandwidth of each kernel call (CUDA-graph device time) as a fraction of the read "
+               "ceiling measured in the same run; the closer to 1, the less there is left to gain.",
+               lambda r: fig_ceiling(data_ceiling(r), r.hw)),
+    FigureSpec("fanout_merge", "Launch fan-out and merge-state traffic",
+               "Planner counters per step (hardware-independent): exact-length buckets launch a decode and a merge "
+               "per distinct length; the work queue launches once; padded buckets trade launches for padded reads.",
+               lambda r: fig_fanout_merge(r.ablation_buckets, r.hw)),
+    FigureSpec("split_sensitivity", "Split sensitivity",
+               "Left: measured speedup against the split count S (where measured); right: merge-state bytes the "
+               "rectangular split writes per step as S grows.",
+               lambda r: fig_split_sensitivity(data_split_times(r), r.ablation_splits, r.hw)),
+    FigureSpec("batch_sweep", "Batch-size sweep",
+               "Speedup over the faster FlashInfer for B rows of equal length; one panel per length.",
+               lambda r: fig_batch_sweep(data_batch_sweep(r), r.hw)),
+    FigureSpec("policy", "Policy decisions",
+               "Every step the adaptive backend ran, placed by its longest row and batch size, coloured by the route "
+               "the frozen policy chose.",
+               lambda r: fig_policy(data_policy(r), r.hw)),
+    FigureSpec("validation", "Validation status",
+               "Relative error of every backend against the float64 reference at sampled steps (GPU) and of the "
+               "NumPy executor per route (cpu:...); the bar marks the tolerance.",
+               lambda r: fig_validation(data_validation(r), r.hw)),
+)
+FIGURE_NAMES = tuple(f.name for f in FIGURES)
+assert FIGURE_NAMES == _NAMES, "render/__init__.py FIGURE_NAMES must list FIGURES in order"
+
+
+def save(fig: Figure, path: str | Path) -> None:
+    """Write ``fig`` atomically; the format follows the suffix; output is byte-stable."""
+    path = Path(path)
+    fmt = path.suffix.lstrip(".")
+    require(fmt in FORMATS, f"figure format {fmt!r} (from {path}) is not one of {', '.join(FORMATS)}")
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "ModDate": None}, "png": {}}[fmt]
+    # svg.fonttype and svg.hashsalt are read when saving: the style must be active here too.
+    with style(), atomic_path(path) as tmp:
+        fig.savefig(tmp, format=fmt, metadata=metadata, dpi=200 if fmt == "png" else None)
+
+
+def render_all(results: Results, out_dir: str | Path, fmt: str = "svg", only=None) -> list[Path]:
+    """Build and write every figure (or the ``only`` names) as ``out_dir/<name>.<fmt>``."""
+    require(fmt in FORMATS, f"figure format {fmt!r} is not one of {', '.join(FORMATS)}")
+    names = list(only) if only else list(FIGURE_NAMES)
+    unknown = [n for n in names if n not in FIGURE_NAMES]
+    if unknown:
+        raise PKVError(f"unknown figure {unknown[0]!r}; expected one of {', '.join(FIGURE_NAMES)}")
+    from tqdm import tqdm
+
+    written = []
+    for spec in tqdm([f for f in FIGURES if f.name in names], desc="figures", unit="fig", leave=False):
+        fig = spec.build(results)
+        path = Path(out_dir) / f"{spec.name}.{fmt}"
+        save(fig, path)
+        written.append(path)
+    return written

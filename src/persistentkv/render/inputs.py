@@ -1,0 +1,165 @@
+"""Load whatever subset of one hardware's results exists (docs/DATA.md), and say what is missing.
+
+Nothing here invents a value: an absent file gives an empty frame (or None) and an entry in
+:attr:`Results.missing`, which the report shows as "not measured on <hw> yet".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import PKVError, require
+
+#: Experiments the GPU rules write under results/{hw}/raw/ (docs/DATA.md).
+EXPERIMENTS = ("published", "long_context", "fragmented", "batch_sweep", "gqa_sweep",
+               "split_sensitivity", "calibration")
+#: Pseudo-backends of bench_kernels.parquet that are bandwidth probes, not attention.
+CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
+
+
+@dataclass
+class Results:
+    """One hardware's results plus the hardware-independent counters.
+
+    raw:            tidy timing rows of every results/{hw}/raw/*.parquet (DATA.md), concatenated
+    bench:          results/{hw}/bench_kernels.parquet (kernel rows and ceiling rows)
+    validation_gpu: results/{hw}/validation_gpu.parquet
+    validation_cpu, ablation_buckets, ablation_splits: results/counters/*.parquet
+    provenance:     run_id -> provenance fields (provenance.json, else the sidecar .json files)
+    """
+
+    hw: str
+    raw: pd.DataFrame
+    bench: pd.DataFrame
+    validation_gpu: pd.DataFrame
+    validation_cpu: pd.DataFrame
+    ablation_buckets: pd.DataFrame
+    ablation_splits: pd.DataFrame
+    provenance: dict
+    policy: dict | None
+    kernels: dict | None
+    holdout_seeds: tuple[int, ...] = ()
+    calibration_seed: int | None = None
+    config: dict = field(default_factory=dict)
+    found: dict = field(default_factory=dict)     # what -> path, for files that exist
+    missing: list = field(default_factory=list)   # what, for files that do not
+
+    @property
+    def timing(self) -> pd.DataFrame:
+        """Every attention timing row: raw experiments plus bench_kernels (ceiling rows excluded)."""
+        parts = [f for f in (self.raw, self.bench[~self.bench["backend"].isin(CEILING_BACKENDS)]
+                             if not self.bench.empty and "backend" in self.bench else self.bench) if not f.empty]
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    @property
+    def ceilings(self) -> pd.DataFrame:
+        if self.bench.empty or "backend" not in self.bench:
+            return pd.DataFrame()
+        return self.bench[self.bench["backend"].isin(CEILING_BACKENDS)]
+
+    def experiment(self, name: str) -> pd.DataFrame:
+        timing = self.timing
+        if timing.empty:
+            return timing
+        return timing[timing["experiment"] == name]
+
+    def measured_experiments(self) -> list[str]:
+        timing = self.timing
+        if timing.empty:
+            return []
+        return sorted(timing.loc[timing["status"] == "ok", "experiment"].unique())
+
+    def gpu_name(self) -> str:
+        """The GPU named by the provenance, else the hardware slug."""
+        names = sorted({str(p.get("gpu")) for p in self.provenance.values() if p.get("gpu")})
+        return " / ".join(names) if names else self.hw
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt or foreign file
+        raise PKVError(f"cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PKVError(f"cannot read {path}: {exc}")
+
+
+def load_results(results_dir: str | Path, counters_dir: str | Path | None = None,
+                 config: dict | None = None) -> Results:
+    """Read results/{hw}/ (``results_dir``; hw = its folder name) and results/counters/."""
+    results_dir = Path(results_dir)
+    hw = results_dir.name
+    require(bool(hw) and hw not in (".", ".."), f"cannot tell the hardware from results folder {results_dir}")
+    require(not results_dir.exists() or results_dir.is_dir(), f"{results_dir} is not a folder")
+    found, missing = {}, []
+
+    raw_parts = []
+    raw_dir = results_dir / "raw"
+    for exp in EXPERIMENTS:
+        path = raw_dir / f"{exp}.parquet"
+        if path.is_file():
+            raw_parts.append(_read_parquet(path))
+            found[f"raw/{exp}"] = str(path)
+        else:
+            missing.append(f"raw/{exp}")
+    # Any other experiment file present is read too (the grid may grow); never silently dropped.
+    if raw_dir.is_dir():
+        for path in sorted(raw_dir.glob("*.parquet")):
+            if path.stem not in EXPERIMENTS:
+                raw_parts.append(_read_parquet(path))
+                found[f"raw/{path.stem}"] = str(path)
+    raw = pd.concat(raw_parts, ignore_index=True) if raw_parts else pd.DataFrame()
+
+    def optional_parquet(name: str, path: Path) -> pd.DataFrame:
+        if path.is_file():
+            found[name] = str(path)
+            return _read_parquet(path)
+        missing.append(name)
+        return pd.DataFrame()
+
+    bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
+    validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
+    counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
+    validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
+    ablation_buckets = optional_parquet("ablation_buckets", counters / "ablation_buckets.parquet")
+    ablation_splits = optional_parquet("ablation_splits", counters / "ablation_splits.parquet")
+
+    provenance: dict = {}
+    prov_path = results_dir / "provenance.json"
+    sidecars = sorted(raw_dir.glob("*.json")) if raw_dir.is_dir() else []
+    sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
+    for path in sidecars + ([prov_path] if prov_path.is_file() else []):
+        payload = _read_json(path)
+        require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
+        provenance.update({str(k): v for k, v in payload.items() if isinstance(v, dict)})
+    if prov_path.is_file():
+        found["provenance"] = str(prov_path)
+    else:
+        missing.append("provenance")
+
+    def optional_json(name: str, path: Path):
+        if path.is_file():
+            found[name] = str(path)
+            return _read_json(path)
+        missing.append(name)
+        return None
+
+    policy = optional_json("policy", results_dir / "policy.json")
+    kernels = optional_json("kernels", results_dir / "kernels.json")
+
+    config = config or {}
+    seeds = config.get("seeds", {}) if isinstance(config.get("seeds"), dict) else {}
+    return Results(hw=hw, raw=raw, bench=bench, validation_gpu=validation_gpu, validation_cpu=validation_cpu,
+                   ablation_buckets=ablation_buckets, ablation_splits=ablation_splits, provenance=provenance,
+                   policy=policy, kernels=kernels,
+                   holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
+                   calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing)

@@ -1,0 +1,176 @@
+"""results/{hw}/report.html: one self-contained page (inline CSS, figures as base64 SVG data URIs,
+no script, no external URL) that opens offline.
+
+Order: the claims table, the paper's rows beside ours, the figures, validation per backend,
+unavailable backends with their reasons, what is not measured yet, and provenance (which run,
+GPU and commit each number came from). Every section starts with one "how to read this" line.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+
+from .. import analysis, claims
+from ..errors import PKVError, require
+from ..io import atomic_write_text
+from . import figures
+from .inputs import EXPERIMENTS, Results
+from .tables import ablation_rows, provenance_rows, read_ceiling_gbps, variants
+
+TEMPLATES = Path(__file__).parent / "templates"
+VERDICT_CLASS = {claims.HOLDS: "holds", claims.ONLY_PUBLISHED: "only-published", claims.FAILS: "fails",
+                 claims.NOT_MEASURED: "not-measured"}
+MISSING_TEXT = {
+    "raw/published": "published traces (claims C1-C5, C11)", "raw/long_context": "long-context B=1 sweep",
+    "raw/fragmented": "fragmented pages (C10)", "raw/batch_sweep": "batch-size sweep",
+    "raw/gqa_sweep": "GQA sweep (C8)", "raw/split_sensitivity": "split sensitivity",
+    "raw/calibration": "calibration timings", "bench_kernels": "isolated kernels and read ceiling (C9)",
+    "validation_gpu": "GPU validation against float64", "provenance": "provenance",
+    "policy": "frozen policy (policy.json)", "kernels": "kernel resource usage (kernels.json)",
+    "validation_cpu": "CPU validation (counters)", "ablation_buckets": "bucket ablation counters (C6, C7)",
+    "ablation_splits": "split ablation counters",
+}
+_EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
+
+
+def fmt_entry(entry: dict | None, digits: int = 3) -> str:
+    if not entry or entry.get("value") is None or not math.isfinite(entry["value"]):
+        return "n/m"
+    return claims.fmt_ratio(entry["value"], entry.get("lo"), entry.get("hi"), digits)
+
+
+def fmt_pm(value, sd, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def svg_data_uri(path: Path) -> str:
+    data = path.read_bytes()
+    require(data.lstrip().startswith((b"<?xml", b"<svg")), f"{path} is not an SVG file")
+    return "data:image/svg+xml;base64," + base64.b64encode(data).decode("ascii")
+
+
+def validation_rows(results: Results) -> list[dict]:
+    """Per backend: checks, passed, worst relative error and tolerance, status and reasons."""
+    frame = figures.data_validation(results)
+    if frame.empty:
+        return []
+    out = []
+    for backend in figures._order(frame["backend"]):
+        part = frame[frame["backend"] == backend]
+        ok = part[part["status"] == "ok"]
+        err = pd.to_numeric(ok["rel_err"], errors="coerce")
+        reasons = sorted({str(r) for r in part["reason"].dropna() if str(r)})
+        n_pass = int(ok["passed"].astype(bool).sum())
+        status = ("unavailable" if ok.empty and (part["status"] == "unavailable").any() else
+                  "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
+        out.append({"backend": backend, "source": part["source"].iloc[0], "checks": int(len(ok)), "passed": n_pass,
+                    "worst": f"{err.max():.2e}" if err.notna().any() else "—",
+                    "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
+                    "status": status, "reasons": "; ".join(reasons)})
+    return out
+
+
+def unavailable_rows(results: Results) -> list[dict]:
+    """Backends that could not run, grouped by (backend, status, reason), with the experiments."""
+    timing = results.timing
+    if timing.empty or "status" not in timing:
+        return []
+    bad = timing[timing["status"] != "ok"]
+    if bad.empty:
+        return []
+    bad = bad.assign(reason=bad.get("reason", pd.Series("", index=bad.index)).fillna(""))
+    out = []
+    for (backend, status, reason), part in bad.groupby(["backend", "status", "reason"], sort=True):
+        out.append({"backend": backend, "status": status, "reason": reason or "(no reason recorded)",
+                    "experiments": ", ".join(sorted(part["experiment"].astype(str).unique()))})
+    return out
+
+
+def experiment_rows(results: Results) -> list[dict]:
+    """Per experiment: measured or not, rows, backends ok, runs (run_id -> GPU, commit)."""
+    timing = results.timing
+    out = []
+    names = list(EXPERIMENTS) + ["bench_kernels"]
+    if not timing.empty:
+        names += sorted(set(timing["experiment"]) - set(names))
+    for exp in names:
+        part = timing[timing["experiment"] == exp] if not timing.empty else timing
+        ok = part[part["status"] == "ok"] if not part.empty else part
+        runs = sorted(part["run_id"].dropna().astype(str).unique()) if "run_id" in part else []
+        prov = [f"{r}: {results.provenance.get(r, {}).get('gpu', '?')}, commit "
+                f"{str(results.provenance.get(r, {}).get('git_commit', '?'))[:10]}" for r in runs]
+        out.append({"experiment": exp, "measured": not ok.empty, "rows": int(len(ok)),
+                    "backends": ", ".join(figures._order(ok["backend"].unique())) if not ok.empty else "",
+                    "protocols": ", ".join(sorted(ok["protocol"].unique())) if not ok.empty else "",
+                    "runs": "; ".join(prov)})
+    return out
+
+
+def kernel_rows(kernels) -> list[dict]:
+    if not kernels:
+        return []
+    items = kernels.items() if isinstance(kernels, dict) else enumerate(kernels)
+    out = []
+    for name, info in items:
+        if isinstance(info, dict) and "registers" in info:
+            out.append({"name": str(name), **{k: info.get(k) for k in ("arch", "registers", "shared_bytes",
+                                                                         "stack_bytes", "spill_store_bytes",
+                                                                         "spill_load_bytes")}})
+        elif isinstance(info, dict):   # nested {kernel: {arch: {...}}}
+            for arch, sub in info.items():
+                if isinstance(sub, dict):
+                    out.append({"name": f"{name}", "arch": sub.get("arch", arch),
+                                **{k: sub.get(k) for k in ("registers", "shared_bytes", "stack_bytes",
+                                                           "spill_store_bytes", "spill_load_bytes")}})
+    return out
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(entry=fmt_entry, verdict_class=lambda v: VERDICT_CLASS.get(v, "not-measured"))
+    return env
+
+
+def render(payload: dict, results: Results, figures_dir: str | Path, out: str | Path) -> Path:
+    """Write the report for ``results`` (claims from ``payload``, SVGs from ``figures_dir``)."""
+    require(payload.get("format") == claims.FORMAT,
+            f"claims payload has format {payload.get('format')!r}, expected {claims.FORMAT!r}")
+    require(payload.get("hw") == results.hw,
+            f"claims are for hardware {payload.get('hw')!r} but the results folder is {results.hw!r}")
+    figures_dir = Path(figures_dir)
+    figs = []
+    for spec in figures.FIGURES:
+        path = figures_dir / f"{spec.name}.svg"
+        if not path.is_file():
+            raise PKVError(f"figure {path} is missing; run 'persistentkv figures' for {results.hw} first")
+        figs.append({"name": spec.name, "title": spec.title, "how": spec.how_to_read, "uri": svg_data_uri(path)})
+    rows = claims.published_rows(results)
+    for r in rows:
+        r["paper_event_text"] = fmt_pm(r["paper_event"], r["paper_event_sd"])
+        r["paper_wall_text"] = fmt_pm(r["paper_wall"], r["paper_wall_sd"])
+    ablation = ablation_rows(results)
+    ceiling = read_ceiling_gbps(results)
+    missing = [MISSING_TEXT.get(m, m) for m in results.missing]
+    context = {
+        "hw": results.hw, "gpu": payload["gpu"], "payload": payload, "claims": payload["claims"],
+        "counts": payload["counts"], "rows": rows, "figures": figs, "validation": validation_rows(results),
+        "unavailable": unavailable_rows(results), "experiments": experiment_rows(results),
+        "missing": missing, "provenance": provenance_rows(results), "ablation": ablation,
+        "variants": variants(ablation), "kernels": kernel_rows(results.kernels), "policy": results.policy,
+        "ceiling": f"{ceiling:,.0f} GB/s" if ceiling else None, "paper_gpu": claims.PAPER_GPU,
+        "source": claims.SOURCE, "verdicts": claims.VERDICTS, "measured_any": bool(results.measured_experiments()),
+        "n_boot": analysis.N_BOOT, "boot_seed": analysis.BOOT_SEED,
+    }
+    html = environment().get_template("report.html.j2").render(**context)
+    external = _EXTERNAL.search(html)
+    require(external is None, f"report would load an external resource: {external.group(0) if external else ''}")
+    out = Path(out)
+    atomic_write_text(out, html)
+    return out

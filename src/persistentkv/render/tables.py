@@ -1,0 +1,257 @@
+"""LaTeX tables and macros (jinja2) for paper/generated/.
+
+Numbers reach the paper's prose only through ``macros.tex``: one ``\\newcommand`` per number or
+sentence, named ``\\pkv<Thing>`` (letters only, as TeX requires). A value not measured renders as
+``\\pkvNM`` (a bold "n/m"), never as a made-up number. The claims come from claims.json (the
+``claims`` command), so the paper, the report and the claims table say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import jinja2
+
+from .. import claims
+from ..errors import PKVError, require
+from ..io import atomic_write_text
+from . import TABLE_NAMES
+from .inputs import Results
+
+NM = r"\pkvNM{}"
+TEMPLATES = Path(__file__).parent / "templates"
+TABLES = TABLE_NAMES
+_TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+_TEX_UNICODE = {"×": r"$\times$", "→": r"$\to$", "±": r"$\pm$", "ρ": r"$\rho$", "‖": r"$\|$", "−": r"$-$",
+                "≤": r"$\le$", "≥": r"$\ge$", "–": "--", "—": "---", "…": r"\ldots{}", "’": "'", "μ": r"$\mu$"}
+_MACRO_NAME = re.compile(r"^pkv[A-Za-z]+$")
+
+
+def tex(text) -> str:
+    """Escape plain (unicode) text for LaTeX body text."""
+    if text is None:
+        return NM
+    out = []
+    for ch in str(text):
+        if ch in _TEX_SPECIAL:
+            out.append(_TEX_SPECIAL[ch])
+        elif ch in _TEX_UNICODE:
+            out.append(_TEX_UNICODE[ch])
+        elif ord(ch) < 128:
+            out.append(ch)
+        else:
+            raise PKVError(f"no LaTeX spelling for character {ch!r} in {str(text)[:60]!r}")
+    # "n/m" from the claims module is the not-measured placeholder: make it the visible macro.
+    return re.sub(r"\bn/m\b", lambda _: NM, "".join(out))
+
+
+def finite(value) -> bool:
+    return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def tex_ratio(value, digits: int = 3) -> str:
+    return rf"{value:.{digits}f}$\times$" if finite(value) else NM
+
+
+def tex_ci(lo, hi, digits: int = 3) -> str:
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]" if finite(lo) and finite(hi) else NM
+
+
+def tex_entry(entry: dict | None, digits: int = 3) -> str:
+    """A {value, lo, hi} dict as 'v× [lo, hi]' (or n/m)."""
+    if not entry or not finite(entry.get("value")):
+        return NM
+    return f"{tex_ratio(entry['value'], digits)} {{\\scriptsize {tex_ci(entry.get('lo'), entry.get('hi'), digits)}}}"
+
+
+def tex_pm(value, sd, digits: int = 3) -> str:
+    if not finite(value):
+        return NM
+    return f"{value:.{digits}f}" + (rf" $\pm$ {sd:.{digits}f}" if finite(sd) else "")
+
+
+def environment() -> jinja2.Environment:
+    """Jinja for LaTeX: ((* blocks *)), ((( variables ))), ((# comments #)); undefined is an error."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), block_start_string="((*",
+                             block_end_string="*))", variable_start_string="(((", variable_end_string=")))",
+                             comment_start_string="((#", comment_end_string="#))", trim_blocks=True,
+                             lstrip_blocks=True, autoescape=False, undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    env.filters.update(tex=tex, ratio=tex_ratio, ci=tex_ci, entry=tex_entry, pm=tex_pm)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Macros
+
+def _short_commits(results: Results) -> str | None:
+    commits = sorted({str(p.get("git_commit"))[:10] + ("+dirty" if p.get("git_dirty") else "")
+                      for p in results.provenance.values() if p.get("git_commit")})
+    return ", ".join(commits) if commits else None
+
+
+def _prov_field(results: Results, key: str) -> str | None:
+    values = sorted({str(p.get(key)) for p in results.provenance.values() if p.get(key) not in (None, "")})
+    return ", ".join(values) if values else None
+
+
+def read_ceiling_gbps(results: Results) -> float | None:
+    """Median read ceiling measured on this hardware (bench ceiling rows, else the raw column)."""
+    import numpy as np
+
+    ceil = results.ceilings
+    if not ceil.empty and "kv_bytes" in ceil and "per_layer_us" in ceil:
+        rc = ceil[ceil["backend"] == "read-ceiling"]
+        vals = (rc["kv_bytes"] / rc["per_layer_us"] / 1e3).to_numpy(float)
+        vals = vals[np.isfinite(vals)]
+        if vals.size:
+            return float(np.median(vals))
+    timing = results.timing
+    if not timing.empty and "read_ceiling_gbps" in timing:
+        vals = timing["read_ceiling_gbps"].to_numpy(float)
+        vals = vals[np.isfinite(vals)]
+        if vals.size:
+            return float(np.median(vals))
+    return None
+
+
+def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
+    """(name, TeX value, comment) for every macro; names are unique and letters-only."""
+    cfg = results.config or {}
+    measure = cfg.get("measure", {})
+    seeds = cfg.get("seeds", {})
+    m: list[tuple[str, str, str]] = []
+
+    def add(name: str, value: str, comment: str = "") -> None:
+        m.append((name, value, comment))
+
+    measured = results.measured_experiments()
+    add("pkvHw", tex(results.hw), "hardware slug of results/<hw>/")
+    add("pkvGPU", tex(payload["gpu"]) if results.provenance else tex(f"{results.hw} (not measured yet)"),
+        "GPU named by provenance.json")
+    add("pkvPaperGPU", tex(claims.PAPER_GPU), claims.SOURCE)
+    add("pkvMeasuredExperiments", str(len(measured)), "experiments with timing rows")
+    add("pkvMeasuredList", tex(", ".join(measured)) if measured else tex("none"), "")
+    add("pkvNotMeasuredNote",
+        "" if measured else tex(f"Nothing has been measured on {results.hw} yet: every figure of ours below "
+                                "reads n/m and every verdict reads 'not measured'."),
+        "empty once anything is measured")
+    add("pkvCommit", tex(_short_commits(results)), "git commit(s) of the measuring runs")
+    for key, name in (("config_hash", "ConfigHash"), ("driver", "Driver"), ("cuda", "Cuda"), ("torch", "Torch"),
+                      ("cupy", "Cupy"), ("flashinfer", "FlashInfer"), ("vllm", "Vllm"), ("sm_count", "SMs")):
+        add(f"pkv{name}", tex(_prov_field(results, key)), f"provenance field {key}")
+    ceiling = read_ceiling_gbps(results)
+    add("pkvReadCeiling", f"{ceiling:,.0f}".replace(",", "{,}") if ceiling else NM, "GB/s, measured read ceiling")
+    spec = cfg.get("spec", {})
+    for key, name in (("num_qo_heads", "NumQoHeads"), ("num_kv_heads", "NumKvHeads"), ("head_dim", "HeadDim"),
+                      ("page_size", "PageSize"), ("dtype", "Dtype")):
+        add(f"pkv{name}", tex(spec.get(key)), f"config spec.{key}")
+    if spec.get("num_qo_heads") and spec.get("num_kv_heads"):
+        add("pkvGroupSize", str(spec["num_qo_heads"] // spec["num_kv_heads"]), "G = Hq / Hkv")
+    else:
+        add("pkvGroupSize", NM, "G = Hq / Hkv")
+    add("pkvTargetItems", tex(cfg.get("planner", {}).get("target_items")), "config planner.target_items")
+    for key, name in (("gpu", "GPUFull"), ("sms", "SMs"), ("arch", "Arch"), ("bandwidth_gbps", "Bandwidth"),
+                      ("theoretical_gbps", "TheoreticalBandwidth"), ("cuda", "Cuda"), ("torch", "Torch"),
+                      ("flashinfer", "FlashInfer"), ("vllm", "Vllm"), ("trtllm", "Trtllm")):
+        add(f"pkvPaper{name}", tex(claims.PAPER_SETUP[key]), "PAPER.md, Evaluation protocol (as published)")
+    add("pkvCalibrationSeed", tex(seeds.get("calibration")), "config seeds.calibration")
+    holdout = seeds.get("holdout") or []
+    add("pkvHoldoutSeeds", tex(", ".join(map(str, holdout))) if holdout else NM, "config seeds.holdout")
+    add("pkvNumHoldoutSeeds", str(len(holdout)) if holdout else NM, "")
+    for key, name in (("layers", "Layers"), ("repeats", "Repeats"), ("warmup", "Warmup"),
+                      ("step_stride", "StepStride")):
+        add(f"pkv{name}", tex(measure.get(key)), f"config measure.{key}")
+    add("pkvNBoot", str(payload["n_boot"]), "bootstrap replicates")
+    add("pkvConfidence", f"{payload['confidence'] * 100:g}", "interval coverage, percent")
+    add("pkvBootSeed", str(payload["boot_seed"]), "bootstrap generator seed")
+    counts = payload["counts"]
+    add("pkvNumClaims", str(len(payload["claims"])), "")
+    for verdict, name in ((claims.HOLDS, "Hold"), (claims.ONLY_PUBLISHED, "OnlyPublished"),
+                          (claims.FAILS, "Fail"), (claims.NOT_MEASURED, "NotMeasured")):
+        add(f"pkvNum{name}", str(counts.get(verdict, 0)), f"claims whose verdict is '{verdict}'")
+
+    for c in payload["claims"]:
+        w = f"pkvClaim{c['word']}"
+        fair, pub = c["fair"], c["published"]
+        add(f"{w}Title", tex(c["title"]), c["id"])
+        add(f"{w}Paper", tex(c["paper"]), claims.SOURCE)
+        for side, label in ((fair, "Fair"), (pub, "Pub")):
+            if fair.get("unit") == "ratio" and finite(side.get("value")):
+                add(f"{w}{label}", tex_ratio(side["value"]), f"{c['id']} ours, {side['protocol']} protocol")
+                add(f"{w}{label}CI", tex_ci(side.get("lo"), side.get("hi")), "95% bootstrap interval")
+            elif side.get("check") is not None:
+                add(f"{w}{label}", tex(side["display"]), f"{c['id']} ours, {side['protocol']} protocol")
+                add(f"{w}{label}CI", tex("(exact counters)") if side.get("unit") in ("factor", "fraction")
+                    else tex_ci(side.get("lo"), side.get("hi")), "")
+            else:
+                add(f"{w}{label}", NM, f"{c['id']} not measured ({side['protocol']})")
+                add(f"{w}{label}CI", NM, "")
+        if fair.get("unit") == "ratio":
+            add(f"{w}RatioFair", tex_ratio(fair.get("value")), "alias")
+            add(f"{w}RatioPub", tex_ratio(pub.get("value")), "alias")
+        add(f"{w}Verdict", tex(c["verdict"]), "")
+        add(f"{w}Sentence", tex(c["sentence"]), "generated from the verdict")
+    names = [n for n, _, _ in m]
+    bad = [n for n in names if not _MACRO_NAME.match(n)]
+    require(not bad, f"macro name {bad[0] if bad else ''!r} is not letters-only")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    require(not dup, f"macro {dup[0] if dup else ''!r} defined twice")
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+def ablation_rows(results: Results) -> list[dict]:
+    """Per trace: median launches per variant and mean merge MB (paper count) per variant."""
+    frame = results.ablation_buckets
+    if frame.empty or not {"trace", "variant", "launches"} <= set(frame.columns):
+        return []
+    out = []
+    order = [r.trace for r in claims.PUBLISHED_ROWS]
+    for trace in sorted(frame["trace"].unique(), key=lambda t: (order.index(t) if t in order else 99, t)):
+        part = frame[frame["trace"] == trace]
+        launches = part.groupby("variant")["launches"].median().to_dict()
+        merge = (part.groupby("variant")["paper_merge_state_bytes"].mean() / 1e6).to_dict() \
+            if "paper_merge_state_bytes" in part else {}
+        padded = (part.groupby("variant")["padded_kv_bytes"].mean() / 1e6).to_dict() if "padded_kv_bytes" in part else {}
+        out.append({"trace": trace, "steps": int(part["step"].nunique()), "launches": launches, "merge": merge,
+                    "padded": padded})
+    return out
+
+
+def variants(rows: list[dict]) -> list[str]:
+    names = sorted({v for r in rows for v in r["launches"]})
+    key = lambda v: (v != "exact", not v.startswith("padded"), v != "split_rect",
+                     int(v.split("_")[-1]) if v.split("_")[-1].isdigit() else 0, v)
+    return sorted(names, key=key)
+
+
+def provenance_rows(results: Results) -> list[dict]:
+    fields = ("gpu", "sm_count", "driver", "cuda", "torch", "cupy", "flashinfer", "vllm", "git_commit",
+              "git_dirty", "config_hash", "started_at")
+    return [{"run_id": run_id, **{f: p.get(f) for f in fields}} for run_id, p in sorted(results.provenance.items())]
+
+
+def render(payload: dict, results: Results, out_dir: str | Path) -> list[Path]:
+    """Write macros.tex and tables/{claims,published_rows,ablation,provenance}.tex under ``out_dir``."""
+    require(payload.get("format") == claims.FORMAT,
+            f"claims payload has format {payload.get('format')!r}, expected {claims.FORMAT!r}")
+    out_dir = Path(out_dir)
+    env = environment()
+    context = {"payload": payload, "hw": results.hw, "gpu": payload["gpu"], "paper_gpu": claims.PAPER_GPU,
+               "claims": payload["claims"], "macros": macros(payload, results),
+               "rows": claims.published_rows(results), "ablation": ablation_rows(results),
+               "provenance": provenance_rows(results), "NM": NM, "source": claims.SOURCE}
+    context["variants"] = variants(context["ablation"])
+    written = []
+    for name in ("macros",) + tuple(f"tables/{t}" for t in TABLES):
+        text = env.get_template(f"{Path(name).name}.tex.j2").render(**context)
+        path = out_dir / f"{name}.tex"
+        atomic_write_text(path, text)
+        written.append(path)
+    return written

@@ -1,0 +1,239 @@
+"""Figures, LaTeX tables and macros, the HTML report, and the rendering commands."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from persistentkv import claims, cli
+from persistentkv.errors import PKVError
+from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, inputs, report, synthetic, tables
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Synthetic results (clearly labelled as such) plus their claims."""
+    root = tmp_path_factory.mktemp("syn")
+    hw_dir = synthetic.write_results(root)
+    results = inputs.load_results(hw_dir, root / "results" / "counters", synthetic.config())
+    return root, results, claims.judge(results)
+
+
+@pytest.fixture(scope="module")
+def empty(tmp_path_factory):
+    root = tmp_path_factory.mktemp("empty")
+    results = inputs.load_results(root / "results" / "nvidia-h200", root / "results" / "counters", synthetic.config())
+    return root, results, claims.judge(results)
+
+
+def svg_text(fig) -> str:
+    import io
+
+    buf = io.StringIO()
+    with figures.style():                      # text stays text (svg.fonttype none), as save() writes it
+        fig.savefig(buf, format="svg")
+    return buf.getvalue()
+
+
+def test_every_figure_renders_from_data(measured, tmp_path):
+    _, results, _ = measured
+    written = figures.render_all(results, tmp_path, "svg")
+    assert [p.stem for p in written] == list(FIGURE_NAMES)
+    for path in written:
+        text = path.read_text()
+        assert text.startswith("<?xml") and "<svg" in text
+        assert "not measured" not in text, f"{path.name} fell back to a placeholder with data present"
+
+
+def test_missing_data_renders_placeholders_that_say_so(empty, tmp_path):
+    _, results, _ = empty
+    for spec in figures.FIGURES:
+        text = svg_text(spec.build(results))
+        assert "not measured on nvidia-h200 yet" in text or "not computed yet" in text, spec.name
+
+
+def test_figures_are_byte_stable(measured, tmp_path):
+    _, results, _ = measured
+    a = figures.render_all(results, tmp_path / "a", "svg", only=["trace_ratios", "policy"])
+    b = figures.render_all(results, tmp_path / "b", "svg", only=["trace_ratios", "policy"])
+    for x, y in zip(a, b):
+        assert x.read_bytes() == y.read_bytes()
+
+
+def test_pdf_and_bad_format(measured, tmp_path):
+    _, results, _ = measured
+    (path,) = figures.render_all(results, tmp_path, "pdf", only=["fanout_merge"])
+    assert path.read_bytes().startswith(b"%PDF")
+    with pytest.raises(PKVError, match="format 'gif'"):
+        figures.render_all(results, tmp_path, "gif")
+    with pytest.raises(PKVError, match="unknown figure 'nope'"):
+        figures.render_all(results, tmp_path, "svg", only=["nope"])
+
+
+def test_trace_ratio_data_matches_claims(measured):
+    _, results, payload = measured
+    frame = figures.data_trace_ratios(results)
+    c1 = next(c for c in payload["claims"] if c["id"] == "C1")
+    row = frame[(frame["protocol"] == "step") & (frame["trace"] == "bucketed_b1") & (frame["backend"] == "pkv-buckets")]
+    assert row["ratio"].iloc[0] == pytest.approx(c1["fair"]["value"])
+
+
+def test_tex_escaping():
+    assert tables.tex("a_b & 50% #1 {x}") == r"a\_b \& 50\% \#1 \{x\}"
+    assert tables.tex("1.2× → ρ") == r"1.2$\times$ $\to$ $\rho$"
+    assert tables.tex(None) == tables.NM
+    assert tables.tex("n/m") == tables.NM
+    with pytest.raises(PKVError, match="no LaTeX spelling"):
+        tables.tex("日本")
+
+
+def macro_map(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"\\newcommand\{\\(\w+)\}\{(.*)\}( %.*)?$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_tables_and_macros_from_measured(measured, tmp_path):
+    _, results, payload = measured
+    written = tables.render(payload, results, tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == sorted(
+        ["macros.tex"] + [f"tables/{t}.tex" for t in TABLE_NAMES])
+    m = macro_map(tmp_path / "macros.tex")
+    names = list(m)
+    assert len(names) == len(set(names)) and all(re.fullmatch(r"pkv[A-Za-z]+", n) for n in names)
+    c1 = payload["claims"][0]
+    assert m["pkvClaimOneRatioFair"] == f"{c1['fair']['value']:.3f}$\\times$"
+    assert m["pkvClaimOneVerdict"] == tables.tex(c1["verdict"])
+    assert m["pkvGPU"] == tables.tex(synthetic.GPU)
+    for c in payload["claims"]:
+        assert f"pkvClaim{c['word']}Sentence" in m
+    claims_tex = (tmp_path / "tables" / "claims.tex").read_text()
+    assert claims_tex.count(r"\\") == len(claims.CLAIMS) + 1      # header + one row per claim
+    assert tables.NM not in claims_tex
+
+
+def test_macros_when_nothing_is_measured(empty, tmp_path):
+    _, results, payload = empty
+    tables.render(payload, results, tmp_path)
+    m = macro_map(tmp_path / "macros.tex")
+    ours = [k for k in m if re.fullmatch(r"pkvClaim[A-Za-z]+(Fair|Pub)(CI)?", k) or k.startswith("pkvClaim") and "Ratio" in k]
+    assert ours and all(m[k] == tables.NM for k in ours), {k: m[k] for k in ours if m[k] != tables.NM}
+    for key in ("pkvReadCeiling", "pkvCommit", "pkvDriver"):
+        assert m[key] == tables.NM
+    assert "not measured" in m["pkvClaimOneSentence"]
+    assert m["pkvNumNotMeasured"] == str(len(claims.CLAIMS))
+    assert "nvidia-h200" in (tmp_path / "tables" / "provenance.tex").read_text()
+
+
+def render_report(root: Path, results, payload) -> str:
+    figures.render_all(results, root / "figs", "svg")
+    out = report.render(payload, results, root / "figs", root / "report.html")
+    return out.read_text()
+
+
+def test_report_is_self_contained(measured, tmp_path):
+    _, results, payload = measured
+    html = render_report(tmp_path, results, payload)
+    assert "<script" not in html.lower()
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:|#)""", html), "a src/href leaves the page"
+    assert "http://" not in html and "https://" not in html
+    uris = re.findall(r'<img src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(uris) == len(FIGURE_NAMES)
+    for data in uris:
+        assert base64.b64decode(data).lstrip().startswith(b"<?xml")
+    assert 'id="claims-table"' in html
+    assert html.index('id="claims-table"') < html.index('id="figures"')      # claims at the top
+    for c in payload["claims"]:
+        assert f'<td class="id">{c["id"]}</td>' in html
+    assert synthetic.GPU in html and "synthetic-run" in html             # provenance shown
+    assert "torch-sdpa" in html and "synthetic: torch-sdpa skipped" in html   # unavailable with reason
+
+
+def test_report_without_measurements_says_so(empty, tmp_path):
+    _, results, payload = empty
+    html = render_report(tmp_path, results, payload)
+    assert "Nothing has been measured on <code>nvidia-h200</code> yet" in html
+    assert html.count("not measured on nvidia-h200 yet") >= 7           # one per experiment row
+
+
+def test_report_refuses_mismatched_or_missing_inputs(measured, empty, tmp_path):
+    _, results, payload = measured
+    _, other, _ = empty
+    with pytest.raises(PKVError, match="claims are for hardware 'synthetic-gpu'"):
+        report.render(payload, other, tmp_path, tmp_path / "r.html")
+    with pytest.raises(PKVError, match="run 'persistentkv figures'"):
+        report.render(payload, results, tmp_path / "nowhere", tmp_path / "r.html")
+
+
+def test_commands_end_to_end(measured, tmp_path, monkeypatch, capsys):
+    root, _, _ = measured
+    work = tmp_path / "repo"
+    shutil.copytree(REPO / "config", work / "config")
+    shutil.copytree(root / "results", work / "results")
+    monkeypatch.chdir(work)
+    hw = "results/synthetic-gpu"
+    assert cli.main(["claims", "--results", hw, "--out", f"{hw}/claims.json"]) == 0
+    assert cli.main(["figures", "--results", hw, "--out-dir", "figs"]) == 0
+    assert cli.main(["tables", "--results", hw, "--claims", f"{hw}/claims.json", "--out-dir", "gen"]) == 0
+    assert cli.main(["report", "--results", hw, "--claims", f"{hw}/claims.json", "--figures-dir", "figs",
+                     "--out", f"{hw}/report.html"]) == 0
+    assert (work / hw / "report.html").stat().st_size > 10_000
+    assert (work / "gen" / "macros.tex").is_file()
+    capsys.readouterr()
+    assert cli.main(["tables", "--results", hw, "--claims", "missing.json", "--out-dir", "gen"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: claims file missing.json does not exist") and "\n" not in err
+    (work / "bad.json").write_text("{not json")
+    assert cli.main(["report", "--results", hw, "--claims", "bad.json", "--figures-dir", "figs", "--out", "x.html"]) == 2
+    assert "bad.json is not valid JSON" in capsys.readouterr().err
+
+
+def test_corrupt_results_file_is_a_one_line_error(tmp_path):
+    hw_dir = tmp_path / "results" / "gpu-x"
+    (hw_dir / "raw").mkdir(parents=True)
+    (hw_dir / "raw" / "published.parquet").write_text("not parquet")
+    with pytest.raises(PKVError, match="cannot read .*published.parquet"):
+        inputs.load_results(hw_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("latexmk") is None or shutil.which("pdflatex") is None,
+                    reason="needs latexmk and pdflatex (apt-get install latexmk texlive-latex-recommended "
+                           "texlive-latex-extra texlive-fonts-recommended)")
+def test_paper_builds_without_undefined_references(measured, tmp_path):
+    from persistentkv.render.paper import build_pdf
+
+    _, results, payload = measured
+    paper = tmp_path / "paper"
+    paper.mkdir()
+    shutil.copy(REPO / "paper" / "main.tex", paper)
+    shutil.copy(REPO / "paper" / "refs.bib", paper)
+    tables.render(payload, results, paper / "generated")
+    figures.render_all(results, paper / "generated" / "figures", "pdf")
+    pdf = build_pdf(paper / "main.tex", paper / "main.pdf", tmp_path / "build")
+    assert pdf.read_bytes().startswith(b"%PDF")
+    # Every macro the text uses is defined by macros.tex (an undefined one fails the build above).
+    used = set(re.findall(r"\\(pkv[A-Za-z]+)", (paper / "main.tex").read_text()))
+    assert used <= set(macro_map(paper / "generated" / "macros.tex"))
+
+
+def test_paper_text_has_no_hand_typed_numbers():
+    """Numbers reach the paper's prose only through macros: no digit outside commands, labels,
+    citations, LaTeX setup and the workload labels (B=1, G=4 ...)."""
+    text = (REPO / "paper" / "main.tex").read_text()
+    body = text[text.index(r"\begin{document}"):]
+    body = re.sub(r"%.*", "", body)
+    body = re.sub(r"\\(label|ref|cite|input|gentable|genfigure|includegraphics|begin|end|bibliography\w*)"
+                  r"(\[[^\]]*\])?\{[^}]*\}", "", body)
+    body = re.sub(r"\b[BG]=\d+\b|\bL2\b|\bFlashAttention-3\b|\bfloat(16|32|64)\b|\\itemsep0pt|\(s\+1\)", "",
+                  body)
+    assert not re.findall(r"\d", body), re.findall(r".{20}\d.{20}", body)
