@@ -212,7 +212,8 @@ def test_published_experiment_uses_holdout_seeds_and_the_stride(config, traces_d
     bimodal = next(c for c in cases if c.trace == "bimodal_b8")
     assert dict(next(v for v in bimodal.variants if v.name == "pkv-buckets").options) == {"num_splits": 20}
     wq = next(v for v in bimodal.variants if v.name == "pkv-workqueue")
-    assert wq.kwargs == {"target_items": config["planner"]["target_items"]}
+    assert wq.kwargs == {"target_items": config["planner"]["target_items"],
+                         "min_chunk_tiles": config["planner"]["min_chunk_tiles"]}
 
 
 def test_calibration_has_no_adaptive_and_adds_the_batch_sweep(config, traces_dir):

@@ -254,19 +254,22 @@ class DecodeEngine:
             "counters": torch.zeros((batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
         }
 
-    def plan(self, batch: Batch, route: str = "workqueue", **options) -> DevicePlan:
-        """Plan one step. ``options``: num_splits for buckets/split; target_items for the queues."""
+    def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
+             min_chunk_tiles: int | None = None) -> DevicePlan:
+        """Plan one step: ``num_splits`` for buckets/split; ``target_items`` and ``min_chunk_tiles``
+        for the queues (defaults: one wave of resident CTAs, one pipeline stage)."""
         require(route in ROUTES, f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
         require(batch.spec == self.spec, f"batch spec {batch.spec} != engine spec {self.spec}")
+        target = int(target_items or self.target_items)
+        min_chunk = int(min_chunk_tiles or self.min_chunk_tiles)
         if route == "workqueue":
-            return self._plan_device(batch, int(options.get("target_items", self.target_items)))
+            return self._plan_device(batch, target, min_chunk)
         if route == "workqueue_host":
-            host = planner.plan_workqueue(batch, target_items=int(options.get("target_items", self.target_items)),
-                                          min_chunk_tiles=self.min_chunk_tiles, fused_merge=True)
+            host = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=min_chunk, fused_merge=True)
         elif route == "buckets":
-            host = planner.plan_buckets(batch, num_splits=int(options.get("num_splits", 32)))
+            host = planner.plan_buckets(batch, num_splits=int(num_splits))
         else:
-            host = planner.plan_split(batch, num_splits=int(options.get("num_splits", 32)))
+            host = planner.plan_split(batch, num_splits=int(num_splits))
         return self._upload(batch, host, route)
 
     def _decode_launch(self, kind: str, grid: int, buffers: dict, num_items_ptr: int, slot_offset: int) -> _Launch:
@@ -301,7 +304,7 @@ class DecodeEngine:
                 launches.append(self._decode_launch(launch.kind, launch.size, buffers, 0, launch.start))
         return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host)
 
-    def _plan_device(self, batch: Batch, target_items: int) -> DevicePlan:
+    def _plan_device(self, batch: Batch, target_items: int, min_chunk: int) -> DevicePlan:
         require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
                 f"batch size {batch.batch_size} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; use route workqueue_host")
         spec = self.spec
@@ -315,12 +318,11 @@ class DecodeEngine:
                        items=self.torch.empty((max_items, 8), dtype=self.torch.int32, device=self.device),
                        num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
         plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
-                               (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, self.min_chunk_tiles),
+                               (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, min_chunk),
                                (_I32, max_items), (_PTR, buffers["items"].data_ptr()),
                                (_PTR, buffers["num_items"].data_ptr())])
         launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
-        min_chunk = self.min_chunk_tiles
         plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
                           lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk))
         self._launch_plan(plan, self._stream())

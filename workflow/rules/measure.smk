@@ -21,11 +21,26 @@ MEASURE_TARGETS = expand(f"{RESULTS}/raw/{{experiment}}.parquet", experiment=EXP
     f"{RESULTS}/validation_gpu.parquet",
     POLICY,
     f"{RESULTS}/provenance.json",
+    f"{RESULTS}/kernels.json",
 ]
 
 
 wildcard_constraints:
     experiment="|".join(EXPERIMENTS),
+
+
+rule kernels_report:
+    """The compile report of the kernels this GPU ran (rule kernels compiles for its arch)."""
+    input:
+        rules.kernels.output,
+    output:
+        report(f"{RESULTS}/kernels.json", caption="../report/kernels.rst", category="Kernels", subcategory=HW),
+    log:
+        f"logs/measure/{HW}/kernels_report.log",
+    conda:
+        CONDA_ENV
+    shell:
+        "cp {input} {output} 2> {log}"
 
 
 rule bench_kernels:

@@ -42,15 +42,17 @@ class _PKVBackend:
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
 
-    def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None):
-        super().__init__(name, target_items=target_items)
+    def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
+                 min_chunk_tiles: int | None = None):
+        super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
 
 
 class PKVWorkqueueHost(_PKVBackend):
     route = "workqueue_host"
 
-    def __init__(self, name: str = "pkv-workqueue-host", target_items: int | None = None):
-        super().__init__(name, target_items=target_items)
+    def __init__(self, name: str = "pkv-workqueue-host", target_items: int | None = None,
+                 min_chunk_tiles: int | None = None):
+        super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
 
 
 class PKVBuckets(_PKVBackend):

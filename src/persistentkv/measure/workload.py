@@ -146,11 +146,12 @@ def trace_entry(config: dict, name: str) -> dict:
 def variant_for(name: str, config: dict, splits: int | None = None, policy_path: str | None = None) -> Variant:
     """A backend with the constructor options the config gives it.
 
-    pkv-workqueue: planner.target_items; pkv-buckets / pkv-split: num_splits = ``splits`` (the
+    pkv-workqueue: planner.target_items and min_chunk_tiles; pkv-buckets / pkv-split: num_splits = ``splits`` (the
     trace's published S, or the sweep value); adaptive: policy_path.
     """
     if name == "pkv-workqueue":
-        return Variant(name, (("target_items", int(config["planner"]["target_items"])),))
+        return Variant(name, (("target_items", int(config["planner"]["target_items"])),
+                              ("min_chunk_tiles", int(config["planner"]["min_chunk_tiles"]))))
     if name in SPLIT_BACKENDS:
         require(splits is not None and splits >= 1, f"{name} needs a split count, got {splits!r}")
         return Variant(name, (("num_splits", int(splits)),))
