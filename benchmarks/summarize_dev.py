@@ -1,0 +1,53 @@
+"""Print the kernel-development tables of benchmarks/NOTES.md from the committed raw runs.
+
+    python benchmarks/summarize_dev.py
+
+Reads results/nvidia-h200/kernel_dev/*.parquet (benchmarks/tune_engine.py and bench_engine.py runs)
+and results/nvidia-h200/bench_kernels.parquet (persistentkv bench-kernels): medians per case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
+
+
+def main() -> int:
+    pd.set_option("display.width", 200)
+    for path in sorted(DEV.glob("tune_*.parquet")):
+        df = pd.read_parquet(path)
+        med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
+        cols = [c for c in med.columns if c.startswith(("wq264", "wq132", "wq-gpu", "split"))]
+        print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2)")
+        print(med[cols].round(1).to_string())
+    alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
+    if alone:
+        df = pd.concat(alone)
+        print("\nbaselines, one process each (median us per call)")
+        print(df.groupby(["case", "backend"], sort=False)["time_us"].median().unstack().round(1).to_string())
+    bench = pd.read_parquet(ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet")
+    k = bench[(bench.protocol == "kernel") & (bench.status == "ok")]
+    med = k.groupby(["trace", "backend"])["time_us"].median().unstack()
+    base = [c for c in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa") if c in med]
+    out = pd.DataFrame({"best_baseline": med[base].min(axis=1), "which": med[base].idxmin(axis=1),
+                        "pkv-workqueue": med["pkv-workqueue"]})
+    out["speedup"] = out["best_baseline"] / out["pkv-workqueue"]
+    ceiling = bench[bench.backend == "read-ceiling"]
+    gbps = float((ceiling.kv_bytes / ceiling.time_us / 1e3).median())
+    kv = k.groupby("trace")["kv_bytes"].first()
+    out["pkv % of read ceiling"] = 100 * kv / out["pkv-workqueue"] / 1e3 / gbps
+    print(f"\nbench_kernels (all backends interleaved in one run; read ceiling {gbps:.0f} GB/s)")
+    print(out.round(2).to_string())
+    fastest_other = med.drop(columns=["torch-sdpa", "pkv-workqueue"], errors="ignore").min(axis=1)
+    print(f"cases {len(out)}: faster than every baseline in {(out.speedup >= 1).sum()}, within 2 % of the "
+          f"fastest backend in {(med['pkv-workqueue'] <= 1.02 * fastest_other).sum()}, lowest ratio "
+          f"{out.speedup.min():.3f} ({out.speedup.idxmin()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
