@@ -13,20 +13,20 @@ while tuning kernels (numbers go to benchmarks/NOTES.md); the artifact's measure
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from persistentkv.cache import Batch, make_batch  # noqa: E402
+from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
+from persistentkv.cache import make_batch  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CASES = {
@@ -132,59 +132,28 @@ def main() -> int:
         lengths = lengths_for(case)
         base = make_batch(spec, lengths, hole_fraction=0.0, seed=1)
         case_bytes = base.kv_bytes
-        R = max(1, min(64, math.ceil(3 * l2 / case_bytes)))
-        pages = base.num_pages
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        shape = (R * pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        k_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-        v_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-        copies = [(k_all[r * pages:(r + 1) * pages], v_all[r * pages:(r + 1) * pages]) for r in range(R)]
-        q = torch.randn((base.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda",
-                        dtype=torch.float16)
+        copies, q = rotated_copies(spec, base, l2)
+        R = len(copies)
         ref = reference_torch64(base, q, *copies[0])
-        graphs = {}
+        graphs, errors, keep = {}, {}, []
         for name, backend in backends.items():
             try:
                 plan = backend.plan(base)
                 out = torch.full_like(q, float("nan"))
                 backend.run(q, copies[0], plan, out)
                 torch.cuda.synchronize()
-                err = rel_err(out, ref)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for r in range(min(R, 3)):
-                        backend.run(q, copies[r], plan, out)
-                torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for c in range(args.calls):
-                        backend.run(q, copies[c % R], plan, out)
-                graphs[name] = (g, err, plan, out)  # the graph writes into out: keep it alive
+                errors[name] = rel_err(out, ref)
+                graphs[name] = capture(lambda kv, b=backend, p=plan, o=out: b.run(q, kv, p, o), copies, args.calls)
+                keep.append((plan, out))  # the graph reads the plan and writes into out: keep both alive
             except Exception as exc:
                 print(f"  {case} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
-        times = {name: [] for name in graphs}
-        order = list(graphs)
-        rng = np.random.default_rng(0)
-        for name in order:  # warm-up replay
-            graphs[name][0].replay()
-        torch.cuda.synchronize()
-        for rep in range(args.repeats):
-            rng.shuffle(order)
-            for name in order:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graphs[name][0].replay()
-                b.record()
-                b.synchronize()
-                times[name].append(a.elapsed_time(b) * 1e3 / args.calls)
+        times = time_replays(graphs, args.repeats, args.calls)
         label = f"B={case[0]} N={case[1]}" if case[1] else str(case[0])
         best_base = min((statistics.median(times[n]) for n in times if n in BASELINES), default=float("nan"))
         line = [f"{label:<16} {case_bytes / 1e6:7.1f} MB  floor {case_bytes / ceiling / 1e3:6.1f} us"]
         for name in graphs:
             med = statistics.median(times[name])
-            err = graphs[name][1]
+            err = errors[name]
             line.append(f"{name}={med:.1f}us({case_bytes / med / 1e3 / ceiling * 100:.0f}%{'' if err < 2e-3 else ' ERR %.1e' % err})")
             for rep, t in enumerate(times[name]):
                 rows.append({"case": label, "batch_size": len(lengths), "max_len": max(lengths),
@@ -193,7 +162,7 @@ def main() -> int:
         ours = min((statistics.median(times[n]) for n in times if n.startswith("pkv")), default=float("nan"))
         line.append(f"| ours/best-baseline speedup {best_base / ours:.2f}x")
         print("  ".join(line), flush=True)
-        del k_all, v_all, copies, graphs
+        del copies, graphs, keep
         torch.cuda.empty_cache()
     if rows:
         import pandas as pd

@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
 from persistentkv.cache import make_batch  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
@@ -47,14 +47,7 @@ def main() -> int:
     rows = []
     for B, N in CASES:
         batch = make_batch(spec, [N] * B, seed=1)
-        R = max(1, min(64, math.ceil(3 * l2 / batch.kv_bytes)))
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        shape = (R * batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        k_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-        v_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-        P = batch.num_pages
-        copies = [(k_all[r * P:(r + 1) * P], v_all[r * P:(r + 1) * P]) for r in range(R)]
-        q = torch.randn((B, 32, 128), generator=gen, device="cuda", dtype=torch.float16)
+        copies, q = rotated_copies(spec, batch, l2)
         ref = reference_torch64(batch, q, *copies[0])
         variants = {}
         for target in (33, 66, 132, 264, 396, 528):
@@ -66,43 +59,26 @@ def main() -> int:
         decode_only = engine.plan(batch, "split", num_splits=S)
         decode_only.launches = [l for l in decode_only.launches if l.kind != "merge"]
         variants[f"split{S}-decode-only"] = decode_only
-        graphs = {}
+        graphs, info = {}, {}
         for name, plan in variants.items():
             out = torch.full_like(q, float("nan"))
             engine.run(q, copies[0], plan, out)
             torch.cuda.synchronize()
             err = rel_err(out, ref) if "decode-only" not in name else float("nan")
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for c in range(args.calls):
-                    engine.run(q, copies[c % R], plan, out)
-            graphs[name] = (g, out, err, plan.num_launches, len(plan.host_plan.items) if plan.host_plan else -1)
-        order = list(graphs)
-        for name in order:
-            graphs[name][0].replay()
-        torch.cuda.synchronize()
-        times = {n: [] for n in order}
-        rng = np.random.default_rng(0)
-        for rep in range(args.repeats):
-            rng.shuffle(order)
-            for name in order:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graphs[name][0].replay()
-                b.record()
-                b.synchronize()
-                times[name].append(a.elapsed_time(b) * 1e3 / args.calls)
+            graphs[name] = capture(lambda kv, p=plan, o=out: engine.run(q, kv, p, o), copies, args.calls)
+            info[name] = (out, err, len(plan.host_plan.items) if plan.host_plan else -1)
+        times = time_replays(graphs, args.repeats, args.calls)
         floor = batch.kv_bytes / 4.5e6
         line = [f"B={B} N={N} ({batch.kv_bytes / 1e6:.1f} MB, floor@4.5TB/s {floor:.1f} us):"]
         for name in graphs:
             med = statistics.median(times[name])
-            g, out, err, launches, items = graphs[name]
+            out, err, items = info[name]
             line.append(f"{name}={med:.1f}" + (f"[{items}it]" if items >= 0 else "") +
                         ("" if math.isnan(err) or err < 2e-3 else f"(ERR {err:.1e})"))
             rows += [{"case": f"B={B} N={N}", "variant": name, "repeat": i, "time_us": t, "items": items,
                       "kv_bytes": batch.kv_bytes, "rel_err": err} for i, t in enumerate(times[name])]
         print("  ".join(line), flush=True)
-        del graphs, k_all, v_all, copies
+        del graphs, info, copies
         torch.cuda.empty_cache()
     import pandas as pd
 

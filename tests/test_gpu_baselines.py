@@ -8,13 +8,13 @@ end to end on a small case; the ceilings; GPU validation rows.
 
 from __future__ import annotations
 
-import math
 
-import numpy as np
 import pytest
 
+from gpu_support import TOLERANCE, rel_err
+from gpu_support import device_case as device_inputs
+from gpu_support import reference_torch64 as reference64
 from persistentkv.backends import registry
-from persistentkv.cache import make_batch
 from persistentkv.spec import AttentionSpec
 
 torch = pytest.importorskip("torch")
@@ -25,7 +25,6 @@ pytestmark = [
 ]
 
 BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa", "torch-sdpa")
-TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 LENGTHS = [1, 15, 16, 17, 1000, 4097]
 
 
@@ -35,41 +34,6 @@ def backend_or_skip(name: str, spec: AttentionSpec, **options):
     if reasons:
         pytest.skip(f"{name} unavailable: {'; '.join(reasons)}")
     return backend
-
-
-def device_inputs(spec: AttentionSpec, lengths, hole_fraction=0.4, seed=0):
-    batch = make_batch(spec, lengths, hole_fraction=hole_fraction, seed=seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    dtype = getattr(torch, spec.dtype)
-    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    k = torch.randn(shape, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(shape, generator=gen, device="cuda").to(dtype)
-    q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda").to(dtype)
-    return batch, q, k, v
-
-
-def reference64(batch, q, k, v):
-    """Dense float64 attention row by row through the block table (never looks at a plan)."""
-    spec = batch.spec
-    G, D = spec.group_size, spec.head_dim
-    out = torch.empty(q.shape, dtype=torch.float64, device="cuda")
-    idx = torch.from_numpy(batch.kv_indices.astype(np.int64)).cuda()
-    for i in range(batch.batch_size):
-        n = int(batch.seq_lens[i])
-        pages = idx[int(batch.kv_indptr[i]):int(batch.kv_indptr[i + 1])]
-        kk = k[pages].reshape(-1, spec.num_kv_heads, D)[:n].double()
-        vv = v[pages].reshape(-1, spec.num_kv_heads, D)[:n].double()
-        for h in range(spec.num_kv_heads):
-            s = (q[i, h * G:(h + 1) * G].double() @ kk[:, h].T) / math.sqrt(D)
-            out[i, h * G:(h + 1) * G] = torch.softmax(s, -1) @ vv[:, h]
-    return out
-
-
-def rel_err(out, ref) -> float:
-    o = out.double()
-    if not bool(torch.isfinite(o).all()):
-        return math.inf
-    return float(torch.linalg.norm(o - ref) / torch.linalg.norm(ref))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

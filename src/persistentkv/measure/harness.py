@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..backends.registry import CPU_ONLY, PKV_ROUTES
+from ..backends.registry import PKV_ROUTES
 from ..errors import PKVError
 from .protocols import eager_once, kernel_once, published_once, step_once
 from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
-from .rows import PROTOCOLS, case_fields, one_line, raw_row
+from .rows import PROTOCOLS, availability, case_fields, one_line, raw_row
 from .schedule import rounds
 from .statistics import frac_of_ceiling
 from .workload import Case, Variant
@@ -230,19 +230,13 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
     # 1. availability
     live: list[tuple[Variant, Any]] = []
     for variant in case.variants:
-        if variant.name in CPU_ONLY:
-            reasons = [f"{variant.name} runs on NumPy arrays on the host; the harness times torch tensors"]
-        else:
-            try:
-                backend = factory.get(variant)
-                reasons = list(backend.unavailable(spec))
-            except Exception as exc:
-                reasons = [one_line(exc)]
+        backend, reasons = availability(factory, variant, spec,
+                                        f"{variant.name} runs on NumPy arrays on the host; the harness times torch tensors")
         if reasons:
             key = (case.experiment, variant.name, spec, tuple(reasons))
             if key not in ctx.reported_unavailable:
                 ctx.reported_unavailable.add(key)
-                rows.append(status_row(variant, "unavailable", "; ".join(one_line(r) for r in reasons)))
+                rows.append(status_row(variant, "unavailable", "; ".join(reasons)))
             continue
         live.append((variant, backend))
     if not live:

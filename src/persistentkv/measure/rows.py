@@ -82,6 +82,21 @@ def one_line(text: object) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+def availability(factory, variant, spec, host_only_reason: str) -> tuple[object | None, list[str]]:
+    """(backend, reasons): the variant's backend and why it cannot run ``spec`` here ([] when it
+    can). Host-only backends (registry.CPU_ONLY) get ``host_only_reason``; a backend whose creation
+    or check raises gets that exception as its reason, never a crash."""
+    from ..backends.registry import CPU_ONLY
+
+    if variant.name in CPU_ONLY:
+        return None, [host_only_reason]
+    try:
+        backend = factory.get(variant)
+        return backend, [one_line(r) for r in backend.unavailable(spec)]
+    except Exception as exc:
+        return None, [one_line(exc)]
+
+
 def raw_row(**fields) -> dict:
     """A raw row with every column present: unknown names are an error, missing times are NaN."""
     unknown = sorted(set(fields) - set(RAW_COLUMNS))

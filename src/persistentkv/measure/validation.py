@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.registry import CPU_ONLY
 from ..cache import Batch
 from ..reference import reference_decode, relative_error
 from ..traces import KV_SEED_OFFSET, Q_SEED_OFFSET
-from .rows import one_line
+from .rows import availability, one_line
 from .workload import Case, Variant
 
 #: Exactly representable in float16 and bfloat16 (-1.5 x 2**14); |attention output| <= max |V|.
@@ -115,16 +114,10 @@ def _status(base: dict, backend: str, status: str, reason: str) -> dict:
 
 
 def _validate_one(variant: Variant, factory, spec, batch: Batch, device, copies, q, ref, base) -> dict:
-    if variant.name in CPU_ONLY:
-        return _status(base, variant.name, "unavailable",
-                       f"{variant.name} runs on NumPy arrays on the host (validate-cpu checks it)")
-    try:
-        backend = factory.get(variant)
-        reasons = list(backend.unavailable(spec))
-    except Exception as exc:
-        reasons = [one_line(exc)]
+    backend, reasons = availability(factory, variant, spec,
+                                    f"{variant.name} runs on NumPy arrays on the host (validate-cpu checks it)")
     if reasons:
-        return _status(base, variant.name, "unavailable", "; ".join(one_line(r) for r in reasons))
+        return _status(base, variant.name, "unavailable", "; ".join(reasons))
     try:
         plan = backend.plan(batch)
         out = device.empty_out(spec, batch.batch_size)
