@@ -233,7 +233,7 @@ def variants(rows: list[dict]) -> list[str]:
 
 def provenance_rows(results: Results) -> list[dict]:
     fields = ("gpu", "sm_count", "driver", "cuda", "torch", "cupy", "flashinfer", "vllm", "git_commit",
-              "git_dirty", "config_hash", "started_at")
+              "git_dirty", "git_source", "git_note", "config_hash", "started_at")
     return [{"run_id": run_id, **{f: p.get(f) for f in fields}} for run_id, p in sorted(results.provenance.items())]
 
 
