@@ -68,3 +68,31 @@ def test_pkv_backends_explain_why_they_cannot_run_here():
     for backend in (PKVWorkqueue(), PKVBuckets(), PKVSplit()):
         reasons = backend.unavailable(AttentionSpec())
         assert reasons and any("CUDA" in r or "cupy" in r for r in reasons), reasons
+
+
+def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
+    """The route options a backend is built with reach DecodeEngine.plan under names it accepts."""
+    import inspect
+
+    from persistentkv import engine as engine_module
+    from persistentkv.backends.pkv import PKVBuckets, PKVSplit, PKVWorkqueue
+    from persistentkv.cache import make_batch
+
+    calls = []
+
+    class FakeEngine:
+        spec = AttentionSpec()
+
+        def plan(self, batch, route, **options):
+            inspect.signature(engine_module.DecodeEngine.plan).bind(self, batch, route, **options)
+            calls.append((route, options))
+            return "plan"
+
+    monkeypatch.setattr(engine_module, "engine_for", lambda spec: FakeEngine())
+    batch = make_batch(AttentionSpec(), [100, 2000])
+    assert PKVWorkqueue(target_items=100, min_chunk_tiles=2).plan(batch) == "plan"
+    PKVWorkqueue().plan(batch)
+    PKVBuckets(num_splits=8).plan(batch)
+    PKVSplit(num_splits=20).plan(batch)
+    assert calls == [("workqueue", {"target_items": 100, "min_chunk_tiles": 2}), ("workqueue", {}),
+                     ("buckets", {"num_splits": 8}), ("split", {"num_splits": 20})]
