@@ -79,17 +79,9 @@ def engine_unsupported(spec: AttentionSpec) -> list[str]:
 
 def gpu_reasons() -> list[str]:
     """Why the engine cannot run on this machine ([] when torch + CUDA + CuPy are usable)."""
-    try:
-        import torch
-    except Exception as exc:
-        return [f"torch cannot be imported ({type(exc).__name__}: {exc})"]
-    if not torch.cuda.is_available():
-        return [f"no CUDA device visible to torch {torch.__version__}"]
-    try:
-        import cupy  # noqa: F401
-    except Exception as exc:
-        return [f"cupy cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"]
-    return []
+    from .backends.base import cuda_reasons, missing_module
+
+    return cuda_reasons() or missing_module("cupy")
 
 
 class _ArgBlock:
@@ -325,17 +317,14 @@ class DecodeEngine:
                     self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
         plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
                           lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk))
-        self._launch_plan(plan, self._stream())
+        self._launch(plan.launches[0], self._stream())
         return plan
 
     def replan_device(self, plan: DevicePlan) -> None:
         """Re-run the GPU planner of a ``workqueue`` plan (after the caller updated its lengths in
         ``plan.buffers['packed']`` on the device): no host work, graph-capturable."""
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans can be replanned on the device")
-        self._launch_plan(plan, self._stream())
-
-    def _launch_plan(self, plan: DevicePlan, stream: int) -> None:
-        self._launch(plan.launches[0], stream)
+        self._launch(plan.launches[0], self._stream())
 
     def _launch(self, launch: _Launch, stream: int) -> None:
         self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
@@ -381,7 +370,6 @@ class DecodeEngine:
         stream = self._raw_stream(self.device.index)
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         qs, os_, ks = q.stride(), out.stride(), k.stride()
-        launch_kernel = self._driver.launchKernel
         for launch in plan.launches:
             kind = launch.kind
             if kind == "plan":
@@ -402,8 +390,7 @@ class DecodeEngine:
                 slots[DECODE_STRIDES + 3].value = qs[1]
                 slots[DECODE_STRIDES + 4].value = os_[0]
                 slots[DECODE_STRIDES + 5].value = os_[1]
-            launch_kernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem, stream,
-                          launch.args.address, 0)
+            self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""
