@@ -72,6 +72,8 @@ def test_committed_config_is_valid():
     (("policy",), DELETE, "config: (top level): missing required key 'policy'"),
     (("validation", "cpu", "rtol"), "1e-3", "config: validation.cpu.rtol: '1e-3' is a string, not a number"),
     (("measure", "fragmented", "hole_fraction"), 0.99, "config: measure.fragmented.hole_fraction: 0.99 is greater"),
+    (("measure", "protocols", "batch_sweep"), ["graph"], "config: measure.protocols.batch_sweep[0]: 'graph' is not one"),
+    (("measure", "protocols", "batch_sweep"), [], "config: measure.protocols.batch_sweep: [] should be non-empty"),
 ])
 def test_schema_errors_name_key_and_value(base, path, value, expected):
     assert error_of(broken(base, path, value)).startswith(expected)

@@ -219,7 +219,8 @@ def test_published_experiment_uses_holdout_seeds_and_the_stride(config, traces_d
 def test_calibration_has_no_adaptive_and_adds_the_batch_sweep(config, traces_dir):
     cases = workload.experiment_cases("calibration", config, traces_dir)
     assert workload.seeds_of(cases) in ([config["seeds"]["calibration"]], [0, config["seeds"]["calibration"]])
-    assert all("adaptive" not in [v.name for v in c.variants] for c in cases)
+    assert all([v.name for v in c.variants] == config["policy"]["candidates"] for c in cases)
+    assert "adaptive" not in config["policy"]["candidates"]
     sweep = config["measure"]["batch_sweep"]
     synthetic = [c for c in cases if c.trace.startswith("B")]
     assert len(synthetic) == len(sweep["batch_sizes"]) * len(sweep["lengths"])
@@ -702,3 +703,20 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert sorted(set(ok["max_len"])) == sorted(workload.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
+
+def test_experiment_protocols_come_from_config_in_canonical_order():
+    from persistentkv.measure.harness import experiment_protocols
+    from persistentkv.measure.rows import PROTOCOLS
+
+    config = {"measure": {"protocols": {"split_sensitivity": ["step", "kernel"]}}}
+    assert experiment_protocols(config, "split_sensitivity") == ("kernel", "step")
+    assert experiment_protocols(config, "published") == PROTOCOLS
+    assert experiment_protocols({"measure": {}}, "published") == PROTOCOLS
+
+
+def test_experiment_protocols_refuse_unknown_names():
+    from persistentkv.errors import PKVError
+    from persistentkv.measure.harness import experiment_protocols
+
+    with pytest.raises(PKVError, match="measure.protocols.batch_sweep: unknown protocol"):
+        experiment_protocols({"measure": {"protocols": {"batch_sweep": ["kernel", "graph"]}}}, "batch_sweep")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..backends.registry import PKV_ROUTES
-from ..errors import PKVError
+from ..errors import PKVError, require
 from .protocols import eager_once, kernel_once, published_once, step_once
 from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
 from .rows import PROTOCOLS, availability, case_fields, one_line, raw_row
@@ -60,6 +60,18 @@ class Settings:
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
                    protocols=tuple(protocols), seed=seed)
+
+
+def experiment_protocols(config: dict, experiment: str) -> tuple[str, ...]:
+    """The protocols ``experiment`` times: config ``measure.protocols.<experiment>``, else all four
+    (in PROTOCOLS order, whatever order the config lists them in)."""
+    wanted = config["measure"].get("protocols", {}).get(experiment)
+    if not wanted:
+        return PROTOCOLS
+    unknown = sorted(set(wanted) - set(PROTOCOLS))
+    require(not unknown, f"measure.protocols.{experiment}: unknown protocol(s) {', '.join(unknown)}; "
+                         f"expected some of {', '.join(PROTOCOLS)}")
+    return tuple(p for p in PROTOCOLS if p in wanted)
 
 
 class BackendFactory:

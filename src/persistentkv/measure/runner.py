@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..io import atomic_write_parquet
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
-from .harness import BackendFactory, RunContext, Settings, run_cases
+from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
 from .rows import raw_frame, validation_frame
 from .workload import (bench_grid, default_splits, experiment_cases, load_config, load_trace, sampled_steps,
                        seeds_of, spec_from_config, synthetic_case, trace_cases, variants)
@@ -57,7 +57,8 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     started = utc_now()
     run_id = new_run_id(experiment, started)
     rows, ceiling = _ceilings(device, run_id, experiment, quick)
-    settings = Settings.from_config(config, quick=quick, seed=int(config["seeds"]["calibration"]))
+    settings = Settings.from_config(config, protocols=experiment_protocols(config, experiment), quick=quick,
+                                    seed=int(config["seeds"]["calibration"]))
     log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
         f"{settings.repeats} repeats after {settings.warmup} warm-up rounds")
     ctx = RunContext(run_id, ceiling, log=log)

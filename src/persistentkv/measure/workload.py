@@ -7,7 +7,7 @@ step); synthetic cases are B rows of given lengths (persistentkv.cache.make_batc
 
 Experiments (``persistentkv measure --experiment NAME``):
 
-    calibration        calibration seed; every config trace + the batch_sweep grid; all backends but adaptive
+    calibration        calibration seed; every config trace + the batch_sweep grid; the policy's candidates
     published          holdout seeds; bucketed_b1, bimodal_b8, uniform_b8, zipf_b8, bimodal_b4
     long_context       B = measure.long_context.batch_size at each of measure.long_context.lengths
     fragmented         holdout seeds; measure.fragmented.traces with hole_fraction from the config
@@ -271,6 +271,9 @@ def experiment_cases(experiment: str, config: dict, traces_dir: str | Path | Non
     stride = int(measure["step_stride"]) * (4 if quick else 1)
     spec = spec_from_config(config)
     names = _backend_names(config, backends, drop_adaptive=experiment == "calibration")
+    if experiment == "calibration" and not backends:
+        # calibration fits the policy, which chooses among policy.candidates: it times those
+        names = [n for n in config["policy"]["candidates"] if n != "adaptive"]
     splits0 = default_splits(config)
 
     def for_traces(trace_names, seed_list, rho=0.0, spec_=spec, names_=names, splits=None):
