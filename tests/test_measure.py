@@ -605,6 +605,15 @@ def test_git_state_in_and_out_of_a_repository(tmp_path):
     assert provenance.git_state(tmp_path)[1] is True
 
 
+def test_git_state_prefers_what_the_copier_says(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERSISTENTKV_GIT_COMMIT", "a" * 40)
+    monkeypatch.setenv("PERSISTENTKV_GIT_DIRTY", "0")
+    assert provenance.git_state(tmp_path) == ("a" * 40, False)
+    assert provenance.git_state(ROOT) == ("a" * 40, False)  # even inside a checkout (a stale .git)
+    monkeypatch.delenv("PERSISTENTKV_GIT_DIRTY")
+    assert provenance.git_state(tmp_path) == ("a" * 40, None)
+
+
 def test_collect_and_sidecar(tmp_path, config):
     record = provenance.collect(config, [3, 1], "2026-11-29T00:00:00Z", TorchDevice("cpu"), argv=["pkv", "x y"])
     assert set(record) == set(provenance.FIELDS)

@@ -224,3 +224,30 @@ def test_merge_provenance(tmp_path):
     b.write_text("[1, 2")
     done = merge_provenance("--out", out, a, b)
     assert done.returncode == 2 and "not valid JSON" in done.stderr and not out.exists()
+
+
+def test_merge_provenance_annotations_fill_or_correct_commits(tmp_path):
+    import json
+
+    sidecar = tmp_path / "published.json"
+    sidecar.write_text(json.dumps({"a": {"git_commit": None, "git_dirty": None},
+                                   "b": {"git_commit": "1" * 40, "git_dirty": True},
+                                   "c": {"git_commit": "2" * 40, "git_dirty": False}}))
+    notes = tmp_path / "run_commits.json"
+    notes.write_text(json.dumps({
+        "a": {"git_commit": "3" * 40, "git_dirty": False, "note": "no .git"},
+        "b": {"git_commit": "4" * 40, "git_dirty": False, "note": "stale .git",
+              "corrects": {"git_commit": "1" * 40, "git_dirty": True}},
+        "c": {"git_commit": "5" * 40, "git_dirty": False}}))
+    out = tmp_path / "provenance.json"
+    done = merge_provenance("--out", out, "--annotations", notes, sidecar)
+    assert done.returncode == 0, done.stderr
+    merged = json.loads(out.read_text())
+    assert merged["a"]["git_commit"] == "3" * 40 and merged["a"]["git_source"] == "annotation"
+    assert merged["b"]["git_commit"] == "4" * 40 and merged["b"]["git_note"] == "stale .git"
+    assert merged["b"]["git_recorded"] == {"git_commit": "1" * 40, "git_dirty": True}
+    assert merged["c"]["git_commit"] == "2" * 40 and "git_source" not in merged["c"]  # the sidecar wins
+    notes.write_text(json.dumps({"c": {"git_commit": "5" * 40, "corrects": {"git_commit": "9" * 40, "git_dirty": False}}}))
+    out.unlink()
+    done = merge_provenance("--out", out, "--annotations", notes, sidecar)
+    assert done.returncode == 2 and not out.exists() and "c corrects" in done.stderr

@@ -73,15 +73,19 @@ def _run(cmd: list[str], cwd: str | Path | None = None, timeout: float = 10.0) -
 def git_state(root: str | Path = ".") -> tuple[str | None, bool | None]:
     """(commit, dirty) of the working tree at ``root``.
 
-    Outside a git checkout (a tree copied to a GPU host without .git) the copier may say what it
-    copied in PERSISTENTKV_GIT_COMMIT and PERSISTENTKV_GIT_DIRTY (1/0); else (None, None)."""
+    Whoever copied the tree to a GPU host may say what it copied in PERSISTENTKV_GIT_COMMIT and
+    PERSISTENTKV_GIT_DIRTY (1/0); when set, they win over git, since a copied tree may carry a
+    stale .git (one seen on the H200 host answered the session's first commit). Else git, else
+    (None, None)."""
     import os
 
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
-    if commit is None:
-        env_commit = os.environ.get("PERSISTENTKV_GIT_COMMIT") or None
+    env_commit = os.environ.get("PERSISTENTKV_GIT_COMMIT") or None
+    if env_commit is not None:
         env_dirty = os.environ.get("PERSISTENTKV_GIT_DIRTY")
         return env_commit, (None if env_dirty is None else env_dirty.strip() not in ("", "0", "false"))
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
+    if commit is None:
+        return None, None
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return commit, (None if status is None else bool(status))
 

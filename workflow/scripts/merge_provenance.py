@@ -7,7 +7,10 @@ Each sidecar is ``{run_id: {...}}`` (docs/DATA.md); the merge is their union, ke
 that appears twice must carry the same record (a conflict means two runs claim one id: an error,
 never a silent overwrite). ``--annotations`` supplies git_commit/git_dirty for runs whose sidecar
 has none (a tree copied to the GPU host without .git); such a record says so in
-``git_source: "annotation"`` and carries the annotation's note. A sidecar's own commit always wins.
+``git_source: "annotation"`` and carries the annotation's note. A sidecar's own commit wins,
+except where the annotation names it as wrong: ``"corrects": {"git_commit": ..., "git_dirty": ...}``
+must equal the sidecar's values exactly (a copy that carried a stale .git), and the merged record
+then keeps them as ``git_recorded``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,15 @@ def annotate(merged: dict, path: Path) -> dict:
     require(not unknown, f"{path}: annotations for unknown run ids {', '.join(unknown)}")
     for run_id, note in notes.items():
         record = merged[run_id]
-        if record.get("git_commit") is None:
-            record.update(git_commit=note["git_commit"], git_dirty=note.get("git_dirty"),
-                          git_source="annotation", git_note=note.get("note", ""))
+        wrong = note.get("corrects")
+        recorded = {"git_commit": record.get("git_commit"), "git_dirty": record.get("git_dirty")}
+        if wrong is not None:
+            require(wrong == recorded, f"{path}: {run_id} corrects {wrong}, but its sidecar records {recorded}")
+            record["git_recorded"] = recorded
+        elif record.get("git_commit") is not None:
+            continue
+        record.update(git_commit=note["git_commit"], git_dirty=note.get("git_dirty"),
+                      git_source="annotation", git_note=note.get("note", ""))
     return merged
 
 
