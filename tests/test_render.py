@@ -84,6 +84,18 @@ def test_trace_ratio_data_matches_claims(measured):
     assert row["ratio"].iloc[0] == pytest.approx(c1["fair"]["value"])
 
 
+def test_split_sensitivity_is_relative_to_each_routes_best_split(measured):
+    # synthetic.py: pkv-split's time grows 4 % per doubling of S away from S = 16
+    data = figures.data_split_times(measured[1])
+    assert not data.empty and set(data["route"]) == {"pkv-split"} and data["protocol"].iloc[0] == "step"
+    by_s = data.set_index("num_splits")["ratio"]
+    assert by_s[16] == pytest.approx(1.0)
+    for s in (8, 32):
+        assert by_s[s] == pytest.approx(1 / 1.04, rel=1e-6)
+    assert by_s[4] == pytest.approx(1 / 1.08, rel=1e-6) and by_s[64] == pytest.approx(1 / 1.08, rel=1e-6)
+    assert (data["lo"] <= data["ratio"] + 1e-12).all() and (data["ratio"] <= data["hi"] + 1e-12).all()
+
+
 def test_tex_escaping():
     assert tables.tex("a_b & 50% #1 {x}") == r"a\_b \& 50\% \#1 \{x\}"
     assert tables.tex("1.2× → ρ") == r"1.2$\times$ $\to$ $\rho$"

@@ -591,7 +591,67 @@ def judge(results: Results) -> dict:
     return {"format": FORMAT, "hw": results.hw, "gpu": gpu, "paper_gpu": PAPER_GPU,
             "verdict_rule": VERDICT_RULE, "confidence": analysis.CONFIDENCE, "n_boot": analysis.N_BOOT,
             "boot_seed": analysis.BOOT_SEED, "holdout_seeds": list(results.holdout_seeds),
-            "counts": counts, "claims": out, "sources": sources}
+            "counts": counts, "claims": out, "sources": sources, "adaptive": adaptive_verdicts(results)}
+
+
+# -- the adaptive backend on holdout (the baselines issue's criteria) -----------------------------
+#: Adaptive must reach this fraction of the best single backend's speed in every cell...
+ADAPTIVE_FLOOR = 0.98
+#: ...and this geometric-mean speedup over the faster FlashInfer across the published rows plus the
+#: long-context rows, on step rows (plan once + L layers); kernel rows are reported beside them.
+ADAPTIVE_GEOMEAN = 1.15
+
+
+def _cell_label(cell) -> str:
+    key = cell.key
+    seed = f" s{key['seed']}" if key.get("experiment") != "long_context" else ""
+    return f"{key['trace']}{seed}"
+
+
+def adaptive_verdicts(results: Results) -> dict:
+    """Adaptive against the best single backend per cell (holdout seeds of the published traces,
+    and the long-context rows) and its geometric-mean speedup over the faster FlashInfer, per
+    protocol (step, kernel), with 95 % bootstrap intervals.
+
+    The floor holds when no cell's point estimate is below ADAPTIVE_FLOOR ("significantly below"
+    lists cells whose whole interval is); the geometric mean holds when its point estimate reaches
+    ADAPTIVE_GEOMEAN ("clears" says whether its interval does too). Cells without an adaptive row
+    are left out and counted."""
+    q = analysis._quantiles(analysis.CONFIDENCE)
+    out = {"floor": ADAPTIVE_FLOOR, "geomean_target": ADAPTIVE_GEOMEAN, "reference": REFERENCE, "protocols": {}}
+    for protocol in ("step", "kernel"):
+        cells = _cells(results, "published", protocol) + _cells(results, "long_context", protocol, holdout=False)
+        with_adaptive = [c for c in cells if "adaptive" in c.point and np.isfinite(c.time("adaptive")[0])]
+        per_cell = []
+        for cell in with_adaptive:
+            singles = [b for b in cell.backends if b != "adaptive" and np.isfinite(cell.time(b)[0])]
+            if not singles:
+                continue
+            best = min(singles, key=lambda b: cell.time(b)[0])
+            r = analysis.ratio(cell, "adaptive", best)
+            if r is None:
+                continue
+            ok = np.isfinite(r["boot"])
+            lo, hi = (float(np.quantile(r["boot"][ok], q[0])), float(np.quantile(r["boot"][ok], q[1]))) \
+                if ok.any() else (float("nan"), float("nan"))
+            per_cell.append({"cell": _cell_label(cell), "experiment": cell.key["experiment"], "best": best,
+                             "ratio": float(r["ratio"]), "lo": lo, "hi": hi, "n_steps": r["n_steps"]})
+        entry = {"cells": len(per_cell), "cells_without_adaptive": len(cells) - len(with_adaptive),
+                 "per_cell": per_cell, "run_ids": _run_ids(with_adaptive)}
+        if per_cell:
+            worst = min(per_cell, key=lambda r: r["ratio"])
+            below = [r["cell"] for r in per_cell if r["ratio"] < ADAPTIVE_FLOOR]
+            entry.update(min=worst, below_floor=below,
+                         significantly_below=[r["cell"] for r in per_cell if r["hi"] < ADAPTIVE_FLOOR],
+                         holds_floor=not below)
+        g, _ = seed_ratio(with_adaptive, "adaptive")
+        if g is not None:
+            entry["geomean"] = {"ratio": float(g["ratio"]), "lo": float(g["lo"]), "hi": float(g["hi"]),
+                                "n_cells": int(g["n_rows"])}
+            entry["holds_geomean"] = bool(g["ratio"] >= ADAPTIVE_GEOMEAN)
+            entry["geomean_interval_clears"] = bool(g["lo"] >= ADAPTIVE_GEOMEAN)
+        out["protocols"][protocol] = entry
+    return out
 
 
 def published_rows(results: Results) -> list[dict]:
