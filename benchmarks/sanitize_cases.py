@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel: the GPU planner,
-fused and separate decode, the merge, Q in registers and in shared memory, G = 1/4/7/16, page
+fused and separate decode, the merge, the cluster route (C = 2 and 16), Q in registers and in shared memory, G = 1/4/7/16, page
 sizes 8/16/128, empty splits, page-boundary lengths. Exits non-zero if any output is wrong.
 """
 
@@ -36,7 +36,8 @@ def main() -> int:
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
         for route, options in (("workqueue", {}), ("workqueue_host", {}), ("buckets", {"num_splits": 4}),
-                               ("split", {"num_splits": 48})):
+                               ("split", {"num_splits": 48}), ("cluster", {"cluster_size": 2}),
+                               ("cluster", {"cluster_size": 16})):
             plan = engine.plan(batch, route, **options)
             out = torch.full_like(q, float("nan"))
             engine.run(q, (k, v), plan, out)

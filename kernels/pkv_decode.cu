@@ -75,6 +75,18 @@ static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping"
 constexpr int PIPE_BYTES = (Q_ELEMS + STAGES * 2 * STAGE_ELEMS) * 2;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
 constexpr int SMEM_BYTES = PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES;
+// Cluster route: each CTA publishes its normalised state, o [16][D] and lse [16] (fp32, rows >= G
+// unused), in its own shared memory past the combine buffers, so the combine's last reads and the
+// publication never overlap; the cluster's CTAs read it through distributed shared memory.
+constexpr int PUB_OFFSET = (COMBINE_BYTES + 15) / 16 * 16;
+constexpr int PUB_BYTES = (16 * D + 16) * 4;
+static_assert(PUB_OFFSET + PUB_BYTES <= SMEM_BYTES, "cluster publication region must fit in SMEM_BYTES");
+constexpr int MAX_CLUSTER = 16;  // CTAs per cluster; 16 is non-portable (8 is the portable limit)
+
+// Tail of decode_item: write a partial state (or the output when the item is its row's only
+// split); the same, then the last CTA of the group merges through global memory; or publish the
+// state in shared memory and merge inside the thread-block cluster.
+enum Mode { PARTIAL = 0, FUSED = 1, CLUSTER = 2 };
 
 // -inf as a bit pattern (no <math.h> under NVRTC).
 #define NEG_INF __int_as_float(0xff800000)
@@ -231,13 +243,87 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n)
   }
 }
 
-template <bool FUSED>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Thread-block cluster primitives (sm_90+): a full cluster barrier whose arrive releases and whose
+// wait acquires this CTA's shared-memory writes, the address of the same variable in CTA `rank`'s
+// shared memory, and loads through distributed shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_map(unsigned addr, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float ld_cluster(unsigned addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(unsigned addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+// Merge inside a cluster of C CTAs, the C splits of one (row, kv head): every CTA has published
+// its (o, lse) at pub_o / pub_lse in its own shared memory. After a cluster barrier, CTA `rank`
+// merges its 1/C of the G x D/4 output float4s, each thread loading all C states of its float4
+// at once (C round trips in flight, no global memory), with merge_group's math. A second barrier
+// keeps every CTA's shared memory alive until the others have read it.
+template <int C>
+__device__ __forceinline__ void cluster_merge(const Params& p, int row, int head, int rank, const float* pub_o,
+                                              const float* pub_lse) {
+  cluster_sync();
+  const int G = p.group_size;
+  constexpr int D4 = D / 4;
+  const int total = G * D4, per = (total + C - 1) / C;
+  const int start = rank * per, stop = min(total, start + per);
+  const unsigned o_local = smem_u32(pub_o), lse_local = smem_u32(pub_lse);
+  for (int idx = start + (int)threadIdx.x; idx < stop; idx += THREADS) {
+    const int g = idx / D4, d = (idx - g * D4) * 4;
+    float l[C];
+    float4 o[C];
+#pragma unroll
+    for (int s = 0; s < C; ++s) {
+      l[s] = ld_cluster(cluster_map(lse_local + g * 4, s));
+      o[s] = ld_cluster4(cluster_map(o_local + (g * D + d) * 4, s));
+    }
+    float M = NEG_INF;
+#pragma unroll
+    for (int s = 0; s < C; ++s) M = fmaxf(M, l[s]);
+    float den = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (M != NEG_INF) {
+#pragma unroll
+      for (int s = 0; s < C; ++s) {
+        const float w = fast_exp2(l[s] - M);  // empty split: lse = -inf -> 0
+        den += w;
+        acc.x += w * o[s].x;
+        acc.y += w * o[s].y;
+        acc.z += w * o[s].z;
+        acc.w += w * o[s].w;
+      }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
+    dst[0] = to_kv(acc.x * inv);
+    dst[1] = to_kv(acc.y * inv);
+    dst[2] = to_kv(acc.z * inv);
+    dst[3] = to_kv(acc.w * inv);
+  }
+  cluster_sync();
+}
+#endif
+
+// One item's partial state, then MODE's tail. C: CTAs per cluster (MODE == CLUSTER only).
+template <int MODE, int C = 1>
 __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = p.group_size;
   const int P_mask = (1 << p.log2_page) - 1;
   const int row = it.row, head = it.head, lo = it.lo, hi = it.hi;
-  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
 
   kv_t* sQ = smem;
   kv_t* sK = smem + Q_ELEMS;
@@ -294,6 +380,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       qf[kk][3] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + 8 + c)) : 0u;
     }
   }
+  // Q's loads above need only (row, head): first use of the token range comes after them, so
+  // when the range itself was just loaded (cluster route) both round trips overlap.
+  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
 
   float o[NT][4];
 #pragma unroll
@@ -456,7 +545,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   __syncthreads();
 
-  const bool direct = it.nsplit <= 1;
+  const bool direct = MODE != CLUSTER && it.nsplit <= 1;
+  float* pub_o = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + PUB_OFFSET);  // [16][D]
+  float* pub_lse = pub_o + 16 * D;                                                                // [16]
   for (int idx = tid; idx < G * D; idx += THREADS) {
     const int g = idx / D, d = idx - g * D;
     float acc = 0.f;
@@ -464,14 +555,23 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     for (int w = 0; w < WARPS; ++w) acc += obuf[(w * 16 + g) * OBUF_STRIDE + d];
     const float L = rowL[g];
     const float val = L > 0.f ? acc / L : 0.f;
-    if (direct) {
+    if (MODE == CLUSTER) {  // an empty split publishes o = 0, lse = -inf
+      pub_o[g * D + d] = val;
+      if (d == 0) pub_lse[g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
+    } else if (direct) {
       p.out[row * p.o_sb + (long long)(head * G + g) * p.o_sh + d] = to_kv(val);
     } else {
       p.part_o[((long long)slot * G + g) * D + d] = val;
       if (d == 0) p.part_lse[(long long)slot * G + g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
     }
   }
-  if (!FUSED || direct) return;
+  if constexpr (MODE == CLUSTER) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_merge<C>(p, row, head, it.split, pub_o, pub_lse);
+#endif
+    return;
+  }
+  if (MODE != FUSED || direct) return;
 
   // Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
   // barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is
@@ -514,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode(PKV_DEC
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
-  pkv::decode_item<false>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+  pkv::decode_item<pkv::PARTIAL>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
 }
 
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(PKV_DECODE_ARGS) {
@@ -522,8 +622,68 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(P
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
-  pkv::decode_item<true>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+  pkv::decode_item<pkv::FUSED>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
 }
+
+// The cluster route: grid = B * Hkv * C CTAs, blockIdx.x = (row * Hkv + head) * C + rank, one
+// thread-block cluster of C CTAs per (row, kv head). No items, counters or partial states in
+// global memory: each CTA reads its row's length and page base and takes the tile-aligned range
+//   T64 = ceil(T / 64);  lo = min(T, T64 * rank / C * 64);  hi = min(T, T64 * (rank + 1) / C * 64)
+// (empty when lo >= hi), then the cluster merges its C states through distributed shared memory
+// (cluster_merge). The grid depends only on B, so a captured graph stays valid when the lengths
+// in seq_lens change on the device. C = 1 is no cluster: the CTA writes its row's output.
+#define PKV_CLUSTER_ARGS                                                                               \
+  const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int *seq_lens, \
+      const int *kv_indptr, int num_kv_heads, int group_size, int log2_page, long long kv_sp,          \
+      long long kv_st, long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
+
+namespace pkv {
+template <int C>
+__device__ __forceinline__ void decode_cluster(PKV_CLUSTER_ARGS) {
+  static_assert(C >= 1 && C <= MAX_CLUSTER && (C & (C - 1)) == 0, "cluster size must be 1, 2, 4, 8 or 16");
+  Params p{q, k, v, out, kv_indices, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
+           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int group = blockIdx.x / C, rank = blockIdx.x - group * C;
+  Item it;
+  it.row = group / num_kv_heads;
+  it.head = group - it.row * num_kv_heads;
+  const int T = __ldg(seq_lens + it.row);  // these two loads and Q's are in flight together
+  it.page_base = __ldg(kv_indptr + it.row);
+  const int tiles = (T + TILE - 1) / TILE;
+  it.lo = min(T, tiles * rank / C * TILE);
+  it.hi = min(T, tiles * (rank + 1) / C * TILE);
+  it.split = rank;
+  it.nsplit = C;
+  decode_item<C == 1 ? PARTIAL : CLUSTER, C>(p, 0, it, reinterpret_cast<kv_t*>(smem_raw));
+}
+}  // namespace pkv
+
+#define PKV_CLUSTER_CALL \
+  q, k, v, out, kv_indices, seq_lens, kv_indptr, num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2
+
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_cluster1(PKV_CLUSTER_ARGS) {
+  pkv::decode_cluster<1>(PKV_CLUSTER_CALL);
+}
+
+// Clusters need sm_90: older targets (CI compiles sm_80) get kernels of the same names that trap;
+// the engine refuses the route on such devices before any launch.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define PKV_CLUSTER_KERNEL(C)                                                                    \
+  extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_cluster##C(PKV_CLUSTER_ARGS) { \
+    __trap();                                                                                    \
+  }
+#else
+#define PKV_CLUSTER_KERNEL(C)                                                                    \
+  extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(pkv::THREADS, 2)        \
+      pkv_decode_cluster##C(PKV_CLUSTER_ARGS) {                                                  \
+    pkv::decode_cluster<C>(PKV_CLUSTER_CALL);                                                    \
+  }
+#endif
+PKV_CLUSTER_KERNEL(2)
+PKV_CLUSTER_KERNEL(4)
+PKV_CLUSTER_KERNEL(8)
+PKV_CLUSTER_KERNEL(16)  // non-portable: the engine sets NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 
 // One CTA per merge group: groups[i] = (row, kv head, first slot, num splits).
 extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(

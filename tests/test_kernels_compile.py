@@ -42,12 +42,16 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     report = json.loads(out.read_text())
     assert report["status"] == "ok"
     kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"]) for r in report["kernels"]}
-    expected = {(k, a, d, h) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
+    cluster = tuple(f"pkv_decode_cluster{c}" for c in (1, 2, 4, 8, 16))
+    expected = {(k, a, d, h) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster)
                 for a in ("sm_80", "sm_90") for d, h in CONFIGS}
     assert kernels == expected
     for row in report["kernels"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
+        # clusters need sm_90: on sm_80 the C >= 2 kernels are trap stubs, on sm_90 the real decode
+        if row["kernel"] in cluster[1:]:
+            assert (row["registers"] < 32) == (row["arch"] == "sm_80"), row
     assert len(list((tmp_path / "cubins").glob("*.cubin"))) == 2 * len(CONFIGS)
 
 
@@ -82,6 +86,8 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
 
     class FakeEngine:
         spec = AttentionSpec()
+        num_sms = 132
+        capability = (9, 0)
 
         def plan(self, batch, route, **options):
             inspect.signature(engine_module.DecodeEngine.plan).bind(self, batch, route, **options)
@@ -96,3 +102,12 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     PKVSplit(num_splits=20).plan(batch)
     assert calls == [("workqueue", {"target_items": 100, "min_chunk_tiles": 2}), ("workqueue", {}),
                      ("buckets", {"num_splits": 8}), ("split", {"num_splits": 20})]
+    calls.clear()
+    PKVWorkqueue(route="cluster", target_items=100).plan(batch)
+    PKVWorkqueue(route="cluster", cluster_size=4, cluster_smem_bytes=200000).plan(batch)
+    PKVWorkqueue(route="auto", target_items=100).plan(batch)                       # ragged: the queue
+    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [4096]))           # B=1 long: C=16
+    FakeEngine.capability = (8, 0)
+    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [4096]))           # no clusters here
+    assert calls == [("cluster", {}), ("cluster", {"cluster_size": 4, "cluster_smem_bytes": 200000}),
+                     ("workqueue", {"target_items": 100}), ("cluster", {"cluster_size": 16}), ("workqueue", {})]

@@ -14,6 +14,12 @@ captured in a CUDA graph. Routes:
 * ``workqueue_host``: the same queue planned by plan.py on the host and uploaded.
 * ``buckets``: one decode + merge launch pair per exact-length bucket, as published.
 * ``split``: the rectangular B x Hkv x S grid with its empty splits, decode + merge.
+* ``cluster`` (sm_90+): exactly C splits per (row, kv head), one thread-block cluster of C CTAs
+  each, which merges on chip through distributed shared memory: one launch, no items, no
+  counters, no partial states in global memory. The kernel reads the lengths and page table from
+  one uploaded tensor (``plan.buffers['packed']`` = seq_lens | kv_indptr | kv_indices) and
+  computes its own ranges, and its grid (B * Hkv * C) depends only on B: lengths may be changed
+  on the device between replays of a captured graph, within the pages of the table.
 
 Supported: fp16 and bf16; head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
 (powers of two; 8-128 are the tested range); batch up to 4096 rows on the GPU planner (65535
@@ -44,7 +50,11 @@ PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
 MIN_CHUNK_TILES = 2
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
-ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
+ROUTES = ("workqueue", "workqueue_host", "buckets", "split", "cluster")
+# cuda.h CUfunction_attribute values set on the cluster kernels.
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 LOG2E = 1.4426950408889634
 
 
@@ -112,6 +122,28 @@ class _Module:
     tile: int
     stages: int
     occupancy: int
+    #: cluster size -> CUfunction of pkv_decode_cluster{C}
+    cluster_functions: dict = field(default_factory=dict)
+    #: why C = 16 cannot be launched here (setting the non-portable attribute failed), or None
+    cluster16_error: str | None = None
+    #: largest dynamic shared memory a CTA may opt in to on this device
+    smem_optin: int = 0
+    #: CUfunction -> dynamic shared memory it is currently allowed (raised on demand)
+    smem_allowed: dict = field(default_factory=dict)
+
+
+def _set_function_attribute(function: int, attribute: int, value: int) -> None:
+    """cuFuncSetAttribute through CuPy's driver wrapper, or libcuda directly if CuPy lacks it."""
+    from cupy_backends.cuda.api import driver
+
+    setter = getattr(driver, "funcSetAttribute", None)
+    if setter is not None:
+        setter(function, attribute, value)
+        return
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    status = libcuda.cuFuncSetAttribute(ctypes.c_void_p(function), ctypes.c_int(attribute), ctypes.c_int(value))
+    if status != 0:
+        raise RuntimeError(f"cuFuncSetAttribute({attribute}, {value}) returned CUresult {status}")
 
 
 @lru_cache(maxsize=None)
@@ -136,8 +168,11 @@ def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
         smem, threads, tile, stages, plan_tile = config
         require(plan_tile == planner.TILE_TOKENS,
                 f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {planner.TILE_TOKENS}")
+        require(tile == planner.CLUSTER_TILE_TOKENS,
+                f"kernel tile {tile} != plan.CLUSTER_TILE_TOKENS {planner.CLUSTER_TILE_TOKENS}")
         functions = {}
-        for name in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan"):
+        cluster_names = [f"pkv_decode_cluster{c}" for c in planner.CLUSTER_SIZES]
+        for name in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster_names):
             kernel = module.get_function(name)
             if name.startswith("pkv_decode"):
                 kernel.max_dynamic_shared_size_bytes = smem
@@ -146,22 +181,36 @@ def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
 
         occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
         _ensure_launch_api()
-    return _Module(functions, smem, threads, tile, stages, max(1, occupancy))
-
-
-@dataclass
-class _Launch:
-    kind: str         # decode | fused | merge | plan
-    grid: int
-    args: _ArgBlock   # parameter block; per-call slots are rewritten by run()
-    function: int = 0  # CUfunction
-    threads: int = 0
-    smem: int = 0
+        cluster16_error = None
+        try:  # 16 CTAs per cluster exceeds the portable 8: the function must opt in
+            _set_function_attribute(functions["pkv_decode_cluster16"].ptr,
+                                    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except Exception as exc:
+            cluster16_error = (f"cluster size 16 is unavailable: setting NON_PORTABLE_CLUSTER_SIZE_ALLOWED failed "
+                               f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
+                               f"use cluster_size <= 8")
+        smem_optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
+    cluster_functions = {c: functions[f"pkv_decode_cluster{c}"].ptr for c in planner.CLUSTER_SIZES}
+    return _Module(functions, smem, threads, tile, stages, max(1, occupancy), cluster_functions, cluster16_error,
+                   smem_optin, {ptr: smem for ptr in cluster_functions.values()})
 
 
 # Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
 DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
 DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
+# pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): q, k, v, out in the same slots; strides from slot 10.
+CLUSTER_STRIDES = 10
+
+
+@dataclass
+class _Launch:
+    kind: str         # decode | fused | merge | plan | cluster
+    grid: int
+    args: _ArgBlock   # parameter block; per-call slots are rewritten by run()
+    function: int = 0  # CUfunction
+    threads: int = 0
+    smem: int = 0
+    strides: int = DECODE_STRIDES  # first stride slot of a decode-like launch
 # Parameter slots of pkv_merge: (groups, part_o, part_lse, out, group_size, o_sb, o_sh).
 MERGE_OUT, MERGE_STRIDES = 3, 5
 
@@ -180,6 +229,9 @@ class DevicePlan:
     num_items:   int32 [1] device count (GPU-planned) or None
     part_o/lse:  float32 partial states [slots, G, D] / [slots, G]
     counters:    int32 [B * Hkv], zero between launches (fused merge)
+    packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
+
+    Route ``cluster`` holds only ``packed``; its host equivalent is plan.plan_cluster.
     """
 
     route: str
@@ -220,6 +272,7 @@ class DecodeEngine:
         self.module = _load_module(spec.dtype, spec.head_dim, self.device.index)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
+        self.capability = (props.major, props.minor)
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = min_chunk_tiles
@@ -247,11 +300,19 @@ class DecodeEngine:
         }
 
     def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
-             min_chunk_tiles: int | None = None) -> DevicePlan:
+             min_chunk_tiles: int | None = None, cluster_size: int | None = None,
+             cluster_smem_bytes: int | None = None) -> DevicePlan:
         """Plan one step: ``num_splits`` for buckets/split; ``target_items`` and ``min_chunk_tiles``
-        for the queues (defaults: one wave of resident CTAs, one pipeline stage)."""
+        for the queues (defaults: one wave of resident CTAs, one pipeline stage); ``cluster_size``
+        (default plan.default_cluster_size) and ``cluster_smem_bytes`` (dynamic shared memory per
+        CTA, default the kernel's; ask for more than half an SM's to force one CTA per SM) for
+        the cluster route."""
         require(route in ROUTES, f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
         require(batch.spec == self.spec, f"batch spec {batch.spec} != engine spec {self.spec}")
+        if route == "cluster":
+            return self._plan_cluster(batch, cluster_size, cluster_smem_bytes)
+        require(cluster_size is None and cluster_smem_bytes is None,
+                f"cluster_size and cluster_smem_bytes apply to route cluster, not {route}")
         target = int(target_items or self.target_items)
         min_chunk = int(min_chunk_tiles or self.min_chunk_tiles)
         if route == "workqueue":
@@ -320,11 +381,58 @@ class DecodeEngine:
         self._launch(plan.launches[0], self._stream())
         return plan
 
+    def cluster_size_for(self, batch_size: int, cluster_size: int | None = None) -> int:
+        """The cluster route's C for ``batch_size`` rows on this device, or a one-line PKVError."""
+        major, minor = self.capability
+        require(major >= planner.CLUSTER_MIN_MAJOR,
+                f"route cluster needs thread-block clusters (compute capability >= {planner.CLUSTER_MIN_MAJOR}.0); "
+                f"this device is {major}.{minor}")
+        C = (planner.default_cluster_size(batch_size, self.spec.num_kv_heads, self.num_sms) if cluster_size is None
+             else planner.check_cluster_size(cluster_size))
+        require(not (C == 16 and self.module.cluster16_error), str(self.module.cluster16_error))
+        return C
+
+    def _cluster_smem(self, function: int, smem_bytes: int | None) -> int:
+        mod = self.module
+        smem = mod.smem_bytes if smem_bytes is None else int(smem_bytes)
+        require(mod.smem_bytes <= smem <= max(mod.smem_bytes, mod.smem_optin),
+                f"cluster_smem_bytes must be in [{mod.smem_bytes}, {mod.smem_optin}] (the kernel's need, the device's "
+                f"opt-in limit), got {smem}")
+        if smem > mod.smem_allowed.get(function, mod.smem_bytes):
+            _set_function_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            mod.smem_allowed[function] = smem
+        return smem
+
+    def _plan_cluster(self, batch: Batch, cluster_size: int | None, smem_bytes: int | None) -> DevicePlan:
+        spec, B = self.spec, batch.batch_size
+        C = self.cluster_size_for(B, cluster_size)
+        function = self.module.cluster_functions[C]
+        smem = self._cluster_smem(function, smem_bytes)
+        packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
+        dev = self._i32(packed)
+        buffers = {"packed": dev, "kv_indices": dev[2 * B + 1:] if batch.kv_indices.size else dev[:1]}
+        args = _ArgBlock([(_PTR, 0), (_PTR, 0), (_PTR, 0), (_PTR, 0),
+                          (_PTR, buffers["kv_indices"].data_ptr()), (_PTR, dev.data_ptr()),
+                          (_PTR, dev.data_ptr() + 4 * B),
+                          (_I32, spec.num_kv_heads), (_I32, spec.group_size), (_I32, int(math.log2(spec.page_size))),
+                          (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0),
+                          (_F32, float(self.scale_log2))])
+        launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem,
+                         CLUSTER_STRIDES)
+        return DevicePlan("cluster", spec, B, [launch], buffers, None, lambda: planner.plan_cluster(batch, C))
+
+    def occupancy(self, launch: _Launch) -> int:
+        """CTAs of ``launch``'s kernel resident per SM at its shared memory (clusters aside)."""
+        return int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(launch.function, launch.threads, launch.smem))
+
     def replan_device(self, plan: DevicePlan) -> None:
         """Re-run the GPU planner of a ``workqueue`` plan (after the caller updated its lengths in
-        ``plan.buffers['packed']`` on the device): no host work, graph-capturable."""
-        require(plan.route == "workqueue", "only GPU-planned (workqueue) plans can be replanned on the device")
-        self._launch(plan.launches[0], self._stream())
+        ``plan.buffers['packed']`` on the device): no host work, graph-capturable. A ``cluster``
+        plan needs none (its kernel reads the lengths at launch): a no-op."""
+        require(plan.route in ("workqueue", "cluster"),
+                "only GPU-planned (workqueue) and cluster plans follow lengths changed on the device")
+        if plan.route == "workqueue":
+            self._launch(plan.launches[0], self._stream())
 
     def _launch(self, launch: _Launch, stream: int) -> None:
         self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
@@ -384,16 +492,19 @@ class DecodeEngine:
                 slots[DECODE_K].value = k_ptr
                 slots[DECODE_V].value = v_ptr
                 slots[DECODE_OUT].value = o_ptr
-                slots[DECODE_STRIDES].value = ks[0]
-                slots[DECODE_STRIDES + 1].value = ks[1]
-                slots[DECODE_STRIDES + 2].value = qs[0]
-                slots[DECODE_STRIDES + 3].value = qs[1]
-                slots[DECODE_STRIDES + 4].value = os_[0]
-                slots[DECODE_STRIDES + 5].value = os_[1]
+                first = launch.strides
+                slots[first].value = ks[0]
+                slots[first + 1].value = ks[1]
+                slots[first + 2].value = qs[0]
+                slots[first + 3].value = qs[1]
+                slots[first + 4].value = os_[0]
+                slots[first + 5].value = os_[1]
             self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""
+        require(plan.route != "cluster", "a cluster plan has no item buffer (its kernel computes the ranges of "
+                                         "plan.plan_cluster); use plan.counters() or plan.plan_cluster")
         items = plan.buffers["items"].cpu().numpy()
         n = int(plan.buffers["num_items"].item()) if "num_items" in plan.buffers else plan.host_plan.num_items
         return items[:n, :4]

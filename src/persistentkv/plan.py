@@ -16,7 +16,9 @@ Vocabulary (the paper's):
 * Routes: ``split`` (the rectangular B x Hkv x S grid, empty splits included), ``buckets`` (rows
   grouped by exact length, one decode + merge launch pair per bucket), ``padded_buckets`` (rows
   grouped by length rounded up to a bucket size; ablation only), ``workqueue`` (only non-empty
-  items, split counts balanced across rows, one launch with the merge fused in).
+  items, split counts balanced across rows, one launch with the merge fused in), ``cluster``
+  (exactly C splits per (row, kv head), bounds on 64-token tiles, one launch; the C CTAs of a
+  thread-block cluster merge on chip, through distributed shared memory, not global memory).
 
 Item encoding, int32 ``[n, 4]``: ``(row | kv_head << 16, tok_lo, tok_hi, split | num_splits << 16)``.
 """
@@ -37,7 +39,13 @@ TILE_TOKENS = 32
 PARTIAL_FLOATS_EXTRA = 1
 #: The paper's count per query head: acc (D floats) + m + l.
 PAPER_PARTIAL_FLOATS_EXTRA = 2
-ROUTES = ("split", "buckets", "padded_buckets", "workqueue")
+ROUTES = ("split", "buckets", "padded_buckets", "workqueue", "cluster")
+#: Tokens per tile of the cluster route's split bounds: one pipeline stage of the kernel (TILE).
+CLUSTER_TILE_TOKENS = 64
+#: CTAs per thread-block cluster the kernels are compiled for (16 is non-portable on sm_90).
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
+#: Compute capability (major) with thread-block clusters.
+CLUSTER_MIN_MAJOR = 9
 MAX_BATCH = 65535  # row index is packed into 16 bits
 #: split counts and kv heads sit in the high 16 bits of an int32 word; 15 bits keep it non-negative
 #: (at 2**15 the word wraps negative and ``>> 16`` reads a negative count).
@@ -138,6 +146,7 @@ class Plan:
 
     items:        int32 [n, 4], see the module docstring
     merge_groups: int32 [m, 4], (row, kv_head, first partial slot, num_splits) for rows with S_i > 1
+                  (route ``cluster``: the merges its clusters do on chip)
     row_splits:   int32 [B], S_i
     row_tokens:   int64 [B], tokens each row's items span (N_i, or the padded length)
     """
@@ -170,6 +179,9 @@ class Plan:
         split_counts = self.items[:, 3] >> 16
         multi = split_counts > 1
         partial_states = int(multi.sum())  # one per (row, kv head, split) with S_i > 1
+        on_chip = any(l.kind == "cluster" for l in self.launches)
+        if on_chip:
+            partial_states = 0  # merged through distributed shared memory: no global-memory states
         per_state = spec.group_size * 4
         useful = int(self.seq_lens.astype(np.int64).sum()) * spec.kv_bytes_per_token
         spanned = int(self.row_tokens.astype(np.int64).sum()) * spec.kv_bytes_per_token
@@ -182,7 +194,8 @@ class Plan:
             padded_kv_bytes=spanned - useful,
             merge_state_bytes=partial_states * per_state * (spec.head_dim + PARTIAL_FLOATS_EXTRA),
             paper_merge_state_bytes=partial_states * per_state * (spec.head_dim + PAPER_PARTIAL_FLOATS_EXTRA),
-            h2d_bytes=int(self.items.nbytes + self.merge_groups.nbytes),
+            # the cluster kernel reads only lengths and the CSR row starts (it computes its ranges)
+            h2d_bytes=int((2 * self.batch_size + 1) * 4 if on_chip else self.items.nbytes + self.merge_groups.nbytes),
         )
 
 
@@ -337,8 +350,87 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
     return _assemble("workqueue", batch, [(block, rows, splits, batch.seq_lens)], params, fused_merge)
 
 
+def check_cluster_size(cluster_size: int) -> int:
+    require(isinstance(cluster_size, (int, np.integer)) and not isinstance(cluster_size, bool)
+            and int(cluster_size) in CLUSTER_SIZES,
+            f"cluster_size must be one of {', '.join(map(str, CLUSTER_SIZES))}, got {cluster_size!r}")
+    return int(cluster_size)
+
+
+def default_cluster_size(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """The largest C in CLUSTER_SIZES with B * Hkv * C <= num_sms: one CTA per SM, one wave.
+
+    H200 (132 SMs), Hkv=8: B=1 -> 16 (128 CTAs), B=2 -> 8, B=4 -> 4, B=8 -> 2, B>=16 -> 1.
+    """
+    pairs = batch_size * num_kv_heads
+    fits = [c for c in CLUSTER_SIZES if pairs * c <= num_sms]
+    return max(fits) if fits else 1
+
+
+def cluster_split_bounds(seq_len: int, cluster_size: int, rank: int) -> tuple[int, int]:
+    """Tokens [lo, hi) of split ``rank`` of ``cluster_size`` over a row of ``seq_len`` tokens, as
+    pkv_decode_cluster computes them: T64 = ceil(N / 64), lo = min(N, T64 * rank // C * 64)."""
+    tiles = -(-int(seq_len) // CLUSTER_TILE_TOKENS)
+    lo = min(int(seq_len), tiles * rank // cluster_size * CLUSTER_TILE_TOKENS)
+    hi = min(int(seq_len), tiles * (rank + 1) // cluster_size * CLUSTER_TILE_TOKENS)
+    return lo, hi
+
+
+def plan_cluster(batch: Batch, cluster_size: int) -> Plan:
+    """The host equivalent of the cluster route (for counters and tests; the kernel computes its
+    own ranges): every (row, kv head, rank) in grid order, empty splits included, one launch.
+
+    Item ``(row * Hkv + head) * C + rank`` is CTA ``blockIdx.x``; ranges follow
+    :func:`cluster_split_bounds`, the row-local bound over 64-token tiles.
+    """
+    _check_batch(batch)
+    C = check_cluster_size(cluster_size)
+    Hkv, B = batch.spec.num_kv_heads, batch.batch_size
+    seq = batch.seq_lens.astype(np.int64)
+    tiles = -(-seq // CLUSTER_TILE_TOKENS)
+    rank = np.arange(C, dtype=np.int64)
+    lo = np.minimum(seq[:, None], tiles[:, None] * rank[None, :] // C * CLUSTER_TILE_TOKENS)
+    hi = np.minimum(seq[:, None], tiles[:, None] * (rank[None, :] + 1) // C * CLUSTER_TILE_TOKENS)
+    items = np.empty((B, Hkv, C, 4), dtype=np.int64)
+    items[..., 0] = np.arange(B)[:, None, None] | (np.arange(Hkv)[None, :, None] << 16)
+    items[..., 1] = lo[:, None, :]
+    items[..., 2] = hi[:, None, :]
+    items[..., 3] = rank[None, None, :] | (C << 16)
+    items = items.reshape(-1, 4).astype(np.int32)
+    # merge_groups name the on-chip merges (for execute_plan); nothing of them is uploaded
+    return Plan("cluster", batch.spec, batch.seq_lens.copy(), items, _merge_groups(items, 0),
+                (Launch("cluster", 0, items.shape[0]),), np.full(B, C, dtype=np.int32),
+                batch.seq_lens.astype(np.int64), {"cluster_size": C})
+
+
+#: choose_route: a cluster grid is used only when no row is longer than this multiple of the mean
+#: (the longest row's CTAs are the step's tail; the queue balances ragged rows instead).
+CLUSTER_MAX_SKEW = 1.25
+
+
+def choose_route(seq_lens, num_kv_heads: int, num_sms: int, *, max_skew: float = CLUSTER_MAX_SKEW,
+                 min_tokens_per_cta: int = CLUSTER_TILE_TOKENS) -> tuple[str, int | None]:
+    """``("cluster", C)`` when the cluster grid is one well-balanced wave, else ``("workqueue", None)``.
+
+    C starts at :func:`default_cluster_size` (B * Hkv * C <= num_sms) and halves until every CTA of
+    the shortest row gets at least ``min_tokens_per_cta`` tokens (one 64-token stage); the cluster
+    route is taken when C >= 2 and max(N) <= max_skew * mean(N). Worked numbers (H200, 132 SMs,
+    Hkv=8): B=1 x 4K -> C=16 (256 tokens per CTA); B=1 x 512 -> C=8 (64 per CTA); B=1 x 100 ->
+    C=1 -> workqueue; B=16 -> C=1 -> workqueue; lengths (8K, 2K) -> skew 1.6 -> workqueue.
+    """
+    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    require(seq.size >= 1, "choose_route needs at least one row")
+    C = default_cluster_size(int(seq.size), int(num_kv_heads), int(num_sms))
+    shortest = int(seq.min())
+    while C >= 2 and shortest < min_tokens_per_cta * C:
+        C //= 2
+    if C < 2 or float(seq.max()) > max_skew * float(seq.mean()):
+        return "workqueue", None
+    return "cluster", C
+
+
 def make_plan(batch: Batch, route: str, **options) -> Plan:
-    """Dispatch by route name (``split``, ``buckets``, ``padded_buckets``, ``workqueue``)."""
+    """Dispatch by route name (``split``, ``buckets``, ``padded_buckets``, ``workqueue``, ``cluster``)."""
     if route == "split":
         return plan_split(batch, **options)
     if route == "buckets":
@@ -348,6 +440,8 @@ def make_plan(batch: Batch, route: str, **options) -> Plan:
         return plan_buckets(batch, **options)
     if route == "workqueue":
         return plan_workqueue(batch, **options)
+    if route == "cluster":
+        return plan_cluster(batch, **options)
     raise PKVError(f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
 
 

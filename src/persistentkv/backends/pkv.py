@@ -1,6 +1,8 @@
 """Our routes behind the backend interface: pkv-workqueue, pkv-buckets, pkv-split.
 
-    pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused
+    pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused;
+                    route="cluster" runs the cluster route instead, route="auto" picks per step
+                    with plan.choose_route (cluster only for one balanced wave on sm_90+)
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -41,10 +43,33 @@ class _PKVBackend:
 
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
+    ROUTE_CHOICES = ("workqueue", "cluster", "auto")
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
-                 min_chunk_tiles: int | None = None):
+                 min_chunk_tiles: int | None = None, route: str = "workqueue", cluster_size: int | None = None,
+                 cluster_smem_bytes: int | None = None):
+        from ..errors import require
+
+        require(route in self.ROUTE_CHOICES,
+                f"pkv-workqueue route must be one of {', '.join(self.ROUTE_CHOICES)}, got {route!r}")
         super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
+        self.route = route
+        self.cluster_options = {k: v for k, v in (("cluster_size", cluster_size),
+                                                  ("cluster_smem_bytes", cluster_smem_bytes)) if v is not None}
+
+    def plan(self, batch: Batch):
+        engine = self.engine(batch.spec)
+        route = self.route
+        if route == "auto":
+            from ..plan import CLUSTER_MIN_MAJOR, choose_route
+
+            route, size = ("workqueue", None) if engine.capability[0] < CLUSTER_MIN_MAJOR else \
+                choose_route(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms)
+            if route == "cluster":
+                return engine.plan(batch, "cluster", **{"cluster_size": size, **self.cluster_options})
+        if route == "cluster":
+            return engine.plan(batch, "cluster", **self.cluster_options)
+        return engine.plan(batch, "workqueue", **self.options)
 
 
 class PKVWorkqueueHost(_PKVBackend):

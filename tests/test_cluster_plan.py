@@ -1,0 +1,178 @@
+"""The cluster route on the CPU: its decision rule, the host-equivalent items of the kernel's own
+ranges, its counters, and the refusals that need no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from persistentkv import plan as planner
+from persistentkv.cache import make_batch
+from persistentkv.errors import PKVError
+from persistentkv.plan import (CLUSTER_TILE_TOKENS, choose_route, cluster_split_bounds, default_cluster_size,
+                               plan_cluster, unpack_items)
+from persistentkv.reference import execute_plan, reference_decode, relative_error
+from persistentkv.spec import AttentionSpec
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("batch_size, expected", [(1, 16), (2, 8), (3, 4), (4, 4), (8, 2), (16, 1), (64, 1)])
+def test_default_cluster_size_fills_one_wave(batch_size, expected):
+    C = default_cluster_size(batch_size, 8, H200_SMS)
+    assert C == expected
+    assert batch_size * 8 * C <= H200_SMS or C == 1
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    ([4096], ("cluster", 16)),
+    ([65536], ("cluster", 16)),
+    ([1024], ("cluster", 16)),             # 64 tokens per CTA: exactly one stage
+    ([512], ("cluster", 8)),               # halved until each CTA has a stage
+    ([100], ("workqueue", None)),          # tiny: C would be 1
+    ([16384, 16384], ("cluster", 8)),
+    ([8192] * 4, ("cluster", 4)),
+    ([4096] * 8, ("cluster", 2)),
+    ([4096] * 16, ("workqueue", None)),    # B * Hkv = 128: no room for C >= 2
+    ([8192, 2048], ("workqueue", None)),   # ragged: max 1.6 x mean
+    ([9000, 8000], ("cluster", 8)),        # max 1.06 x mean
+])
+def test_choose_route(lengths, expected):
+    assert choose_route(np.asarray(lengths), 8, H200_SMS) == expected
+
+
+def test_choose_route_skew_threshold_is_inclusive():
+    # mean 1000, max 1250 = 1.25 x mean: still cluster; 1260 is not
+    assert choose_route([750, 1250], 4, 132, min_tokens_per_cta=1)[0] == "cluster"
+    assert choose_route([740, 1260], 4, 132, min_tokens_per_cta=1)[0] == "workqueue"
+
+
+def check_cover(plan, seq_lens, num_kv_heads, C):
+    cols = unpack_items(plan.items)
+    assert plan.num_items == len(seq_lens) * num_kv_heads * C
+    for index in range(plan.num_items):  # grid order: blockIdx.x = (row * Hkv + head) * C + rank
+        row, rest = divmod(index, num_kv_heads * C)
+        head, rank = divmod(rest, C)
+        assert (cols["row"][index], cols["head"][index], cols["split"][index], cols["num_splits"][index]) == \
+            (row, head, rank, C)
+        assert (cols["tok_lo"][index], cols["tok_hi"][index]) == cluster_split_bounds(seq_lens[row], C, rank)
+    lo = cols["tok_lo"].reshape(len(seq_lens), num_kv_heads, C)
+    hi = cols["tok_hi"].reshape(len(seq_lens), num_kv_heads, C)
+    for row, n in enumerate(seq_lens):
+        for head in range(num_kv_heads):
+            covered = np.zeros(n, int)
+            for rank in range(C):
+                a, b = int(lo[row, head, rank]), int(hi[row, head, rank])
+                assert 0 <= a <= n and 0 <= b <= n  # empty when lo >= hi
+                if a < b:
+                    assert a % CLUSTER_TILE_TOKENS == 0
+                    covered[a:b] += 1
+            assert (covered == 1).all(), (n, head)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 128])
+@pytest.mark.parametrize("C", [1, 2, 4, 8, 16])
+def test_cluster_items_cover_every_token_once(page_size, C):
+    P = page_size
+    lengths = [1, P - 1, P, P + 1, 63, 64, 65, 127, 128, 129, 3 * P + 5, 1000, 64 * C - 1, 64 * C, 64 * C + 1, 4096]
+    batch = make_batch(AttentionSpec(8, 2, 64, P, "float16"), lengths)
+    check_cover(plan_cluster(batch, C), lengths, 2, C)
+
+
+def test_short_rows_leave_empty_splits():
+    batch = make_batch(AttentionSpec(8, 2, 64, 16, "float16"), [100, 64 * 16])
+    cols = unpack_items(plan_cluster(batch, 16).items)
+    row0 = cols["row"] == 0
+    nonempty = cols["tok_hi"] > cols["tok_lo"]
+    assert (nonempty & row0).sum() == 2 * 2      # 100 tokens = 2 tiles: 2 splits per head
+    assert (nonempty & ~row0).sum() == 16 * 2    # 1024 tokens: one tile per split
+    assert cluster_split_bounds(100, 16, 15) == (64, 100)
+    assert cluster_split_bounds(100, 16, 0) == (0, 0)
+
+
+def test_cluster_counters_have_no_global_merge_traffic():
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    batch = make_batch(spec, [4096, 4000])
+    counters = plan_cluster(batch, 8).counters()
+    assert counters.launches == 1
+    assert counters.decode_ctas == 2 * 8 * 8
+    assert counters.merge_ctas == 0
+    assert counters.merge_state_bytes == 0 and counters.paper_merge_state_bytes == 0
+    assert counters.nonempty_items == 2 * 8 * 8
+    assert counters.padded_kv_bytes == 0
+    assert counters.useful_kv_bytes == (4096 + 4000) * spec.kv_bytes_per_token
+    assert counters.h2d_bytes == (2 * 2 + 1) * 4
+    # the work queue of the same step does move partial states through global memory
+    assert planner.plan_workqueue(batch, target_items=264).counters().merge_state_bytes > 0
+
+
+@pytest.mark.parametrize("C", [1, 4, 16])
+def test_cluster_plan_executes_to_the_reference(C):
+    spec = AttentionSpec(8, 2, 64, 16, "float32")
+    lengths = [1, 65, 300, 1100]
+    batch = make_batch(spec, lengths, hole_fraction=0.3, seed=C)
+    rng = np.random.default_rng(C)
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    q = rng.standard_normal((batch.batch_size, spec.num_qo_heads, spec.head_dim))
+    out = execute_plan(plan_cluster(batch, C), q, k, v, batch)
+    assert relative_error(out, reference_decode(q, k, v, batch)) < 1e-12
+
+
+@pytest.mark.parametrize("bad", [0, 3, 32, True, 2.0])
+def test_bad_cluster_sizes_are_refused(bad):
+    batch = make_batch(AttentionSpec(), [100])
+    with pytest.raises(PKVError, match="cluster_size must be one of"):
+        plan_cluster(batch, bad)
+
+
+# --------------------------------------------------------------------------- engine, without a GPU
+def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS):
+    """A DecodeEngine with its device facts filled in by hand: plan() refusals run before any GPU use."""
+    from persistentkv.engine import DecodeEngine, _Module
+
+    engine = object.__new__(DecodeEngine)
+    engine.spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engine.capability = capability
+    engine.num_sms = num_sms
+    engine.target_items = 264
+    engine.min_chunk_tiles = 2
+    engine.module = _Module({}, 98304, 128, 64, 3, 2, {c: 0 for c in planner.CLUSTER_SIZES}, cluster16_error,
+                            232448, {})
+    return engine
+
+
+def test_engine_refuses_cluster_route_before_sm90():
+    engine = cpu_engine(capability=(8, 0))
+    with pytest.raises(PKVError, match=r"compute capability >= 9.0\); this device is 8.0"):
+        engine.plan(make_batch(engine.spec, [4096]), "cluster")
+
+
+def test_engine_refuses_bad_cluster_options():
+    engine = cpu_engine()
+    batch = make_batch(engine.spec, [4096])
+    with pytest.raises(PKVError, match="cluster_size must be one of 1, 2, 4, 8, 16, got 6"):
+        engine.plan(batch, "cluster", cluster_size=6)
+    with pytest.raises(PKVError, match=r"cluster_smem_bytes must be in \[98304, 232448\]"):
+        engine.plan(batch, "cluster", cluster_smem_bytes=1 << 20)
+    with pytest.raises(PKVError, match=r"cluster_smem_bytes must be in"):
+        engine.plan(batch, "cluster", cluster_smem_bytes=1024)
+    with pytest.raises(PKVError, match="apply to route cluster, not workqueue"):
+        engine.plan(batch, "workqueue", cluster_size=4)
+
+
+def test_engine_refuses_cluster16_when_the_attribute_could_not_be_set():
+    reason = "cluster size 16 is unavailable: setting NON_PORTABLE_CLUSTER_SIZE_ALLOWED failed (x); use cluster_size <= 8"
+    engine = cpu_engine(cluster16_error=reason)
+    with pytest.raises(PKVError, match="cluster size 16 is unavailable"):
+        engine.cluster_size_for(1)          # the default at B=1 is 16
+    assert engine.cluster_size_for(1, 8) == 8
+    assert engine.cluster_size_for(2) == 8  # default below 16: unaffected
+    assert cpu_engine().cluster_size_for(1) == 16
+
+
+def test_backend_route_option():
+    from persistentkv.backends.pkv import PKVWorkqueue
+
+    with pytest.raises(PKVError, match="route must be one of workqueue, cluster, auto"):
+        PKVWorkqueue(route="fast")
