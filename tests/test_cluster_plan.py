@@ -25,17 +25,21 @@ def test_default_cluster_size_fills_one_wave(batch_size, expected):
 
 
 @pytest.mark.parametrize("lengths, expected", [
-    ([4096], ("cluster", 16)),
-    ([65536], ("cluster", 16)),
-    ([1024], ("cluster", 16)),             # 64 tokens per CTA: exactly one stage
-    ([512], ("cluster", 8)),               # halved until each CTA has a stage
-    ([100], ("workqueue", None)),          # tiny: C would be 1
-    ([16384, 16384], ("cluster", 8)),
-    ([8192] * 4, ("cluster", 4)),
-    ([4096] * 8, ("cluster", 2)),
-    ([4096] * 16, ("workqueue", None)),    # B * Hkv = 128: no room for C >= 2
-    ([8192, 2048], ("workqueue", None)),   # ragged: max 1.6 x mean
-    ([9000, 8000], ("cluster", 8)),        # max 1.06 x mean
+    ([4096], ("cluster", 16)),             # 256 tokens per CTA: the window's top
+    ([4097], ("workqueue", None)),         # 257 per CTA
+    ([8192], ("workqueue", None)),         # 512 per CTA: the queue reads faster (bench v5)
+    ([65536], ("workqueue", None)),
+    ([2048], ("cluster", 16)),             # 128 per CTA
+    ([1024], ("cluster", 8)),              # halved to keep 128 tokens per CTA
+    ([256], ("cluster", 2)),
+    ([200], ("workqueue", None)),          # C would be 1
+    ([2048, 2048], ("cluster", 8)),        # B=2: C <= 8
+    ([1024] * 4, ("cluster", 4)),
+    ([512] * 8, ("cluster", 2)),
+    ([8192] * 4, ("workqueue", None)),     # 2048 per CTA
+    ([1024] * 16, ("workqueue", None)),    # B * Hkv = 128: no room for C >= 2
+    ([2048, 512], ("workqueue", None)),    # ragged: max 1.6 x mean
+    ([2000, 1900], ("cluster", 8)),        # max 1.03 x mean
 ])
 def test_choose_route(lengths, expected):
     assert choose_route(np.asarray(lengths), 8, H200_SMS) == expected
@@ -43,8 +47,13 @@ def test_choose_route(lengths, expected):
 
 def test_choose_route_skew_threshold_is_inclusive():
     # mean 1000, max 1250 = 1.25 x mean: still cluster; 1260 is not
-    assert choose_route([750, 1250], 4, 132, min_tokens_per_cta=1)[0] == "cluster"
-    assert choose_route([740, 1260], 4, 132, min_tokens_per_cta=1)[0] == "workqueue"
+    assert choose_route([750, 1250], 4, 132, min_tokens_per_cta=1, max_tokens_per_cta=4096)[0] == "cluster"
+    assert choose_route([740, 1260], 4, 132, min_tokens_per_cta=1, max_tokens_per_cta=4096)[0] == "workqueue"
+
+
+def test_choose_route_refuses_an_empty_window():
+    with pytest.raises(PKVError, match="min_tokens_per_cta <= max_tokens_per_cta"):
+        choose_route([4096], 8, H200_SMS, min_tokens_per_cta=512, max_tokens_per_cta=256)
 
 
 def check_cover(plan, seq_lens, num_kv_heads, C):

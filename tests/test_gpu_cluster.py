@@ -178,7 +178,7 @@ def test_auto_route_of_the_backend():
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     backend = PKVWorkqueue(route="auto")
-    for lengths, route in (([8192], "cluster"), ([8192, 1000], "workqueue")):
+    for lengths, route in (([2048], "cluster"), ([8192], "workqueue"), ([2048, 500], "workqueue")):
         batch, q, k, v = device_case(spec, lengths, seed=len(lengths))
         plan = backend.plan(batch)
         assert plan.route == route

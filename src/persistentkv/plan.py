@@ -406,25 +406,38 @@ def plan_cluster(batch: Batch, cluster_size: int) -> Plan:
 #: choose_route: a cluster grid is used only when no row is longer than this multiple of the mean
 #: (the longest row's CTAs are the step's tail; the queue balances ragged rows instead).
 CLUSTER_MAX_SKEW = 1.25
+#: choose_route's window of tokens per CTA (the longest row over C), from the H200 dev bench of
+#: kernel v5 (results/nvidia-h200/kernel_dev/bench_cluster_v5.parquet, benchmarks/NOTES.md): with
+#: at most 256 tokens per CTA the step is all fixed cost and the on-chip merge wins (B=1 x 1K at
+#: C=8: 6.8 us against the queue's 8.1); from 512 tokens per CTA on, the cluster grid's one CTA per
+#: (SM, split) reads slower than the queue's two waves of resident CTAs and loses (B=1 x 8K: 17.5
+#: against 16.6 us; x 32K: 50.2 against 40.9). 128 tokens per CTA was faster than 64 (1K: C=8 6.8,
+#: C=16 7.3 us).
+CLUSTER_MIN_TOKENS_PER_CTA = 128
+CLUSTER_MAX_TOKENS_PER_CTA = 256
 
 
 def choose_route(seq_lens, num_kv_heads: int, num_sms: int, *, max_skew: float = CLUSTER_MAX_SKEW,
-                 min_tokens_per_cta: int = CLUSTER_TILE_TOKENS) -> tuple[str, int | None]:
-    """``("cluster", C)`` when the cluster grid is one well-balanced wave, else ``("workqueue", None)``.
+                 min_tokens_per_cta: int = CLUSTER_MIN_TOKENS_PER_CTA,
+                 max_tokens_per_cta: int = CLUSTER_MAX_TOKENS_PER_CTA) -> tuple[str, int | None]:
+    """``("cluster", C)`` when a one-wave cluster grid would be all fixed cost, else ``("workqueue", None)``.
 
-    C starts at :func:`default_cluster_size` (B * Hkv * C <= num_sms) and halves until every CTA of
-    the shortest row gets at least ``min_tokens_per_cta`` tokens (one 64-token stage); the cluster
-    route is taken when C >= 2 and max(N) <= max_skew * mean(N). Worked numbers (H200, 132 SMs,
-    Hkv=8): B=1 x 4K -> C=16 (256 tokens per CTA); B=1 x 512 -> C=8 (64 per CTA); B=1 x 100 ->
-    C=1 -> workqueue; B=16 -> C=1 -> workqueue; lengths (8K, 2K) -> skew 1.6 -> workqueue.
+    C starts at :func:`default_cluster_size` (B * Hkv * C <= num_sms) and halves while the longest
+    row would give a CTA fewer than ``min_tokens_per_cta`` tokens; the cluster route is taken when
+    C >= 2, the longest row gives each CTA at most ``max_tokens_per_cta`` tokens, and
+    max(N) <= max_skew * mean(N). Worked numbers (H200, 132 SMs, Hkv=8): B=1 x 1K -> C=8 (128
+    tokens per CTA); B=1 x 4K -> C=16 (256); B=1 x 8K -> 512 per CTA -> workqueue; B=1 x 100 -> C=1
+    -> workqueue; B=16 -> C=1 -> workqueue; lengths (2K, 512) -> skew 1.6 -> workqueue.
     """
     seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     require(seq.size >= 1, "choose_route needs at least one row")
+    require(0 < min_tokens_per_cta <= max_tokens_per_cta,
+            f"need 0 < min_tokens_per_cta <= max_tokens_per_cta, got {min_tokens_per_cta}, {max_tokens_per_cta}")
     C = default_cluster_size(int(seq.size), int(num_kv_heads), int(num_sms))
-    shortest = int(seq.min())
-    while C >= 2 and shortest < min_tokens_per_cta * C:
+    longest = int(seq.max())
+    while C >= 2 and longest < min_tokens_per_cta * C:
         C //= 2
-    if C < 2 or float(seq.max()) > max_skew * float(seq.mean()):
+    if C < 2 or -(-longest // C) > max_tokens_per_cta or float(longest) > max_skew * float(seq.mean()):
         return "workqueue", None
     return "cluster", C
 

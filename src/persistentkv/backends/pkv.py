@@ -2,7 +2,8 @@
 
     pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused;
                     route="cluster" runs the cluster route instead, route="auto" picks per step
-                    with plan.choose_route (cluster only for one balanced wave on sm_90+)
+                    with plan.choose_route (cluster only for a balanced one-wave step of at most
+                    256 tokens per CTA, on sm_90+)
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
