@@ -175,3 +175,34 @@ def test_synthetic_results_judge_end_to_end(tmp_path):
     rows = claims.published_rows(results)
     assert [r["trace"] for r in rows] == [r.trace for r in claims.PUBLISHED_ROWS]
     assert all(r["fair"] is not None and r["pub_event"] is not None for r in rows)
+
+
+def test_adaptive_verdicts_floor_and_geomean():
+    # published: adaptive as fast as the best single backend on bucketed_b1, 10 % slower on
+    # bimodal_b8; long_context (seed 0, not a holdout seed, still counted): 1.5x FlashInfer.
+    raw = pd.concat([
+        timing({("adaptive", None): 100, ("pkv-workqueue", None): 100, ("flashinfer-tc", None): 130},
+               protocols=("step", "kernel"), noise=0.0),
+        timing({("adaptive", None): 110, ("pkv-workqueue", None): 100, ("flashinfer-tc", None): 130},
+               trace="bimodal_b8", protocols=("step", "kernel"), noise=0.0),
+        timing({("adaptive", None): 100, ("flashinfer-cc", None): 150, ("flashinfer-tc", None): 160},
+               experiment="long_context", trace="B1xN32768", seeds=(0,), protocols=("step",), noise=0.0),
+    ], ignore_index=True)
+    out = claims.adaptive_verdicts(make_results(raw))
+    step, kernel = out["protocols"]["step"], out["protocols"]["kernel"]
+    assert step["cells"] == 2 * len(HOLDOUT) + 1 and kernel["cells"] == 2 * len(HOLDOUT)
+    assert step["below_floor"] == kernel["below_floor"] == [f"bimodal_b8 s{s}" for s in HOLDOUT]
+    assert step["min"]["ratio"] == pytest.approx(100 / 110) and step["min"]["best"] == "pkv-workqueue"
+    assert not step["holds_floor"] and set(step["significantly_below"]) == set(step["below_floor"])
+    expected = (1.3 ** 3 * (130 / 110) ** 3 * 1.5) ** (1 / 7)   # geo-mean over the 7 step cells
+    assert step["geomean"]["ratio"] == pytest.approx(expected) and step["holds_geomean"]
+    assert kernel["geomean"]["ratio"] == pytest.approx((1.3 * 130 / 110) ** 0.5) and kernel["holds_geomean"]
+    assert "does not hold" in step["sentence"] and "7 cells" in step["sentence"]
+    only_fast = raw[raw["trace"] != "bimodal_b8"]
+    assert claims.adaptive_verdicts(make_results(only_fast))["protocols"]["step"]["holds_floor"]
+
+
+def test_adaptive_verdicts_without_adaptive_rows_say_not_measured():
+    raw = timing({("pkv-workqueue", None): 100, ("flashinfer-tc", None): 130}, protocols=("step",))
+    out = claims.adaptive_verdicts(make_results(raw))
+    assert out["protocols"]["step"]["cells"] == 0 and "not measured" in out["protocols"]["step"]["sentence"]

@@ -650,8 +650,31 @@ def adaptive_verdicts(results: Results) -> dict:
                                 "n_cells": int(g["n_rows"])}
             entry["holds_geomean"] = bool(g["ratio"] >= ADAPTIVE_GEOMEAN)
             entry["geomean_interval_clears"] = bool(g["lo"] >= ADAPTIVE_GEOMEAN)
+        entry["sentence"] = _adaptive_sentence(protocol, entry)
         out["protocols"][protocol] = entry
     return out
+
+
+_ADAPTIVE_ROWS = {"step": "Step rows (plan once + the layers, eager)", "kernel": "Kernel rows (CUDA-graph replay)"}
+
+
+def _adaptive_sentence(protocol: str, entry: dict) -> str:
+    what = _ADAPTIVE_ROWS[protocol]
+    if not entry["cells"]:
+        return f"{what}: not measured (no holdout cell has an adaptive row)."
+    low = entry["min"]
+    reached = entry["cells"] - len(entry["below_floor"])
+    floor = (f"{what}: the adaptive backend reaches {ADAPTIVE_FLOOR:g}x of the cell's best single backend in "
+             f"{reached} of {entry['cells']} cells (lowest {fmt_ratio(low['ratio'], low['lo'], low['hi'])}, "
+             f"{low['cell']}, best {low['best']}): "
+             f"{'holds' if entry['holds_floor'] else 'does not hold'}")
+    if "geomean" not in entry:
+        return floor + "; no cell has the FlashInfer reference."
+    g = entry["geomean"]
+    clears = "its interval clears the target too" if entry["geomean_interval_clears"] else         "its interval does not clear the target"
+    return (floor + f"; its geometric-mean speedup over the faster FlashInfer across {g['n_cells']} cells is "
+            f"{fmt_ratio(g['ratio'], g['lo'], g['hi'])} against the {ADAPTIVE_GEOMEAN:g}x target: "
+            f"{'holds' if entry['holds_geomean'] else 'does not hold'} ({clears}).")
 
 
 def published_rows(results: Results) -> list[dict]:

@@ -21,6 +21,7 @@ rule paper_figures:
         measured=paper_measured,
         counters=RENDER_COUNTERS,
         config=RENDER_CONFIG,
+        code=RENDER_CODE,
     output:
         [
             report(f"paper/generated/figures/{name}.pdf", caption=f"../report/paper_figure.rst",
@@ -43,6 +44,7 @@ rule paper_tables:
         measured=paper_measured,
         counters=RENDER_COUNTERS,
         config=RENDER_CONFIG,
+        code=RENDER_CODE,
         claims=f"results/{PAPER_HW}/claims.json",
     output:
         macros=report("paper/generated/macros.tex", caption="../report/paper_macros.rst", category="Paper",

@@ -29,6 +29,12 @@ RENDER_HWS = sorted(
     | {PurePath(t).parts[1] for t in RENDER_MEASURING if PurePath(t).parts[0] == "results"}
 )
 RENDER_TARGETS = expand("results/{hw}/report.html", hw=RENDER_HWS)
+#: The code that turns results into claims, figures, tables and the report: a change to it
+#: re-renders (Snakemake's own code trigger covers run:/script: blocks, not shell commands).
+RENDER_CODE = sorted(
+    glob.glob("src/persistentkv/render/*.py") + glob.glob("src/persistentkv/render/templates/*")
+    + ["src/persistentkv/claims.py", "src/persistentkv/analysis.py"]
+)
 
 
 wildcard_constraints:
@@ -48,6 +54,7 @@ rule render_claims:
         measured=render_measured,
         counters=RENDER_COUNTERS,
         config=RENDER_CONFIG,
+        code=RENDER_CODE,
     output:
         "results/{hw}/claims.json",
     conda:
@@ -66,6 +73,7 @@ rule render_figures:
         measured=render_measured,
         counters=RENDER_COUNTERS,
         config=RENDER_CONFIG,
+        code=RENDER_CODE,
     output:
         [
             report(f"build/figures/{{hw}}/{name}.svg", caption=f"../report/render_{name}.rst",
@@ -91,6 +99,7 @@ rule render_report:
         config=RENDER_CONFIG,
         claims="results/{hw}/claims.json",
         figures=expand("build/figures/{{hw}}/{name}.svg", name=FIGURE_NAMES),
+        code=RENDER_CODE,
     output:
         report("results/{hw}/report.html", caption="../report/render_report.rst", category="Report",
                subcategory="{hw}"),

@@ -195,6 +195,13 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
             add(f"{w}RatioPub", tex_ratio(pub.get("value")), "alias")
         add(f"{w}Verdict", tex(c["verdict"]), "")
         add(f"{w}Sentence", tex(c["sentence"]), "generated from the verdict")
+    adaptive = payload.get("adaptive", {}).get("protocols", {})
+    for protocol, word in (("step", "Step"), ("kernel", "Kernel")):
+        entry = adaptive.get(protocol)
+        if not entry or not entry.get("cells"):
+            add(f"pkvAdaptive{word}Sentence", NM, f"adaptive on holdout, {protocol} rows: not measured")
+            continue
+        add(f"pkvAdaptive{word}Sentence", tex(entry["sentence"]), "claims.adaptive_verdicts")
     names = [n for n, _, _ in m]
     bad = [n for n in names if not _MACRO_NAME.match(n)]
     require(not bad, f"macro name {bad[0] if bad else ''!r} is not letters-only")
