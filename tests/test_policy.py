@@ -615,6 +615,22 @@ def test_cost_features_equal_the_planners_counters(lengths, hkv, group, S, targe
         assert np.array_equal(got, want), (backend, options, got, want)
 
 
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.one_of(st.integers(1, 70000), st.sampled_from([1, 31, 32, 33, 64, 65, 4096])),
+                        min_size=1, max_size=40),
+       hkv=st.sampled_from([1, 8]), S=st.integers(1, 64), target=st.integers(1, 600),
+       min_chunk=st.sampled_from([1, 2, 5]), bucket=st.sampled_from([None, 512, 2048]), fused=st.booleans())
+def test_route_shape_python_path_equals_numpy_path(lengths, hkv, S, target, min_chunk, bucket, fused):
+    from persistentkv.policy import route_shape
+
+    for route, options in [("workqueue", {"target_items": target, "min_chunk_tiles": min_chunk, "fused_merge": fused}),
+                           ("workqueue", {"num_splits": S}), ("split", {"num_splits": S, "fused_merge": fused}),
+                           ("buckets", {"num_splits": S, "bucket_tokens": bucket, "fused_merge": fused})]:
+        fast = route_shape(route, np.asarray(lengths), hkv, options)
+        assert fast == route_shape(route, np.asarray(lengths), hkv, options, use_numpy=True), (route, options)
+        assert all(isinstance(v, int) for v in fast)
+
+
 def test_cost_features_bad_options():
     batch = make_batch(SPEC, [100])
     with pytest.raises(PKVError, match="exactly one of target_items and num_splits"):

@@ -29,6 +29,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
@@ -36,7 +37,8 @@ import numpy as np
 
 from .cache import Batch, make_batch
 from .errors import PKVError, require
-from .plan import (PARTIAL_FLOATS_EXTRA, TILE_TOKENS, balanced_row_splits, length_buckets, num_tiles)
+from .plan import (PARTIAL_FLOATS_EXTRA, TILE_TOKENS, balanced_chunk_tiles, balanced_row_splits, length_buckets,
+                   num_tiles)
 from .spec import AttentionSpec
 
 POLICY_FORMAT = "persistentkv-policy/1"
@@ -253,14 +255,75 @@ def _split_tokens(span: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.
     return hi - lo, owner
 
 
-def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: dict) -> tuple[int, int, int, int]:
+#: route_shape works in plain Python up to this many rows: on the few rows of a decode step,
+#: NumPy's per-call overhead, not arithmetic, is the cost (the adaptive backend evaluates this for
+#: every candidate inside each step's timed plan).
+PY_SHAPE_MAX_ROWS = 256
+
+
+def _max_split_tokens(n: int, tiles: int, splits: int) -> int:
+    """Largest (hi - lo) over the splits of one row of ``n`` tokens (``_split_tokens``' bounds),
+    in closed form. Split s holds tiles [floor(s T / S), floor((s + 1) T / S)): q = T // S or q + 1
+    of them, the r = T % S larger ones being the last split (when r > 0) and r - 1 others. Only the
+    last split is cut short by n (the others end at or before tile T - 1)."""
+    if splits <= 0 or tiles <= 0:
+        return 0
+    q, r = divmod(tiles, splits)
+    last_tiles = q + (r > 0)
+    last = n - TILE_TOKENS * (tiles - last_tiles)
+    if splits == 1:
+        return last
+    return max(last, TILE_TOKENS * (q + (r >= 2)))
+
+
+def _route_shape_py(route: str, lens: list, num_kv_heads: int, options: dict, fused: bool):
+    """route_shape in plain Python (the same numbers)."""
+    tiles = [-(-x // TILE_TOKENS) for x in lens]
+    if route == "workqueue":
+        if "num_splits" in options:
+            splits = [min(int(options["num_splits"]), t) for t in tiles]
+        else:
+            chunk = balanced_chunk_tiles(sum(tiles), num_kv_heads, int(options["target_items"]),
+                                         int(options.get("min_chunk_tiles", 1)), batch_size=len(lens))
+            splits = [-(-t // chunk) for t in tiles]
+        multi = [S for S in splits if S > 1]
+        launches = 1 if fused else 1 + int(bool(multi))
+        critical = max(_max_split_tokens(x, t, S) for x, t, S in zip(lens, tiles, splits))
+        return sum(lens), launches, num_kv_heads * sum(multi), critical
+    S = int(options["num_splits"])
+    per_launch = 1 if (fused or S == 1) else 2
+    partials = num_kv_heads * len(lens) * S if S > 1 else 0
+    if route == "split":
+        return sum(lens), per_launch, partials, max(_max_split_tokens(x, -(-x // TILE_TOKENS), S) for x in set(lens))
+    bucket = options.get("bucket_tokens")
+    if bucket is not None:
+        require(bucket >= 1, f"bucket_tokens must be >= 1, got {bucket}")
+    counts: dict[int, int] = {}
+    for x in lens:
+        key = x if bucket is None else -(-x // bucket) * bucket
+        counts[key] = counts.get(key, 0) + 1
+    critical = sum(_max_split_tokens(span, -(-span // TILE_TOKENS), S) for span in counts)
+    return sum(span * rows for span, rows in counts.items()), per_launch * len(counts), partials, critical
+
+
+def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: dict,
+                use_numpy: bool = False) -> tuple[int, int, int, int]:
     """(tokens read, launches, partial states per query group, summed per-launch max item tokens)
-    of ``make_plan(batch, route, **options)``, from the row lengths alone."""
-    n = np.asarray(seq_lens, dtype=np.int64)
+    of ``make_plan(batch, route, **options)``, from the row lengths alone. Small steps are
+    computed in plain Python (``use_numpy`` forces the array path; tests hold both equal)."""
     fused = bool(options.get("fused_merge", route == "workqueue"))
     if route == "workqueue":
         require(("target_items" in options) != ("num_splits" in options),
                 "pkv-workqueue options need exactly one of target_items and num_splits")
+    else:
+        require("num_splits" in options, f"the {route} route needs num_splits")
+        require(route in ("split", "buckets", "padded_buckets"), f"unknown route {route!r}")
+    if not use_numpy:
+        lens = [int(x) for x in np.asarray(seq_lens).reshape(-1).tolist()]
+        if len(lens) <= PY_SHAPE_MAX_ROWS:
+            return _route_shape_py(route, lens, num_kv_heads, options, fused)
+    n = np.asarray(seq_lens, dtype=np.int64)
+    if route == "workqueue":
         if "num_splits" in options:
             splits = np.minimum(int(options["num_splits"]), num_tiles(n))
         else:
@@ -270,14 +333,12 @@ def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: di
         multi = splits > 1
         launches = 1 if fused else 1 + int(multi.any())
         return int(n.sum()), launches, num_kv_heads * int(splits[multi].sum()), int(tokens.max())
-    require("num_splits" in options, f"the {route} route needs num_splits")
     S = int(options["num_splits"])
     per_launch = 1 if (fused or S == 1) else 2
     partials = num_kv_heads * n.size * S if S > 1 else 0
     if route == "split":
         tokens, _ = _split_tokens(n, np.full(n.size, S, np.int64))
         return int(n.sum()), per_launch, partials, int(tokens.max())
-    require(route in ("buckets", "padded_buckets"), f"unknown route {route!r}")
     buckets = length_buckets(n, options.get("bucket_tokens"))
     spans = np.array([key for key, _ in buckets], dtype=np.int64)
     rows_per_bucket = np.array([rows.size for _, rows in buckets], dtype=np.int64)
@@ -322,9 +383,12 @@ class CostModel:
     #: cost is folded into the intercept, so predictions where they differ are extrapolations
     unidentified: tuple = ()
 
+    @cached_property
+    def _coefficient_vector(self) -> np.ndarray:
+        return np.array([float(self.coefficients.get(name, 0.0)) for name in COST_FEATURES])
+
     def predict(self, batch: Batch) -> float:
-        x = cost_features(self.backend, batch, self.options)
-        return float(sum(self.coefficients.get(name, 0.0) * x[i] for i, name in enumerate(COST_FEATURES)))
+        return float(self._coefficient_vector @ cost_features(self.backend, batch, self.options))
 
     def to_dict(self) -> dict:
         c = self.coefficients
