@@ -29,11 +29,12 @@ RENDER_HWS = sorted(
     | {PurePath(t).parts[1] for t in RENDER_MEASURING if PurePath(t).parts[0] == "results"}
 )
 RENDER_TARGETS = expand("results/{hw}/report.html", hw=RENDER_HWS)
-#: The code that turns results into claims, figures, tables and the report: a change to it
-#: re-renders (Snakemake's own code trigger covers run:/script: blocks, not shell commands).
+#: The code that turns results into claims, figures, tables and the report, where this checkout
+#: has it (src/ layout): a change to it re-renders (Snakemake's own code trigger covers run: and
+#: script: blocks, not shell commands).
 RENDER_CODE = sorted(
-    glob.glob("src/persistentkv/render/*.py") + glob.glob("src/persistentkv/render/templates/*")
-    + ["src/persistentkv/claims.py", "src/persistentkv/analysis.py"]
+    p for pattern in ("render/*.py", "render/templates/*", "claims.py", "analysis.py")
+    for p in glob.glob(f"src/persistentkv/{pattern}")
 )
 
 
