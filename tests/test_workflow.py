@@ -251,3 +251,51 @@ def test_merge_provenance_annotations_fill_or_correct_commits(tmp_path):
     out.unlink()
     done = merge_provenance("--out", out, "--annotations", notes, sidecar)
     assert done.returncode == 2 and not out.exists() and "c corrects" in done.stderr
+
+
+# ---- gpu_lanes.sh: lanes of GPU targets, one per GPU ---------------------------------------------
+
+def run_lanes(tmp_path, *lanes, fail=(), env=None):
+    """Run workflow/scripts/gpu_lanes.sh with a fake `snakemake` that logs its targets and GPU."""
+    import os
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "snakemake"
+    bad = "|".join(fail) or "__none__"
+    fake.write_text("#!/bin/sh\n"
+                    f'echo "$* gpu=${{CUDA_VISIBLE_DEVICES:-none}}" >> "{tmp_path}/calls.log"\n'
+                    'sleep 0.2\n'
+                    f'case " $* " in *" {bad} "*) exit 1;; esac\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    pkv = bin_dir / "persistentkv"  # a `persistentkv` command is present: the script adds no wrapper
+    pkv.write_text("#!/bin/sh\n")
+    pkv.chmod(pkv.stat().st_mode | stat.S_IEXEC)
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CORES": "4", **(env or {})}
+    done = subprocess.run(["bash", str(ROOT / "workflow" / "scripts" / "gpu_lanes.sh"), *lanes], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=full_env)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    return done, calls
+
+
+def test_gpu_lanes_run_each_lane_on_its_gpu_after_the_shared_inputs(tmp_path):
+    done, calls = run_lanes(tmp_path, "calibrate measure_published", "bench_kernels after:calibrate measure_long_context",
+                            env={"FINAL": "all"})
+    assert done.returncode == 0, done.stderr
+    assert calls[0].endswith("--cores 4 traces kernels gpu=none")          # shared inputs first, every core
+    assert calls[-1].endswith("--cores 4 all gpu=none")                     # FINAL last
+    lane = {c.split(" gpu=")[0].split()[-1]: c.split(" gpu=")[1] for c in calls[1:-1]}
+    assert lane == {"calibrate": "0", "measure_published": "0", "bench_kernels": "1", "measure_long_context": "1"}
+    assert all("--nolock --cores 2" in c for c in calls[1:-1])               # cores shared between lanes
+    order = [c.split(" gpu=")[0].split()[-1] for c in calls]
+    assert order.index("measure_long_context") > order.index("calibrate")   # waited for the other lane
+
+
+def test_gpu_lanes_stop_a_lane_whose_dependency_failed(tmp_path):
+    done, calls = run_lanes(tmp_path, "calibrate measure_published", "after:calibrate measure_gqa_sweep",
+                            fail=("calibrate",))
+    assert done.returncode == 1
+    targets = [c.split(" gpu=")[0].split()[-1] for c in calls]
+    assert "calibrate" in targets and "measure_published" not in targets and "measure_gqa_sweep" not in targets
+    assert "calibrate FAILED" in done.stderr and "calibrate failed elsewhere: stopping" in done.stdout + done.stderr
