@@ -231,17 +231,37 @@ def cost_features(backend: str, batch: Batch, options: Mapping | None = None) ->
     plan, so it must cost tens of microseconds, not the milliseconds a full plan of every
     candidate route would (tests hold it equal to ``make_plan(...).counters()``).
     """
-    spec = batch.spec
+    return np.array(_features(backend, _StepShape.of(batch), options), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class _StepShape:
+    """What the cost features need from a Batch, as Python numbers, taken once per decision."""
+
+    lens: list
+    total: int
+    max_len: int
+    spec: AttentionSpec
+
+    @classmethod
+    def of(cls, batch: Batch) -> "_StepShape":
+        lens = [int(x) for x in batch.seq_lens.tolist()]
+        return cls(lens, sum(lens), max(lens), batch.spec)
+
+
+def _features(backend: str, shape: _StepShape, options: Mapping | None = None) -> tuple:
+    """cost_features as a tuple of floats (the decision's hot path; no array per backend)."""
+    spec = shape.spec
     head_bytes = 2 * spec.head_dim * spec.itemsize
     route = PKV_ROUTES.get(backend)
     if route is None:
-        return np.array([1.0, batch.kv_bytes, 1.0, 0.0, batch.max_len * head_bytes, batch.batch_size],
-                        dtype=np.float64)
-    kv_tokens, launches, partials, critical_tokens = route_shape(route, batch.seq_lens, spec.num_kv_heads,
+        return (1.0, float(shape.total * spec.kv_bytes_per_token), 1.0, 0.0, float(shape.max_len * head_bytes),
+                float(len(shape.lens)))
+    kv_tokens, launches, partials, critical_tokens = route_shape(route, shape.lens, spec.num_kv_heads,
                                                                  dict(options or {}))
     merge_bytes = partials * spec.group_size * 4 * (spec.head_dim + PARTIAL_FLOATS_EXTRA)
-    return np.array([1.0, kv_tokens * spec.kv_bytes_per_token, launches, merge_bytes,
-                     critical_tokens * head_bytes, batch.batch_size], dtype=np.float64)
+    return (1.0, float(kv_tokens * spec.kv_bytes_per_token), float(launches), float(merge_bytes),
+            float(critical_tokens * head_bytes), float(len(shape.lens)))
 
 
 def _split_tokens(span: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -319,7 +339,7 @@ def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: di
         require("num_splits" in options, f"the {route} route needs num_splits")
         require(route in ("split", "buckets", "padded_buckets"), f"unknown route {route!r}")
     if not use_numpy:
-        lens = [int(x) for x in np.asarray(seq_lens).reshape(-1).tolist()]
+        lens = seq_lens if isinstance(seq_lens, list) else [int(x) for x in np.asarray(seq_lens).reshape(-1).tolist()]
         if len(lens) <= PY_SHAPE_MAX_ROWS:
             return _route_shape_py(route, lens, num_kv_heads, options, fused)
     n = np.asarray(seq_lens, dtype=np.int64)
@@ -384,11 +404,15 @@ class CostModel:
     unidentified: tuple = ()
 
     @cached_property
-    def _coefficient_vector(self) -> np.ndarray:
-        return np.array([float(self.coefficients.get(name, 0.0)) for name in COST_FEATURES])
+    def _coefficient_tuple(self) -> tuple:
+        return tuple(float(self.coefficients.get(name, 0.0)) for name in COST_FEATURES)
 
     def predict(self, batch: Batch) -> float:
-        return float(self._coefficient_vector @ cost_features(self.backend, batch, self.options))
+        return self._predict(_StepShape.of(batch))
+
+    def _predict(self, shape: _StepShape) -> float:
+        x = _features(self.backend, shape, self.options)
+        return sum(c * v for c, v in zip(self._coefficient_tuple, x))
 
     def to_dict(self) -> dict:
         c = self.coefficients
@@ -445,11 +469,12 @@ def cost_model_decision(batch: Batch, models: Mapping[str, CostModel], available
     """argmin of the predicted time over the available backends that have a model."""
     names = [b for b in models if available is None or b in available]
     require(names, "no available backend has a fitted cost model")
-    predicted = sorted(((models[b].predict(batch), b) for b in names), key=lambda pair: pair[0])
+    shape = _StepShape.of(batch)
+    predicted = sorted(((models[b]._predict(shape), b) for b in names), key=lambda pair: pair[0])
     best_time, best = predicted[0]
     ranking = " < ".join(f"{b} {t:.1f} us" for t, b in predicted[:3])
     return Decision(best, dict(models[best].options),
-                    f"cost model: B={batch.batch_size}, N_max={batch.max_len}: {ranking}")
+                    f"cost model: B={len(shape.lens)}, N_max={shape.max_len}: {ranking}")
 
 
 # --------------------------------------------------------------------------- the frozen policy
