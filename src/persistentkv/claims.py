@@ -617,7 +617,6 @@ def adaptive_verdicts(results: Results) -> dict:
     lists cells whose whole interval is); the geometric mean holds when its point estimate reaches
     ADAPTIVE_GEOMEAN ("clears" says whether its interval does too). Cells without an adaptive row
     are left out and counted."""
-    q = analysis._quantiles(analysis.CONFIDENCE)
     out = {"floor": ADAPTIVE_FLOOR, "geomean_target": ADAPTIVE_GEOMEAN, "reference": REFERENCE, "protocols": {}}
     for protocol in ("step", "kernel"):
         cells = _cells(results, "published", protocol) + _cells(results, "long_context", protocol, holdout=False)
@@ -628,14 +627,10 @@ def adaptive_verdicts(results: Results) -> dict:
             if not singles:
                 continue
             best = min(singles, key=lambda b: cell.time(b)[0])
-            r = analysis.ratio(cell, "adaptive", best)
-            if r is None:
-                continue
-            ok = np.isfinite(r["boot"])
-            lo, hi = (float(np.quantile(r["boot"][ok], q[0])), float(np.quantile(r["boot"][ok], q[1]))) \
-                if ok.any() else (float("nan"), float("nan"))
-            per_cell.append({"cell": _cell_label(cell), "experiment": cell.key["experiment"], "best": best,
-                             "ratio": float(r["ratio"]), "lo": lo, "hi": hi, "n_steps": r["n_steps"]})
+            for r in analysis.ratios([cell], best, backends=["adaptive"]).itertuples():
+                per_cell.append({"cell": _cell_label(cell), "experiment": cell.key["experiment"], "best": best,
+                                 "ratio": float(r.ratio), "lo": float(r.lo), "hi": float(r.hi),
+                                 "n_steps": int(r.n_steps)})
         entry = {"cells": len(per_cell), "cells_without_adaptive": len(cells) - len(with_adaptive),
                  "per_cell": per_cell, "run_ids": _run_ids(with_adaptive)}
         if per_cell:
