@@ -188,6 +188,25 @@ struct Params {
   float scale_log2;      // softmax scale * log2(e)
 };
 
+// One split's share of a merge: acc += w * o, den += w.
+__device__ __forceinline__ void fold(float4& acc, float& den, float w, const float4& o) {
+  den += w;
+  acc.x += w * o.x;
+  acc.y += w * o.y;
+  acc.z += w * o.z;
+  acc.w += w * o.w;
+}
+
+// A merged float4 of query head qh (of the row): out = acc / den, 0 when every split was empty.
+__device__ __forceinline__ void write_merged(const Params& p, int row, int qh, int d, const float4& acc, float den) {
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  kv_t* dst = p.out + row * p.o_sb + (long long)qh * p.o_sh + d;
+  dst[0] = to_kv(acc.x * inv);
+  dst[1] = to_kv(acc.y * inv);
+  dst[2] = to_kv(acc.z * inv);
+  dst[3] = to_kv(acc.w * inv);
+}
+
 // Merge the partial states of one (row, kv head): slots [base, base + n).
 // Each thread owns one float4 of one query head's output and walks the n partial states in
 // chunks of MERGE_UNROLL, loading a chunk's lse values and o columns together (all in flight)
@@ -225,21 +244,11 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n)
       acc.w *= scale;
 #pragma unroll
       for (int u = 0; u < MERGE_UNROLL; ++u) {
-        const float w = fast_exp2(l[u] - mc);  // empty split: lse = -inf -> 0
-        den += w;
-        acc.x += w * o[u].x;
-        acc.y += w * o[u].y;
-        acc.z += w * o[u].z;
-        acc.w += w * o[u].w;
+        fold(acc, den, fast_exp2(l[u] - mc), o[u]);  // empty split: lse = -inf -> weight 0
       }
       m = mc;
     }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
-    dst[0] = to_kv(acc.x * inv);
-    dst[1] = to_kv(acc.y * inv);
-    dst[2] = to_kv(acc.z * inv);
-    dst[3] = to_kv(acc.w * inv);
+    write_merged(p, row, head * G + g, d, acc, den);
   }
 }
 
@@ -298,20 +307,10 @@ __device__ __forceinline__ void cluster_merge(const Params& p, int row, int head
     if (M != NEG_INF) {
 #pragma unroll
       for (int s = 0; s < C; ++s) {
-        const float w = fast_exp2(l[s] - M);  // empty split: lse = -inf -> 0
-        den += w;
-        acc.x += w * o[s].x;
-        acc.y += w * o[s].y;
-        acc.z += w * o[s].z;
-        acc.w += w * o[s].w;
+        fold(acc, den, fast_exp2(l[s] - M), o[s]);  // empty split: lse = -inf -> weight 0
       }
     }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
-    dst[0] = to_kv(acc.x * inv);
-    dst[1] = to_kv(acc.y * inv);
-    dst[2] = to_kv(acc.z * inv);
-    dst[3] = to_kv(acc.w * inv);
+    write_merged(p, row, head * G + g, d, acc, den);
   }
   cluster_sync();
 }
