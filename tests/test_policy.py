@@ -19,8 +19,8 @@ from persistentkv.cli import main as cli_main
 from persistentkv.errors import PKVError
 from persistentkv.io import atomic_write_json
 from persistentkv.policy import (
-    COST_FEATURES, POLICIES, Policy, StepFeatures, calibrate, cost_features, fit_cost_model,
-    fit_threshold, load_policy, nnls, paper_decision, paper_policy, threshold_decision, ThresholdRule,
+    COST_FEATURES, POLICIES, DecisionMemo, Policy, StepFeatures, calibrate, cost_features, fit_cost_model,
+    fit_threshold, step_signature, load_policy, nnls, paper_decision, paper_policy, threshold_decision, ThresholdRule,
 )
 from persistentkv.reference import reference_decode, relative_error
 from persistentkv.spec import AttentionSpec
@@ -651,3 +651,80 @@ def test_policy_options_construct_the_real_backends(policy_file):
     for backend, opts in options:
         created = registry.create(backend, **opts)
         assert created.name == backend
+
+
+# --------------------------------------------------------------------------- the decision memo
+
+def test_step_signature_bins():
+    base = step_signature(make_batch(SPEC, [9000, 300]))
+    assert step_signature(make_batch(SPEC, [9001, 301])) == base            # one decode step later
+    assert step_signature(make_batch(SPEC, [18000, 300])) != base           # twice the longest row
+    assert step_signature(make_batch(SPEC, [9000, 300, 1])) != base         # another row
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8)
+    assert step_signature(make_batch(other, [9000, 300])) != base           # another shape
+    assert step_signature(make_batch(SPEC, [9000, 300]), bins_per_octave=1) != base
+
+
+@pytest.mark.parametrize("start", [[9000], [40000] * 4, [700, 20000, 33, 5000, 64000, 1200, 300, 9000],
+                                   [1] * 16])
+def test_memo_through_decode_steps_matches_the_full_decision(policy_file, start):
+    """A serving loop's steps grow every row by one token: the memo decides rarely and never
+    picks a backend the full model predicts slower on the step at hand than ~one bin (2.2 %)."""
+    policy = load_policy(policy_file)
+    memo = DecisionMemo(policy)
+    lengths = np.array(start)
+    steps = 400
+    for step in range(steps):
+        batch = make_batch(SPEC, lengths + step)
+        chosen = memo.decide(batch)
+        exact = policy.decide(batch, "cost_model")
+        regret = policy.models[chosen.backend].predict(batch) / policy.models[exact.backend].predict(batch)
+        assert regret <= 1.03, (step, chosen.backend, exact.backend, regret)
+    assert memo.hits + memo.misses == steps
+    # a new signature only when the total, the longest or the shortest row enters a new bin
+    end = lengths + steps - 1
+    crossings = sum(int(np.ceil(32 * np.log2(f(end) / f(lengths)))) + 1 for f in (np.sum, np.max, np.min))
+    assert memo.misses <= crossings
+    assert memo.hits >= steps - crossings
+
+
+def test_memo_on_fresh_random_batches_has_bounded_regret(policy_file):
+    """Unrelated ragged batches that happen to share a signature: the first decides for both."""
+    policy = load_policy(policy_file)
+    memo = DecisionMemo(policy, bins_per_octave=8)     # coarse bins: many collisions
+    rng = np.random.default_rng()
+    worst = 1.0
+    for _ in range(300):
+        B = int(rng.choice([1, 2, 3, 8]))
+        batch = make_batch(SPEC, rng.integers(1, 100_000, B))
+        chosen, exact = memo.decide(batch), policy.decide(batch, "cost_model")
+        worst = max(worst, policy.models[chosen.backend].predict(batch) / policy.models[exact.backend].predict(batch))
+    assert memo.hits > 0
+    assert worst <= 1.25                                 # 8 bins per octave: ~9 % per bin
+
+
+def test_memo_limits(policy_file):
+    policy = load_policy(policy_file)
+    with pytest.raises(PKVError, match="bins_per_octave"):
+        DecisionMemo(policy, bins_per_octave=0)
+    memo = DecisionMemo(policy, max_entries=2)
+    for n in (1000, 4000, 16000, 64000):
+        memo.decide(make_batch(SPEC, [n]))
+    assert memo.misses == 4 and len(memo._decisions) <= 2
+    memo = DecisionMemo(policy, available=["vllm-fa3"])
+    assert memo.decide(make_batch(SPEC, [5000])).backend == "vllm-fa3"
+
+
+def test_adaptive_memo_plans_every_step_and_decides_rarely(policy_file):
+    registry = FakeRegistry()
+    backend = AdaptiveBackend(policy_file, registry=registry)
+    assert backend.memo and backend.unavailable(SPEC) == []
+    for step in range(100):
+        plan = backend.plan(make_batch(SPEC, [30000 + step, 2000 + step]))
+    stats = backend.memo_stats()
+    assert stats["hits"] + stats["misses"] == 100 and stats["misses"] <= 3
+    assert sum(d.planned for d in backend._delegates.values()) == 100
+    exact = AdaptiveBackend(policy_file, registry=FakeRegistry(), memo=False)
+    assert not exact.memo and exact.plan(make_batch(SPEC, [30099, 2099])).route == plan.route
+    assert exact.memo_stats() == {"hits": 0, "misses": 0}
+    assert not AdaptiveBackend(policy_file, registry=FakeRegistry(), policy="paper").memo

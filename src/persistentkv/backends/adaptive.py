@@ -15,7 +15,7 @@ from typing import Any
 
 from ..cache import Batch
 from ..errors import PKVError, require
-from ..policy import POLICIES, Decision, Policy, load_policy
+from ..policy import POLICIES, Decision, DecisionMemo, Policy, load_policy
 from ..spec import AttentionSpec
 
 
@@ -45,20 +45,28 @@ class AdaptiveBackend:
 
     ``registry`` needs ``create(name, **options) -> Backend``; it defaults to
     ``persistentkv.backends.registry``. Delegates are created once per (name, options).
+
+    ``memo`` (cost_model only, default on): reuse a decision for steps of the same
+    :func:`persistentkv.policy.step_signature` (persistentkv.policy.DecisionMemo), so a step pays
+    the model once every few hundred steps instead of every step; ``memo_stats()`` counts hits and
+    misses. The rule policies are exact functions of the step (the paper's rules count distinct
+    lengths) and are always evaluated.
     """
 
     def __init__(self, policy_path: str | Path, registry: Any = None, name: str = "adaptive",
-                 policy: str = "cost_model"):
+                 policy: str = "cost_model", memo: bool = True):
         require(policy in POLICIES, f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.name = name
         self.policy_path = Path(policy_path)
         self.kind = policy
+        self.memo = bool(memo) and policy == "cost_model"
         self.last_decision: Decision | None = None
         self._last_delegate: Any = None
         self._registry = registry
         self._policy: Policy | None = None
-        self._delegates: dict[tuple[str, str], Any] = {}
+        self._delegates: dict[tuple, Any] = {}
         self._usable: dict[AttentionSpec, tuple[str, ...]] = {}
+        self._memos: dict[tuple[str, ...], DecisionMemo] = {}
 
     # -- helpers
     def _load(self) -> Policy:
@@ -76,10 +84,15 @@ class AdaptiveBackend:
         return self._registry
 
     def _delegate(self, backend: str, options: dict) -> Any:
-        key = (backend, json.dumps(options, sort_keys=True))
-        if key not in self._delegates:
-            self._delegates[key] = self._get_registry().create(backend, **options)
-        return self._delegates[key]
+        try:
+            key = (backend, tuple(sorted(options.items())))
+            hash(key)
+        except TypeError:  # an option value that is a list or a dict
+            key = (backend, json.dumps(options, sort_keys=True))
+        delegate = self._delegates.get(key)
+        if delegate is None:
+            delegate = self._delegates[key] = self._get_registry().create(backend, **options)
+        return delegate
 
     # -- the Backend interface
     def unavailable(self, spec: AttentionSpec) -> list[str]:
@@ -113,12 +126,23 @@ class AdaptiveBackend:
             require(not reasons, f"{self.name} cannot run this spec: {'; '.join(reasons)}")
         usable = self._usable[batch.spec]
         require(usable, f"{self.name}: no candidate backend can run this spec")
-        decision = self._load().decide(batch, self.kind, usable)
-        delegate = self._delegate(decision.backend, dict(decision.options))
+        if self.memo:
+            memo = self._memos.get(usable)
+            if memo is None:
+                memo = self._memos[usable] = DecisionMemo(self._load(), usable)
+            decision = memo.decide(batch)
+        else:
+            decision = self._load().decide(batch, self.kind, usable)
+        delegate = self._delegate(decision.backend, decision.options)
         inner = delegate.plan(batch)
         self.last_decision = decision
         self._last_delegate = delegate
         return AdaptivePlan(decision.backend, decision, delegate, inner)
+
+    def memo_stats(self) -> dict:
+        """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
+        return {"hits": sum(m.hits for m in self._memos.values()),
+                "misses": sum(m.misses for m in self._memos.values())}
 
     @property
     def graph_safe(self) -> bool:
