@@ -1,6 +1,7 @@
 """A representative set of engine launches for compute-sanitizer (memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py
+    compute-sanitizer --tool synccheck python benchmarks/sanitize_cases.py --cluster-sizes 2,4,8
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel: the GPU planner,
 fused and separate decode, the merge, the cluster route (C = 2 and 16), Q in registers and in shared memory, G = 1/4/7/16, page
@@ -27,8 +28,16 @@ CASES = [
 ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster-sizes", default="2,16",
+                        help="comma-separated cluster sizes of the cluster route to launch (default 2,16)")
+    args = parser.parse_args(argv)
+    sizes = [int(c) for c in args.cluster_sizes.split(",") if c.strip()]
 
     failures = 0
     for spec, lengths, _ in CASES:
@@ -36,8 +45,8 @@ def main() -> int:
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
         for route, options in (("workqueue", {}), ("workqueue_host", {}), ("buckets", {"num_splits": 4}),
-                               ("split", {"num_splits": 48}), ("cluster", {"cluster_size": 2}),
-                               ("cluster", {"cluster_size": 16})):
+                               ("split", {"num_splits": 48}),
+                               *(("cluster", {"cluster_size": c}) for c in sizes)):
             plan = engine.plan(batch, route, **options)
             out = torch.full_like(q, float("nan"))
             engine.run(q, (k, v), plan, out)
@@ -45,7 +54,7 @@ def main() -> int:
             err = rel_err(out, ref)
             ok = err <= TOLERANCE[spec.dtype]
             failures += not ok
-            print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} {route}: "
+            print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} {route}{options.get('cluster_size', '')}: "
                   f"rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     return 1 if failures else 0
 

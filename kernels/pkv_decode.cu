@@ -256,13 +256,12 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n)
 // Thread-block cluster primitives (sm_90+): a full cluster barrier whose arrive releases and whose
 // wait acquires this CTA's shared-memory writes, the address of the same variable in CTA `rank`'s
 // shared memory, and loads through distributed shared memory.
-// The .aligned barrier forms require every thread of a warp to execute them convergently; the
-// merge loop before the second barrier (and the tails before the first) leave lanes diverged
-// under independent thread scheduling, so reconverge the warp first (compute-sanitizer's
-// synccheck flagged "divergent threads in warp" at this barrier without it).
+// The non-.aligned forms of the cluster barrier: the .aligned ones require every thread of a warp
+// to execute them convergently, and the merge loop before the second barrier (and the tails
+// before the first) leave lanes diverged (compute-sanitizer's synccheck flagged "divergent
+// threads in warp" at this barrier with the .aligned forms, also after a __syncwarp()).
 __device__ __forceinline__ void cluster_sync() {
-  __syncwarp();
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 __device__ __forceinline__ unsigned cluster_map(unsigned addr, int rank) {
   unsigned remote;
