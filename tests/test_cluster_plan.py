@@ -17,7 +17,7 @@ from persistentkv.spec import AttentionSpec
 H200_SMS = 132
 
 
-@pytest.mark.parametrize("batch_size, expected", [(1, 16), (2, 8), (3, 4), (4, 4), (8, 2), (16, 1), (64, 1)])
+@pytest.mark.parametrize("batch_size, expected", [(1, 8), (2, 8), (3, 4), (4, 4), (8, 2), (16, 1), (64, 1)])
 def test_default_cluster_size_fills_one_wave(batch_size, expected):
     C = default_cluster_size(batch_size, 8, H200_SMS)
     assert C == expected
@@ -25,11 +25,11 @@ def test_default_cluster_size_fills_one_wave(batch_size, expected):
 
 
 @pytest.mark.parametrize("lengths, expected", [
-    ([4096], ("cluster", 16)),             # 256 tokens per CTA: the window's top
-    ([4097], ("workqueue", None)),         # 257 per CTA
-    ([8192], ("workqueue", None)),         # 512 per CTA: the queue reads faster (bench v5)
+    ([2048], ("cluster", 8)),              # 256 tokens per CTA: the window's top (C <= 8 by default)
+    ([2049], ("workqueue", None)),         # 257 per CTA
+    ([4096], ("workqueue", None)),         # 512 per CTA: the queue reads faster (bench v5)
     ([65536], ("workqueue", None)),
-    ([2048], ("cluster", 16)),             # 128 per CTA
+    ([1500], ("cluster", 8)),              # 188 per CTA
     ([1024], ("cluster", 8)),              # halved to keep 128 tokens per CTA
     ([256], ("cluster", 2)),
     ([200], ("workqueue", None)),          # C would be 1
@@ -174,10 +174,10 @@ def test_engine_refuses_cluster16_when_the_attribute_could_not_be_set():
     reason = "cluster size 16 is unavailable: setting NON_PORTABLE_CLUSTER_SIZE_ALLOWED failed (x); use cluster_size <= 8"
     engine = cpu_engine(cluster16_error=reason)
     with pytest.raises(PKVError, match="cluster size 16 is unavailable"):
-        engine.cluster_size_for(1)          # the default at B=1 is 16
+        engine.cluster_size_for(1, 16)
     assert engine.cluster_size_for(1, 8) == 8
-    assert engine.cluster_size_for(2) == 8  # default below 16: unaffected
-    assert cpu_engine().cluster_size_for(1) == 16
+    assert engine.cluster_size_for(1) == 8  # the default never asks for 16
+    assert cpu_engine().cluster_size_for(1, 16) == 16
 
 
 def test_backend_route_option():

@@ -44,6 +44,11 @@ ROUTES = ("split", "buckets", "padded_buckets", "workqueue", "cluster")
 CLUSTER_TILE_TOKENS = 64
 #: CTAs per thread-block cluster the kernels are compiled for (16 is non-portable on sm_90).
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
+#: The largest cluster the route picks by itself: 8, the portable limit. 16 runs only when asked
+#: for (cluster_size=16): compute-sanitizer's synccheck reports barrier errors in 16-CTA clusters
+#: that it does not report at 2, 4 or 8 on the same cases (benchmarks/NOTES.md, v5), and the
+#: v5 bench measured no case where 16 beat 8 by more than 3 %.
+DEFAULT_MAX_CLUSTER = 8
 #: Compute capability (major) with thread-block clusters.
 CLUSTER_MIN_MAJOR = 9
 MAX_BATCH = 65535  # row index is packed into 16 bits
@@ -358,12 +363,13 @@ def check_cluster_size(cluster_size: int) -> int:
 
 
 def default_cluster_size(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """The largest C in CLUSTER_SIZES with B * Hkv * C <= num_sms: one CTA per SM, one wave.
+    """The largest C in CLUSTER_SIZES, at most DEFAULT_MAX_CLUSTER, with B * Hkv * C <= num_sms:
+    one CTA per SM, one wave.
 
-    H200 (132 SMs), Hkv=8: B=1 -> 16 (128 CTAs), B=2 -> 8, B=4 -> 4, B=8 -> 2, B>=16 -> 1.
+    H200 (132 SMs), Hkv=8: B=1 -> 8 (64 CTAs), B=2 -> 8, B=4 -> 4, B=8 -> 2, B>=16 -> 1.
     """
     pairs = batch_size * num_kv_heads
-    fits = [c for c in CLUSTER_SIZES if pairs * c <= num_sms]
+    fits = [c for c in CLUSTER_SIZES if pairs * c <= num_sms and c <= DEFAULT_MAX_CLUSTER]
     return max(fits) if fits else 1
 
 
@@ -426,7 +432,7 @@ def choose_route(seq_lens, num_kv_heads: int, num_sms: int, *, max_skew: float =
     row would give a CTA fewer than ``min_tokens_per_cta`` tokens; the cluster route is taken when
     C >= 2, the longest row gives each CTA at most ``max_tokens_per_cta`` tokens, and
     max(N) <= max_skew * mean(N). Worked numbers (H200, 132 SMs, Hkv=8): B=1 x 1K -> C=8 (128
-    tokens per CTA); B=1 x 4K -> C=16 (256); B=1 x 8K -> 512 per CTA -> workqueue; B=1 x 100 -> C=1
+    tokens per CTA); B=1 x 2K -> C=8 (256); B=1 x 4K -> 512 per CTA -> workqueue; B=1 x 100 -> C=1
     -> workqueue; B=16 -> C=1 -> workqueue; lengths (2K, 512) -> skew 1.6 -> workqueue.
     """
     seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
