@@ -198,6 +198,8 @@ def test_adaptive_verdicts_floor_and_geomean():
     assert step["geomean"]["ratio"] == pytest.approx(expected) and step["holds_geomean"]
     assert kernel["geomean"]["ratio"] == pytest.approx((1.3 * 130 / 110) ** 0.5) and kernel["holds_geomean"]
     assert "does not hold" in step["sentence"] and "7 cells" in step["sentence"]
+    n = len(HOLDOUT)
+    assert f"({n} of the {n} cells below it are significantly below" in step["sentence"]
     only_fast = raw[raw["trace"] != "bimodal_b8"]
     assert claims.adaptive_verdicts(make_results(only_fast))["protocols"]["step"]["holds_floor"]
 

@@ -663,6 +663,11 @@ def _adaptive_sentence(protocol: str, entry: dict) -> str:
              f"{reached} of {entry['cells']} cells (lowest {fmt_ratio(low['ratio'], low['lo'], low['hi'])}, "
              f"{low['cell']}, best {low['best']}): "
              f"{'holds' if entry['holds_floor'] else 'does not hold'}")
+    if entry["below_floor"]:
+        significant, below = len(entry["significantly_below"]), len(entry["below_floor"])
+        count = (f"none of the {below} cells below it is" if significant == 0 else
+                 f"{significant} of the {below} cells below it {'is' if significant == 1 else 'are'}")
+        floor += f" ({count} significantly below: the whole interval under {ADAPTIVE_FLOOR:g}x)"
     if "geomean" not in entry:
         return floor + "; no cell has the FlashInfer reference."
     g = entry["geomean"]
