@@ -106,8 +106,8 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     PKVWorkqueue(route="cluster", target_items=100).plan(batch)
     PKVWorkqueue(route="cluster", cluster_size=4, cluster_smem_bytes=200000).plan(batch)
     PKVWorkqueue(route="auto", target_items=100).plan(batch)                       # ragged: the queue
-    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [4096]))           # B=1 long: C=16
+    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [2048]))           # B=1, 256 per CTA: C=8
     FakeEngine.capability = (8, 0)
-    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [4096]))           # no clusters here
+    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [2048]))           # no clusters here
     assert calls == [("cluster", {}), ("cluster", {"cluster_size": 4, "cluster_smem_bytes": 200000}),
-                     ("workqueue", {"target_items": 100}), ("cluster", {"cluster_size": 16}), ("workqueue", {})]
+                     ("workqueue", {"target_items": 100}), ("cluster", {"cluster_size": 8}), ("workqueue", {})]
