@@ -75,6 +75,7 @@ def compile_all(archs: list[str], out_dir: Path) -> list[dict]:
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed for {arch} {dtype} D={head_dim} warps={warps}:\n{proc.stderr[-4000:]}")
         for row in parse_ptxas(proc.stderr):
-            row.update(dtype=dtype, head_dim=head_dim, warps=warps, nvcc=version, flags=" ".join(options), cubin=cubin.name)
+            row.update(dtype=dtype, head_dim=head_dim, warps=warps, nvcc=version, flags=" ".join(options),
+                       cubin=cubin.name)
             rows.append(row)
     return rows
