@@ -5,21 +5,22 @@
 // kernels execute items.
 //
 // Configuration, fixed per compiled module by macros (the engine compiles one module per
-// (dtype, head_dim)):
+// (dtype, head_dim, warps)):
 //   PKV_HEAD_DIM   64 | 128 | 256
 //   PKV_BF16       0 -> fp16 (__half), 1 -> bf16 (__nv_bfloat16)
+//   PKV_WARPS      4 (default) | 8 (head_dim <= 128 only)
 //
 // One CTA runs one work item (row, kv head, token range [lo, hi)) for ALL G = Hq/Hkv query
-// heads of that kv head, so each K/V byte is read from HBM once. 4 warps; a pipeline stage is a
-// tile of 64 tokens (16 per warp); K and V tiles stream into shared memory with cp.async
-// (16-byte chunks, XOR-swizzled so ldmatrix is bank-conflict free), STAGES deep.
+// heads of that kv head, so each K/V byte is read from HBM once. WARPS warps; a pipeline stage is
+// a tile of 16 * WARPS tokens (16 per warp); K and V tiles stream into shared memory with
+// cp.async (16-byte chunks, XOR-swizzled so ldmatrix is bank-conflict free), STAGES deep.
 //
 // Math per warp and tile, on tensor cores (mma.m16n8k16, fp32 accumulate):
 //   S[16 x 16] = Q[16 x D] K^T      rows = query heads (G <= 16, rows >= G are zero padding),
 //                                   cols = the warp's 16 tokens
 //   online softmax in base 2 (scale * log2(e) folded into S)
 //   O[16 x D] += P[16 x 16] V[16 x D]
-// then the 4 warps' states are combined through shared memory. An item that is its row's only
+// then the WARPS warps' states are combined through shared memory. An item that is its row's only
 // split writes the output directly; otherwise it writes a partial state (o normalised, lse in
 // log2 units) to slot = item index, and the merge combines the slots of a (row, kv head):
 //   M = max_s lse_s;  w_s = 2^(lse_s - M);  out = sum_s w_s o_s / sum_s w_s   (0 if all empty)
@@ -29,7 +30,9 @@
 // Napkin math (H200, Hq=32, Hkv=8, D=128, fp16): a token costs 2*8*128*2 = 4 KB of K+V over all
 // heads; a 64-token stage of one kv head is 32 KB; 3 stages = 96 KB of shared memory, so two
 // CTAs per SM keep up to ~128 KB of loads in flight per SM, well above the ~35 KB that
-// 4.5 TB/s x ~1 us latency / 132 SMs needs.
+// 4.5 TB/s x ~1 us latency / 132 SMs needs. With 8 warps a stage is 128 tokens (64 KB) and
+// 3 stages take 192 KB, so one CTA per SM keeps the same bytes in flight as two 4-warp CTAs: the
+// variant for grids of one CTA per SM (the cluster route's one wave).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -39,6 +42,9 @@
 #endif
 #ifndef PKV_BF16
 #define PKV_BF16 0
+#endif
+#ifndef PKV_WARPS
+#define PKV_WARPS 4
 #endif
 
 #if PKV_BF16
@@ -52,7 +58,7 @@ typedef __half2 kv2_t;
 namespace pkv {
 
 constexpr int D = PKV_HEAD_DIM;
-constexpr int WARPS = 4;
+constexpr int WARPS = PKV_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage
 constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row of one head
@@ -68,6 +74,13 @@ constexpr bool Q_SMEM = D >= 256;
 constexpr int Q_ELEMS = Q_SMEM ? 16 * D : 0;
 
 static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+static_assert(WARPS == 4 || WARPS == 8, "PKV_WARPS must be 4 or 8");
+// 8 warps at D = 256 would need 2 stages x 2 x 128 tokens x 256 x 2 B = 256 KB of shared memory.
+static_assert(WARPS == 4 || D <= 128, "PKV_WARPS=8 needs head_dim <= 128");
+// Minimum resident CTAs per SM promised to ptxas (__launch_bounds__): two 4-warp CTAs or one
+// 8-warp CTA, 256 threads either way, so the register cap stays 255 per thread; two 8-warp CTAs
+// would cap it at 128 and the decode kernels (158-199 registers) would spill.
+constexpr int MIN_BLOCKS = WARPS == 4 ? 2 : 1;
 static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping");
 
 // Shared memory of the decode kernel: the K/V pipeline, reused after the loop for the
@@ -501,7 +514,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers become the combine buffers
 
-  // Combine the 4 warps' (m, l, O) through shared memory.
+  // Combine the WARPS warps' (m, l, O) through shared memory.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -612,7 +625,7 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
   Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,   \
            num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2}
 
-extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode(PKV_DECODE_ARGS) {
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
@@ -620,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode(PKV_DEC
   pkv::decode_item<pkv::PARTIAL>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
 }
 
-extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(PKV_DECODE_ARGS) {
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_fused(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
@@ -630,8 +643,9 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_fused(P
 
 // The cluster route: grid = B * Hkv * C CTAs, blockIdx.x = (row * Hkv + head) * C + rank, one
 // thread-block cluster of C CTAs per (row, kv head). No items, counters or partial states in
-// global memory: each CTA reads its row's length and page base and takes the tile-aligned range
-//   T64 = ceil(T / 64);  lo = min(T, T64 * rank / C * 64);  hi = min(T, T64 * (rank + 1) / C * 64)
+// global memory: each CTA reads its row's length and page base and takes the stage-aligned range
+//   n = ceil(T / TILE);  lo = min(T, n * rank / C * TILE);  hi = min(T, n * (rank + 1) / C * TILE)
+// (TILE = 64 tokens at 4 warps, 128 at 8; plan.cluster_split_bounds with tile=TILE)
 // (empty when lo >= hi), then the cluster merges its C states through distributed shared memory
 // (cluster_merge). The grid depends only on B, so a captured graph stays valid when the lengths
 // in seq_lens change on the device. C = 1 is no cluster: the CTA writes its row's output.
@@ -665,22 +679,23 @@ __device__ __forceinline__ void decode_cluster(PKV_CLUSTER_ARGS) {
 #define PKV_CLUSTER_CALL \
   q, k, v, out, kv_indices, seq_lens, kv_indptr, num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2
 
-extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_cluster1(PKV_CLUSTER_ARGS) {
+extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_cluster1(PKV_CLUSTER_ARGS) {
   pkv::decode_cluster<1>(PKV_CLUSTER_CALL);
 }
 
 // Clusters need sm_90: older targets (CI compiles sm_80) get kernels of the same names that trap;
 // the engine refuses the route on such devices before any launch.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define PKV_CLUSTER_KERNEL(C)                                                                    \
-  extern "C" __global__ void __launch_bounds__(pkv::THREADS, 2) pkv_decode_cluster##C(PKV_CLUSTER_ARGS) { \
-    __trap();                                                                                    \
+#define PKV_CLUSTER_KERNEL(C)                                                        \
+  extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS)        \
+      pkv_decode_cluster##C(PKV_CLUSTER_ARGS) {                                      \
+    __trap();                                                                        \
   }
 #else
-#define PKV_CLUSTER_KERNEL(C)                                                                    \
-  extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(pkv::THREADS, 2)        \
-      pkv_decode_cluster##C(PKV_CLUSTER_ARGS) {                                                  \
-    pkv::decode_cluster<C>(PKV_CLUSTER_CALL);                                                    \
+#define PKV_CLUSTER_KERNEL(C)                                                        \
+  extern "C" __global__ void __cluster_dims__(C, 1, 1)                               \
+      __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_cluster##C(PKV_CLUSTER_ARGS) { \
+    pkv::decode_cluster<C>(PKV_CLUSTER_CALL);                                        \
   }
 #endif
 PKV_CLUSTER_KERNEL(2)

@@ -56,7 +56,7 @@ def test_choose_route_refuses_an_empty_window():
         choose_route([4096], 8, H200_SMS, min_tokens_per_cta=512, max_tokens_per_cta=256)
 
 
-def check_cover(plan, seq_lens, num_kv_heads, C):
+def check_cover(plan, seq_lens, num_kv_heads, C, tile=CLUSTER_TILE_TOKENS):
     cols = unpack_items(plan.items)
     assert plan.num_items == len(seq_lens) * num_kv_heads * C
     for index in range(plan.num_items):  # grid order: blockIdx.x = (row * Hkv + head) * C + rank
@@ -64,7 +64,7 @@ def check_cover(plan, seq_lens, num_kv_heads, C):
         head, rank = divmod(rest, C)
         assert (cols["row"][index], cols["head"][index], cols["split"][index], cols["num_splits"][index]) == \
             (row, head, rank, C)
-        assert (cols["tok_lo"][index], cols["tok_hi"][index]) == cluster_split_bounds(seq_lens[row], C, rank)
+        assert (cols["tok_lo"][index], cols["tok_hi"][index]) == cluster_split_bounds(seq_lens[row], C, rank, tile)
     lo = cols["tok_lo"].reshape(len(seq_lens), num_kv_heads, C)
     hi = cols["tok_hi"].reshape(len(seq_lens), num_kv_heads, C)
     for row, n in enumerate(seq_lens):
@@ -74,7 +74,7 @@ def check_cover(plan, seq_lens, num_kv_heads, C):
                 a, b = int(lo[row, head, rank]), int(hi[row, head, rank])
                 assert 0 <= a <= n and 0 <= b <= n  # empty when lo >= hi
                 if a < b:
-                    assert a % CLUSTER_TILE_TOKENS == 0
+                    assert a % tile == 0
                     covered[a:b] += 1
             assert (covered == 1).all(), (n, head)
 
@@ -86,6 +86,33 @@ def test_cluster_items_cover_every_token_once(page_size, C):
     lengths = [1, P - 1, P, P + 1, 63, 64, 65, 127, 128, 129, 3 * P + 5, 1000, 64 * C - 1, 64 * C, 64 * C + 1, 4096]
     batch = make_batch(AttentionSpec(8, 2, 64, P, "float16"), lengths)
     check_cover(plan_cluster(batch, C), lengths, 2, C)
+
+
+@pytest.mark.parametrize("page_size", [8, 128])
+@pytest.mark.parametrize("C", [1, 2, 8, 16])
+def test_cluster_items_over_128_token_stages_cover_every_token_once(page_size, C):
+    """An 8-warp module's stage (128 tokens): bounds fall on multiples of 128."""
+    P = page_size
+    lengths = [1, P + 1, 127, 128, 129, 255, 256, 257, 128 * C - 1, 128 * C, 128 * C + 1, 5000]
+    batch = make_batch(AttentionSpec(8, 2, 64, P, "float16"), lengths)
+    plan = plan_cluster(batch, C, tile=128)
+    assert plan.params == {"cluster_size": C, "tile": 128}
+    check_cover(plan, lengths, 2, C, tile=128)
+
+
+def test_cluster_bounds_with_128_token_stages():
+    assert cluster_split_bounds(100, 2, 0, tile=128) == (0, 0)     # one stage: rank 0 is empty
+    assert cluster_split_bounds(100, 2, 1, tile=128) == (0, 100)
+    assert cluster_split_bounds(1000, 8, 7, tile=128) == (896, 1000)
+    assert cluster_split_bounds(1000, 8, 7) == (896, 1000)          # 64-token stages: 16 tiles, 2 per rank
+    assert cluster_split_bounds(300, 4, 1, tile=128) == (0, 128)    # 3 stages of 128 over 4 ranks
+    assert cluster_split_bounds(300, 4, 1) == (64, 128)             # 5 stages of 64
+
+
+@pytest.mark.parametrize("bad", [0, 48, -128, 128.0, True])
+def test_bad_cluster_tiles_are_refused(bad):
+    with pytest.raises(PKVError, match="cluster tile must be a positive multiple of 32"):
+        plan_cluster(make_batch(AttentionSpec(), [100]), 2, tile=bad)
 
 
 def test_short_rows_leave_empty_splits():
@@ -136,19 +163,49 @@ def test_bad_cluster_sizes_are_refused(bad):
 
 
 # --------------------------------------------------------------------------- engine, without a GPU
-def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS):
-    """A DecodeEngine with its device facts filled in by hand: plan() refusals run before any GPU use."""
-    from persistentkv.engine import DecodeEngine, _Module
+def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS, warps=4):
+    """A DecodeEngine with its device facts filled in by hand: plan() refusals run before any GPU use.
+    warps=8 gets the 8-warp module's facts (256 threads, 128-token stages, 192 KB, 1 CTA per SM)."""
+    from persistentkv.engine import DecodeEngine, _Module, min_chunk_tiles_for, stage_tokens
 
     engine = object.__new__(DecodeEngine)
     engine.spec = AttentionSpec(32, 8, 128, 16, "float16")
     engine.capability = capability
     engine.num_sms = num_sms
-    engine.target_items = 264
-    engine.min_chunk_tiles = 2
-    engine.module = _Module({}, 98304, 128, 64, 3, 2, {c: 0 for c in planner.CLUSTER_SIZES}, cluster16_error,
-                            232448, {})
+    occupancy = 2 if warps == 4 else 1
+    engine.target_items = occupancy * num_sms
+    engine.warps = warps
+    engine.scale_log2 = np.float32(1.0)
+    engine.min_chunk_tiles = min_chunk_tiles_for(warps)
+    engine.module = _Module({}, 3 * 2 * stage_tokens(warps) * 128 * 2, 32 * warps, stage_tokens(warps), 3, occupancy,
+                            {c: 0 for c in planner.CLUSTER_SIZES}, cluster16_error, 232448, {})
     return engine
+
+
+class HostArray(np.ndarray):
+    """A host int32 array standing in for the engine's device tensors (data_ptr, numel)."""
+
+    def data_ptr(self) -> int:
+        return self.ctypes.data
+
+    def numel(self) -> int:
+        return self.size
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_cluster_device_plan_counts_the_modules_stages(warps):
+    """The device plan's host equivalent (its counters) splits rows over the module's tile, as
+    the kernel does: 64 tokens at 4 warps, 128 at 8."""
+    engine = cpu_engine(warps=warps)
+    engine._i32 = lambda array: np.ascontiguousarray(array, dtype=np.int32).view(HostArray)
+    batch = make_batch(engine.spec, [300, 1000])
+    plan = engine.plan(batch, "cluster", cluster_size=8)
+    host = plan._host_equivalent()
+    assert host.params["tile"] == 64 * warps // 4
+    expected = plan_cluster(batch, 8, tile=64 * warps // 4)
+    assert (host.items == expected.items).all()
+    # 300 tokens: 5 stages of 64 at 4 warps (5 of 8 splits busy), 3 of 128 at 8 warps
+    assert plan.counters()["nonempty_items"] == 8 * ((5 if warps == 4 else 3) + 8)
 
 
 def test_engine_refuses_cluster_route_before_sm90():

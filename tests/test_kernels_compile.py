@@ -1,15 +1,19 @@
-"""Every kernel compiles for sm_80 and sm_90 with nvcc (no GPU needed), without spills."""
+"""Every kernel compiles for sm_80 and sm_90 with nvcc (no GPU needed), without spills, in the
+default 4-warp modules and the 8-warp ones; unsupported warp counts are refused before nvcc."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 from persistentkv.cli import main
-from persistentkv.engine import engine_unsupported
+from persistentkv.engine import (DecodeEngine, compile_options, engine_unsupported, kernels_dir, min_chunk_tiles_for,
+                                 stage_tokens)
 from persistentkv.errors import PKVError
-from persistentkv.kernel_build import CONFIGS, check_arch, nvcc_path, parse_ptxas
+from persistentkv.kernel_build import CONFIGS, MODULES, WARPS8_CONFIGS, check_arch, cubin_name, nvcc_path, parse_ptxas
+from persistentkv.plan import CLUSTER_TILE_TOKENS, TILE_TOKENS
 from persistentkv.spec import AttentionSpec
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
@@ -41,18 +45,65 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
                  "--cubin-dir", str(tmp_path / "cubins")]) == 0
     report = json.loads(out.read_text())
     assert report["status"] == "ok"
-    kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"]) for r in report["kernels"]}
+    kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["warps"]) for r in report["kernels"]}
     cluster = tuple(f"pkv_decode_cluster{c}" for c in (1, 2, 4, 8, 16))
-    expected = {(k, a, d, h) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster)
-                for a in ("sm_80", "sm_90") for d, h in CONFIGS}
+    expected = {(k, a, d, h, w) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster)
+                for a in ("sm_80", "sm_90") for d, h, w in MODULES}
     assert kernels == expected
+    assert {(d, h) for d, h, w in MODULES if w == 8} == set(WARPS8_CONFIGS) == \
+        {(d, h) for d in ("float16", "bfloat16") for h in (64, 128)}
     for row in report["kernels"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
         # clusters need sm_90: on sm_80 the C >= 2 kernels are trap stubs, on sm_90 the real decode
         if row["kernel"] in cluster[1:]:
             assert (row["registers"] < 32) == (row["arch"] == "sm_80"), row
-    assert len(list((tmp_path / "cubins").glob("*.cubin"))) == 2 * len(CONFIGS)
+    assert {p.name for p in (tmp_path / "cubins").glob("*.cubin")} == \
+        {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ("sm_80", "sm_90")}
+    assert len(CONFIGS) == sum(w == 4 for *_, w in MODULES)
+
+
+def test_cubin_names_keep_the_default_and_suffix_w8():
+    assert cubin_name("float16", 128, 4, "sm_90") == "pkv_float16_d128_sm_90.cubin"
+    assert cubin_name("bfloat16", 64, 8, "sm_80") == "pkv_bfloat16_d64_sm_80_w8.cubin"
+
+
+def test_compile_options_define_warps_only_for_8():
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    default = compile_options(spec)
+    assert compile_options(spec, 4) == default and not any("PKV_WARPS" in o for o in default)
+    assert compile_options(spec, 8) == (*default, "-DPKV_WARPS=8")
+
+
+@pytest.mark.parametrize("head_dim, warps, message", [
+    (256, 8, "warps=8 needs head_dim <= 128"),
+    (128, 6, "warps must be one of 4, 8, got 6"),
+    (64, True, "warps must be one of 4, 8, got True"),
+])
+def test_unsupported_warps_are_refused_before_any_compile(head_dim, warps, message):
+    spec = AttentionSpec(32, 8, head_dim, 16, "float16")
+    assert any(message in r for r in engine_unsupported(spec, warps))
+    with pytest.raises(PKVError, match=message):
+        compile_options(spec, warps)
+    with pytest.raises(PKVError, match=message):  # before the GPU checks, compile or launch
+        DecodeEngine(spec, warps=warps)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim, warps, message", [(256, 8, "PKV_WARPS=8 needs head_dim <= 128"),
+                                                      (128, 6, "PKV_WARPS must be 4 or 8")])
+def test_the_kernel_itself_refuses_unsupported_warps(tmp_path, head_dim, warps, message):
+    """The kernel's static_asserts stand behind the engine's checks (nvcc stops in the front end)."""
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90", "-o", str(tmp_path / "x.cubin"), f"-DPKV_HEAD_DIM={head_dim}",
+           f"-DPKV_WARPS={warps}", str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_stage_and_min_chunk_follow_warps():
+    assert stage_tokens(4) == CLUSTER_TILE_TOKENS == 64 and stage_tokens(8) == 128
+    assert min_chunk_tiles_for(4) == 64 // TILE_TOKENS == 2
+    assert min_chunk_tiles_for(8) == 128 // TILE_TOKENS == 4
 
 
 def test_unsupported_specs_have_reasons():
@@ -94,7 +145,7 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
             calls.append((route, options))
             return "plan"
 
-    monkeypatch.setattr(engine_module, "engine_for", lambda spec: FakeEngine())
+    monkeypatch.setattr(engine_module, "engine_for", lambda spec, **options: FakeEngine())
     batch = make_batch(AttentionSpec(), [100, 2000])
     assert PKVWorkqueue(target_items=100, min_chunk_tiles=2).plan(batch) == "plan"
     PKVWorkqueue().plan(batch)
@@ -111,3 +162,18 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [2048]))           # no clusters here
     assert calls == [("cluster", {}), ("cluster", {"cluster_size": 4, "cluster_smem_bytes": 200000}),
                      ("workqueue", {"target_items": 100}), ("cluster", {"cluster_size": 8}), ("workqueue", {})]
+
+
+def test_pkv_workqueue_passes_warps_to_engine_for(monkeypatch):
+    """warps shapes the engine (engine_for), never a plan; unset, the default engine is shared."""
+    from persistentkv import engine as engine_module
+    from persistentkv.backends.pkv import PKVBuckets, PKVWorkqueue
+
+    engines = []
+    monkeypatch.setattr(engine_module, "engine_for", lambda spec, **options: engines.append(options))
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    for backend in (PKVWorkqueue(warps=8), PKVWorkqueue(route="cluster", warps=4), PKVWorkqueue(), PKVBuckets()):
+        backend.engine(spec)
+    assert engines == [{"warps": 8}, {"warps": 4}, {}, {}]
+    assert any("warps=8 needs head_dim <= 128" in r
+               for r in PKVWorkqueue(warps=8).unavailable(AttentionSpec(32, 8, 256, 16, "float16")))

@@ -24,6 +24,11 @@ captured in a CUDA graph. Routes:
 Supported: fp16 and bf16; head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
 (powers of two; 8-128 are the tested range); batch up to 4096 rows on the GPU planner (65535
 on the host planner). Anything else is refused in ``DecodeEngine.__init__`` or ``plan``.
+
+``warps`` (default 4) picks the module's CTA shape: 8 warps stream 128-token pipeline stages
+(192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
+SM), so that a grid of one CTA per SM (the cluster route) keeps as many bytes in flight as two
+4-warp CTAs. head_dim <= 128 only; every route runs with either.
 """
 
 from __future__ import annotations
@@ -45,9 +50,12 @@ from .spec import AttentionSpec
 KERNEL_FILE = "pkv_decode.cu"
 GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
 PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
-#: Smallest work item: one pipeline stage of the kernel (64 tokens = 2 planner tiles); a smaller
-#: item leaves warps of its CTA without tokens.
-MIN_CHUNK_TILES = 2
+#: Warps per decode CTA the kernel compiles for (PKV_WARPS); 4 is the default module.
+ENGINE_WARPS = (4, 8)
+DEFAULT_WARPS = 4
+#: Largest head_dim of an 8-warp module: 3 stages of 128 tokens fill 192 KB at 128 (the kernel's
+#: static_assert; 256 would need 256 KB).
+WARPS8_MAX_HEAD_DIM = 128
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
 ROUTES = ("workqueue", "workqueue_host", "buckets", "split", "cluster")
@@ -69,15 +77,42 @@ def kernels_dir() -> Path:
     return path
 
 
-def compile_options(spec: AttentionSpec) -> tuple[str, ...]:
-    """Compiler options for the module of ``spec``'s (dtype, head_dim); shared with compile-kernels."""
-    return ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
-            f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
+def stage_tokens(warps: int) -> int:
+    """Tokens per pipeline stage of a ``warps``-warp module (the kernel's TILE: 16 per warp)."""
+    return 16 * warps
 
 
-def engine_unsupported(spec: AttentionSpec) -> list[str]:
-    """Reasons our kernels cannot run ``spec`` (empty when they can); checked before any launch."""
-    reasons = []
+def min_chunk_tiles_for(warps: int) -> int:
+    """Default smallest work item, in planner tiles: one pipeline stage (2 tiles = 64 tokens at
+    4 warps, 4 tiles = 128 tokens at 8); a smaller item leaves warps of its CTA without tokens."""
+    return stage_tokens(warps) // planner.TILE_TOKENS
+
+
+def warps_unsupported(spec: AttentionSpec, warps: int) -> list[str]:
+    """Reasons a ``warps``-warp module cannot be built for ``spec`` (empty when it can)."""
+    if isinstance(warps, bool) or warps not in ENGINE_WARPS:
+        return [f"warps must be one of {', '.join(map(str, ENGINE_WARPS))}, got {warps!r}"]
+    if warps == 8 and spec.head_dim > WARPS8_MAX_HEAD_DIM:
+        return [f"warps=8 needs head_dim <= {WARPS8_MAX_HEAD_DIM} (3 stages of 128 tokens), "
+                f"got head_dim {spec.head_dim}; use warps=4"]
+    return []
+
+
+def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> tuple[str, ...]:
+    """Compiler options for the module of ``spec``'s (dtype, head_dim) with ``warps`` warps per
+    decode CTA; shared with compile-kernels. The default module gets no PKV_WARPS define, so its
+    options (and CuPy's cache key) are those of before the option existed."""
+    reasons = warps_unsupported(spec, warps)
+    require(not reasons, "; ".join(reasons))
+    options = ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
+               f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
+    return options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
+
+
+def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[str]:
+    """Reasons our kernels cannot run ``spec`` with ``warps``-warp CTAs (empty when they can);
+    checked before any compile or launch."""
+    reasons = warps_unsupported(spec, warps)
     if spec.dtype not in ENGINE_DTYPES:
         reasons.append(f"the PersistentKV kernels take {'/'.join(ENGINE_DTYPES)}, not {spec.dtype}")
     if spec.group_size > MAX_GROUP_SIZE:
@@ -147,12 +182,12 @@ def _set_function_attribute(function: int, attribute: int, value: int) -> None:
 
 
 @lru_cache(maxsize=None)
-def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
+def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
     import cupy
 
     spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
     source = (kernels_dir() / KERNEL_FILE).read_text()
-    options = compile_options(spec)
+    options = compile_options(spec, warps)
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
@@ -161,15 +196,17 @@ def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
             module = cupy.RawModule(code=source, options=options)
             module.compile()
         except Exception as exc:
-            raise PKVError(f"compiling {KERNEL_FILE} for {dtype}/head_dim {head_dim} failed: "
+            raise PKVError(f"compiling {KERNEL_FILE} for {dtype}/head_dim {head_dim}/warps {warps} failed: "
                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") from exc
         raw = module.get_global("pkv_config")
         config = cupy.ndarray((5,), dtype=cupy.int32, memptr=raw).get().tolist()
         smem, threads, tile, stages, plan_tile = config
         require(plan_tile == planner.TILE_TOKENS,
                 f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {planner.TILE_TOKENS}")
-        require(tile == planner.CLUSTER_TILE_TOKENS,
-                f"kernel tile {tile} != plan.CLUSTER_TILE_TOKENS {planner.CLUSTER_TILE_TOKENS}")
+        require(tile == stage_tokens(warps), f"kernel tile {tile} != {stage_tokens(warps)} tokens for {warps} warps")
+        smem_optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
+        require(smem <= smem_optin, f"the {warps}-warp kernel for head_dim {head_dim} needs {smem} B of shared "
+                                    f"memory per CTA; this device allows {smem_optin}")
         functions = {}
         cluster_names = [f"pkv_decode_cluster{c}" for c in planner.CLUSTER_SIZES]
         for name in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster_names):
@@ -189,7 +226,6 @@ def _load_module(dtype: str, head_dim: int, device: int) -> _Module:
             cluster16_error = (f"cluster size 16 is unavailable: setting NON_PORTABLE_CLUSTER_SIZE_ALLOWED failed "
                                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
                                f"use cluster_size <= 8")
-        smem_optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
     cluster_functions = {c: functions[f"pkv_decode_cluster{c}"].ptr for c in planner.CLUSTER_SIZES}
     return _Module(functions, smem, threads, tile, stages, max(1, occupancy), cluster_functions, cluster16_error,
                    smem_optin, {ptr: smem for ptr in cluster_functions.values()})
@@ -260,22 +296,23 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int = MIN_CHUNK_TILES):
-        reasons = engine_unsupported(spec) + gpu_reasons()
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS):
+        reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
         import torch
 
         self.spec = spec
+        self.warps = warps
         self.torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        self.module = _load_module(spec.dtype, spec.head_dim, self.device.index)
+        self.module = _load_module(spec.dtype, spec.head_dim, warps, self.device.index)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
-        self.min_chunk_tiles = min_chunk_tiles
+        self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
         self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
         from cupy_backends.cuda.api import driver
 
@@ -419,7 +456,7 @@ class DecodeEngine:
                           (_F32, float(self.scale_log2))])
         launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem,
                          CLUSTER_STRIDES)
-        return DevicePlan("cluster", spec, B, [launch], buffers, None, lambda: planner.plan_cluster(batch, C))
+        return DevicePlan("cluster", spec, B, [launch], buffers, None, lambda: planner.plan_cluster(batch, C, self.module.tile))
 
     def occupancy(self, launch: _Launch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory (clusters aside)."""

@@ -19,6 +19,10 @@ from .errors import require
 from .spec import AttentionSpec
 
 CONFIGS = tuple(product(("float16", "bfloat16"), (64, 128, 256)))
+#: (dtype, head_dim) of the 8-warp modules (engine warps=8): head_dim <= 128 only.
+WARPS8_CONFIGS = tuple(product(("float16", "bfloat16"), (64, 128)))
+#: Every module compile_all builds: (dtype, head_dim, warps).
+MODULES = tuple((d, h, 4) for d, h in CONFIGS) + tuple((d, h, 8) for d, h in WARPS8_CONFIGS)
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
@@ -49,22 +53,29 @@ def parse_ptxas(text: str) -> list[dict]:
     return rows
 
 
+def cubin_name(dtype: str, head_dim: int, warps: int, arch: str) -> str:
+    """The default module keeps its historical name; other warp counts add a ``_w{warps}`` suffix."""
+    return f"pkv_{dtype}_d{head_dim}_{arch}{'' if warps == 4 else f'_w{warps}'}.cubin"
+
+
 def compile_all(archs: list[str], out_dir: Path) -> list[dict]:
-    """Compile every (dtype, head_dim) module for every arch to cubins under ``out_dir``."""
+    """Compile every (dtype, head_dim, warps) module of MODULES for every arch to cubins under
+    ``out_dir``; one row per kernel, with the module's ``warps``."""
     nvcc = nvcc_path()
     require(nvcc is not None, "nvcc not found on PATH")
     source = kernels_dir() / KERNEL_FILE
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for arch, (dtype, head_dim) in product([check_arch(a) for a in archs], CONFIGS):
-        options = list(compile_options(AttentionSpec(1, 1, head_dim, 16, dtype)))
-        cubin = out_dir / f"pkv_{dtype}_d{head_dim}_{arch}.cubin"
+    for arch, (dtype, head_dim, warps) in product([check_arch(a) for a in archs], MODULES):
+        options = list(compile_options(AttentionSpec(1, 1, head_dim, 16, dtype), warps))
+        cubin = out_dir / cubin_name(dtype, head_dim, warps, arch)
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), *options, str(source)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {arch} {dtype} D={head_dim}:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"nvcc failed for {arch} {dtype} D={head_dim} warps={warps}:\n{proc.stderr[-4000:]}")
         for row in parse_ptxas(proc.stderr):
-            row.update(dtype=dtype, head_dim=head_dim, nvcc=version, flags=" ".join(options), cubin=cubin.name)
+            row.update(dtype=dtype, head_dim=head_dim, warps=warps, nvcc=version, flags=" ".join(options),
+                       cubin=cubin.name)
             rows.append(row)
     return rows

@@ -40,7 +40,8 @@ PARTIAL_FLOATS_EXTRA = 1
 #: The paper's count per query head: acc (D floats) + m + l.
 PAPER_PARTIAL_FLOATS_EXTRA = 2
 ROUTES = ("split", "buckets", "padded_buckets", "workqueue", "cluster")
-#: Tokens per tile of the cluster route's split bounds: one pipeline stage of the kernel (TILE).
+#: Tokens per tile of the cluster route's split bounds: one pipeline stage of the kernel (TILE) at
+#: its default 4 warps; an 8-warp module's stage is 128 tokens, passed as ``tile`` (engine.stage_tokens).
 CLUSTER_TILE_TOKENS = 64
 #: CTAs per thread-block cluster the kernels are compiled for (16 is non-portable on sm_90).
 CLUSTER_SIZES = (1, 2, 4, 8, 16)
@@ -373,30 +374,43 @@ def default_cluster_size(batch_size: int, num_kv_heads: int, num_sms: int) -> in
     return max(fits) if fits else 1
 
 
-def cluster_split_bounds(seq_len: int, cluster_size: int, rank: int) -> tuple[int, int]:
+def check_cluster_tile(tile: int) -> int:
+    """The cluster route's tile must be a kernel stage: a positive multiple of TILE_TOKENS."""
+    require(isinstance(tile, (int, np.integer)) and not isinstance(tile, bool) and tile > 0
+            and tile % TILE_TOKENS == 0,
+            f"cluster tile must be a positive multiple of {TILE_TOKENS} tokens (the kernel's stage), got {tile!r}")
+    return int(tile)
+
+
+def cluster_split_bounds(seq_len: int, cluster_size: int, rank: int,
+                         tile: int = CLUSTER_TILE_TOKENS) -> tuple[int, int]:
     """Tokens [lo, hi) of split ``rank`` of ``cluster_size`` over a row of ``seq_len`` tokens, as
-    pkv_decode_cluster computes them: T64 = ceil(N / 64), lo = min(N, T64 * rank // C * 64)."""
-    tiles = -(-int(seq_len) // CLUSTER_TILE_TOKENS)
-    lo = min(int(seq_len), tiles * rank // cluster_size * CLUSTER_TILE_TOKENS)
-    hi = min(int(seq_len), tiles * (rank + 1) // cluster_size * CLUSTER_TILE_TOKENS)
+    pkv_decode_cluster computes them with its stage of ``tile`` tokens: n = ceil(N / tile),
+    lo = min(N, n * rank // C * tile)."""
+    tile = check_cluster_tile(tile)
+    tiles = -(-int(seq_len) // tile)
+    lo = min(int(seq_len), tiles * rank // cluster_size * tile)
+    hi = min(int(seq_len), tiles * (rank + 1) // cluster_size * tile)
     return lo, hi
 
 
-def plan_cluster(batch: Batch, cluster_size: int) -> Plan:
+def plan_cluster(batch: Batch, cluster_size: int, tile: int = CLUSTER_TILE_TOKENS) -> Plan:
     """The host equivalent of the cluster route (for counters and tests; the kernel computes its
     own ranges): every (row, kv head, rank) in grid order, empty splits included, one launch.
 
     Item ``(row * Hkv + head) * C + rank`` is CTA ``blockIdx.x``; ranges follow
-    :func:`cluster_split_bounds`, the row-local bound over 64-token tiles.
+    :func:`cluster_split_bounds`, the row-local bound over tiles of ``tile`` tokens (the kernel
+    module's stage: 64 at 4 warps, 128 at 8), so the counters match what the kernel reads.
     """
     _check_batch(batch)
     C = check_cluster_size(cluster_size)
+    tile = check_cluster_tile(tile)
     Hkv, B = batch.spec.num_kv_heads, batch.batch_size
     seq = batch.seq_lens.astype(np.int64)
-    tiles = -(-seq // CLUSTER_TILE_TOKENS)
+    tiles = -(-seq // tile)
     rank = np.arange(C, dtype=np.int64)
-    lo = np.minimum(seq[:, None], tiles[:, None] * rank[None, :] // C * CLUSTER_TILE_TOKENS)
-    hi = np.minimum(seq[:, None], tiles[:, None] * (rank[None, :] + 1) // C * CLUSTER_TILE_TOKENS)
+    lo = np.minimum(seq[:, None], tiles[:, None] * rank[None, :] // C * tile)
+    hi = np.minimum(seq[:, None], tiles[:, None] * (rank[None, :] + 1) // C * tile)
     items = np.empty((B, Hkv, C, 4), dtype=np.int64)
     items[..., 0] = np.arange(B)[:, None, None] | (np.arange(Hkv)[None, :, None] << 16)
     items[..., 1] = lo[:, None, :]
@@ -406,7 +420,7 @@ def plan_cluster(batch: Batch, cluster_size: int) -> Plan:
     # merge_groups name the on-chip merges (for execute_plan); nothing of them is uploaded
     return Plan("cluster", batch.spec, batch.seq_lens.copy(), items, _merge_groups(items, 0),
                 (Launch("cluster", 0, items.shape[0]),), np.full(B, C, dtype=np.int32),
-                batch.seq_lens.astype(np.int64), {"cluster_size": C})
+                batch.seq_lens.astype(np.int64), {"cluster_size": C, "tile": tile})
 
 
 #: choose_route: a cluster grid is used only when no row is longer than this multiple of the mean

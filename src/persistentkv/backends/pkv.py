@@ -3,7 +3,8 @@
     pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused;
                     route="cluster" runs the cluster route instead, route="auto" picks per step
                     with plan.choose_route (cluster only for a balanced one-wave step of at most
-                    256 tokens per CTA, on sm_90+)
+                    256 tokens per CTA, on sm_90+); warps=8 runs every route on the 8-warp module
+                    (128-token stages, head_dim <= 128)
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -17,6 +18,8 @@ from ..spec import AttentionSpec
 class _PKVBackend:
     route = "workqueue"
     graph_safe = True
+    #: DecodeEngine options (the module's shape), as opposed to the per-step plan options
+    engine_options: dict = {}
 
     def __init__(self, name: str, **options):
         self.name = name
@@ -26,13 +29,13 @@ class _PKVBackend:
     def unavailable(self, spec: AttentionSpec) -> list[str]:
         from ..engine import engine_unsupported, gpu_reasons
 
-        return engine_unsupported(spec) + gpu_reasons()
+        return engine_unsupported(spec, **self.engine_options) + gpu_reasons()
 
     def engine(self, spec: AttentionSpec):
         from ..engine import engine_for
 
         if self._engine is None or self._engine.spec != spec:
-            self._engine = engine_for(spec)
+            self._engine = engine_for(spec, **self.engine_options)
         return self._engine
 
     def plan(self, batch: Batch):
@@ -48,12 +51,14 @@ class PKVWorkqueue(_PKVBackend):
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
                  min_chunk_tiles: int | None = None, route: str = "workqueue", cluster_size: int | None = None,
-                 cluster_smem_bytes: int | None = None):
+                 cluster_smem_bytes: int | None = None, warps: int | None = None):
         from ..errors import require
 
         require(route in self.ROUTE_CHOICES,
                 f"pkv-workqueue route must be one of {', '.join(self.ROUTE_CHOICES)}, got {route!r}")
         super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
+        # unset: the default module, through the same engine_for cache entry as the other backends
+        self.engine_options = {} if warps is None else {"warps": warps}
         self.route = route
         self.cluster_options = {k: v for k, v in (("cluster_size", cluster_size),
                                                   ("cluster_smem_bytes", cluster_smem_bytes)) if v is not None}

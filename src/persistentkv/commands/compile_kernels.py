@@ -46,6 +46,6 @@ def run(args) -> int:
     worst = max(rows, key=lambda r: r.get("spill_store_bytes", 0))
     print(f"compile-kernels: {len(rows)} kernel instances for {', '.join(archs)}; "
           f"max registers {max(r['registers'] for r in rows)}, max spill stores {worst.get('spill_store_bytes', 0)} B "
-          f"({worst['kernel']} {worst['dtype']} D={worst['head_dim']} {worst['arch']})")
+          f"({worst['kernel']} {worst['dtype']} D={worst['head_dim']} warps={worst['warps']} {worst['arch']})")
     print(json.dumps({"report": args.out}))
     return 0

@@ -1,0 +1,126 @@
+"""Shared by bench_cluster.py and bench_warps.py: the cases, the baselines, the read ceiling, and
+one case's check-then-time loop (float64 check, CUDA graphs over rotated cold-L2 copies, every
+variant of the case interleaved), so the two benches measure the same way."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+from graph_timing import capture, rotated_copies, time_replays
+
+CASES = [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536), (1, 131072),
+         (2, 16384), (4, 8192), (8, 4096), (4, 32768)]
+BASELINES = ("flashinfer-tc", "vllm-fa3", "trtllm-xqa")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``1x4096,B=4x8192`` -> [(1, 4096), (4, 8192)]; empty -> CASES."""
+    if not text:
+        return CASES
+    return [tuple(int(x) for x in c.lower().replace("b=", "").split("x")) for c in text.split(",")]
+
+
+def read_ceiling_gbps() -> float:
+    from persistentkv.ceiling import measure_read, median_gbps
+    from persistentkv.measure.device import TorchDevice
+
+    try:
+        return median_gbps(measure_read(TorchDevice("cuda"), nbytes=2**30, repeats=5, warmup=2))
+    except Exception as exc:  # the bench still runs; the floor column says nan
+        print(f"read ceiling: not measured ({first_line(exc)})")
+        return math.nan
+
+
+def load_baselines(spec) -> dict:
+    """name -> backend for the BASELINES that can run ``spec`` here; the others print why not."""
+    from persistentkv.backends import registry
+
+    baselines = {}
+    for name in BASELINES:
+        try:
+            backend = registry.create(name)
+            reasons = backend.unavailable(spec)
+        except Exception as exc:
+            reasons = [first_line(exc)]
+        if reasons:
+            print(f"{name}: skipped ({'; '.join(reasons)})")
+        else:
+            baselines[name] = backend
+    return baselines
+
+
+def add_baselines(add, batch, baselines: dict) -> None:
+    """Register every baseline as a variant through ``add(name, make_plan, make_run)``."""
+    for name, backend in baselines.items():
+        add(name, lambda b=backend: b.plan(batch), lambda q, b=backend: (lambda kv, p, o: b.run(q, kv, p, o)))
+
+
+def time_case(engine, spec, batch, variants: dict, ceiling: float, args) -> tuple[list[dict], dict, dict, float]:
+    """Check every variant (name -> (plan, make_run)) against float64, then time them interleaved.
+
+    Returns (parquet rows, median us per variant, name -> (rel err, CTAs per SM or -1), floor us).
+    A variant that fails prints its reason and is left out. ``engine`` only answers occupancy
+    queries (any DecodeEngine answers them for any of our launches).
+    """
+    import torch
+
+    from gpu_support import TOLERANCE, reference_torch64, rel_err
+    from persistentkv.engine import DevicePlan
+
+    B, N = batch.batch_size, int(batch.seq_lens.max())
+    case = f"B={B} N={N}"
+    copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size)
+    ref = reference_torch64(batch, q, *copies[0])
+    floor = batch.kv_bytes / (ceiling * 1e3) if ceiling > 0 else math.nan
+    print(f"{case}: {batch.kv_bytes / 1e6:.1f} MB, floor {floor:.2f} us, {len(copies)} copies", flush=True)
+    graphs, info = {}, {}
+    for name, (plan, make_run) in variants.items():
+        try:
+            run = make_run(q)
+            out = torch.full_like(q, float("nan"))
+            run(copies[0], plan, out)
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            occ = engine.occupancy(plan.launches[-1]) if isinstance(plan, DevicePlan) else -1
+            graphs[name] = capture(lambda kv, r=run, p=plan, o=out: r(kv, p, o), copies, args.calls)
+            info[name] = (err, occ)
+            print(f"  {name}: rel err {err:.1e}{'' if err <= TOLERANCE[spec.dtype] else '  WRONG'}"
+                  + (f", {occ} CTA/SM" if occ >= 0 else ""))
+        except Exception as exc:
+            print(f"  {name}: failed ({first_line(exc)})")
+            torch.cuda.synchronize()
+    times = time_replays(graphs, args.repeats, args.calls) if graphs else {}
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    rows = []
+    for name, ts in times.items():
+        err, occ = info[name]
+        rows += [{"case": case, "batch_size": B, "seq_len": N, "variant": name, "repeat": i, "time_us": t,
+                  "rel_err": err, "ctas_per_sm": occ, "kv_bytes": batch.kv_bytes, "floor_us": floor,
+                  "read_ceiling_gbps": ceiling} for i, t in enumerate(ts)]
+    del graphs, copies
+    torch.cuda.empty_cache()
+    return rows, med, info, floor
+
+
+def within_tolerance(med: dict, info: dict, dtype: str) -> dict:
+    """The medians of the variants whose output passed the float64 check."""
+    from gpu_support import TOLERANCE
+
+    return {n: t for n, t in med.items() if info[n][0] <= TOLERANCE[dtype]}
+
+
+def write_rows(rows: list[dict], out: str, stem: str, t_start: float) -> Path:
+    import pandas as pd
+
+    path = Path(out) / f"{stem}_{time.strftime('%H%M%S')}.parquet"
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    return path

@@ -1,0 +1,124 @@
+"""8-warp CTAs (128-token stages) against the 4-warp kernel and the baselines, under graph replay.
+
+    python benchmarks/bench_warps.py [--out DIR] [--cases B=1x4096,B=4x8192]
+
+The question: a 4-warp CTA keeps STAGES - 1 = 2 stages of 32 KB in flight, so the chip needs two
+CTAs per SM to reach its read bandwidth, and the cluster route's one CTA per SM starves; an
+8-warp CTA's 64 KB stages (192 KB of shared memory, one CTA per SM) keep 128 KB in flight. Same
+cases, harness and table as bench_cluster.py (bench_common.py): Hq=32, Hkv=8, D=128, fp16,
+page 16; every variant checked against float64, then CUDA graphs of --calls calls over rotated
+cache copies (cold L2), all variants of a case interleaved, median of --repeats replays. Variants:
+  wq            the GPU-planned queue, 4 warps (default target_items: occupancy x SMs)
+  wq8           the same queue on the 8-warp module (its own default target_items and min chunk)
+  cl8, cl16     the cluster route at 4 warps, C = 8 and 16
+  cl8w8, cl16w8 the cluster route at 8 warps
+  flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
+Cluster variants run only where B * Hkv * C <= SMs (one CTA per SM, one wave: the case the
+8-warp CTA is for). The table gives the floor at the read ceiling measured in this run, each
+variant, the best baseline, the best 4-warp and 8-warp variants and the 8-warp speedup (best
+4-warp time / best 8-warp time). Writes bench_warps_HHMMSS.parquet to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_common import (BASELINES, add_baselines, first_line, load_baselines, parse_cases,  # noqa: E402
+                          read_ceiling_gbps, time_case, within_tolerance, write_rows)
+from persistentkv.cache import make_batch  # noqa: E402
+from persistentkv.spec import AttentionSpec  # noqa: E402
+
+CLUSTER_SIZES = (8, 16)
+
+
+def variants_for(engines: dict, batch, baselines: dict) -> dict:
+    """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine); a variant that
+    cannot be planned is reported and left out."""
+    runs = {}
+
+    def add(name, make_plan, run):
+        try:
+            runs[name] = (make_plan(), run)
+        except Exception as exc:
+            print(f"  {name}: not planned ({first_line(exc)})")
+
+    def ours(engine):
+        return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
+
+    for warps, engine in engines.items():
+        add("wq" if warps == 4 else f"wq{warps}", lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+    for warps, engine in engines.items():
+        suffix = "" if warps == 4 else f"w{warps}"
+        one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
+        for c in one_wave if engine.capability[0] >= 9 else ():
+            add(f"cl{c}{suffix}", lambda e=engine, c=c: e.plan(batch, "cluster", cluster_size=c), ours(engine))
+    add_baselines(add, batch, baselines)
+    return runs
+
+
+def is_w8(name: str) -> bool:
+    return name == "wq8" or name.endswith("w8")
+
+
+def main() -> int:
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--cases", default="", help="comma-separated BxN (e.g. 1x4096,4x8192); default all")
+    args = parser.parse_args()
+    t_start = time.time()
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engines = {}
+    for warps in (4, 8):
+        try:
+            engines[warps] = engine_for(spec) if warps == 4 else engine_for(spec, warps=warps)
+        except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below 192 KB
+            print(f"{warps} warps: no engine ({first_line(exc)})")
+    engine = engines[4]
+    ceiling = read_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: {engine.num_sms} SMs, cc {engine.capability}, read ceiling "
+          f"{ceiling:.0f} GB/s")
+    for warps, e in engines.items():
+        m = e.module
+        print(f"  {warps} warps: {m.threads} threads, {m.tile}-token stages x {m.stages}, smem {m.smem_bytes} B, "
+              f"{m.occupancy} CTA/SM, target_items {e.target_items}, min chunk {e.min_chunk_tiles} tiles")
+    baselines = load_baselines(spec)
+    rows, table = [], []
+    for B, N in parse_cases(args.cases):
+        batch = make_batch(spec, [N] * B, seed=1)
+        case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engines, batch, baselines),
+                                                ceiling, args)
+        rows += case_rows
+        ok = within_tolerance(med, info, spec.dtype)
+        best = {}
+        for label, keep in (("base", lambda n: n in BASELINES), ("w4", lambda n: n not in BASELINES and not is_w8(n)),
+                            ("w8", is_w8)):
+            picks = {n: t for n, t in ok.items() if keep(n)}
+            best[label] = min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
+        table.append((f"B={B} N={N}", floor, med, best))
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best 4-warp   best 8-warp   "
+          f"8-warp speedup   %ceiling(best 8-warp)")
+    for case, floor, med, best in table:
+        cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
+        (bn, bus), (n4, t4), (n8, t8) = best["base"], best["w4"], best["w8"]
+        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {n4}={t4:.1f}   {n8}={t8:.1f}   "
+              f"{t4 / t8:.2f}x   {100 * floor / t8:.0f}%")
+    write_rows(rows, args.out, "bench_warps", t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
