@@ -81,6 +81,7 @@ def main() -> int:
         case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engine, batch, baselines),
                                                 ceiling, args)
         rows += case_rows
+        write_rows(rows, args.out, "bench_cluster", t_start, final=False)
         route, C = choose_route(batch.seq_lens, spec.num_kv_heads, engine.num_sms)
         rule = f"cl{C}" if route == "cluster" and engine.capability[0] >= 9 else "wq"
         ok = within_tolerance(med, info, spec.dtype)

@@ -25,7 +25,13 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     """``1x4096,B=4x8192`` -> [(1, 4096), (4, 8192)]; empty -> CASES."""
     if not text:
         return CASES
-    return [tuple(int(x) for x in c.lower().replace("b=", "").split("x")) for c in text.split(",")]
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().lower().replace("b=", "").split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--cases: {item.strip()!r} is not BxN with positive integers (e.g. 4x8192)")
+        cases.append((int(parts[0]), int(parts[1])))
+    return cases
 
 
 def read_ceiling_gbps() -> float:
@@ -117,10 +123,13 @@ def within_tolerance(med: dict, info: dict, dtype: str) -> dict:
     return {n: t for n, t in med.items() if info[n][0] <= TOLERANCE[dtype]}
 
 
-def write_rows(rows: list[dict], out: str, stem: str, t_start: float) -> Path:
+def write_rows(rows: list[dict], out: str, stem: str, t_start: float, final: bool = True) -> Path:
+    """Write the rows so far to <out>/<stem>_<HHMMSS of t_start>.parquet (the same file on every
+    call: the benches call it after each case, so a crash or a time limit keeps the cases done)."""
     import pandas as pd
 
-    path = Path(out) / f"{stem}_{time.strftime('%H%M%S')}.parquet"
+    path = Path(out) / f"{stem}_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
     pd.DataFrame(rows).to_parquet(path, index=False)
-    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    if final:
+        print(f"wrote {path} ({time.time() - t_start:.0f} s)")
     return path

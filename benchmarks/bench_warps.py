@@ -102,6 +102,7 @@ def main() -> int:
         case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engines, batch, baselines),
                                                 ceiling, args)
         rows += case_rows
+        write_rows(rows, args.out, "bench_warps", t_start, final=False)
         ok = within_tolerance(med, info, spec.dtype)
         best = {}
         for label, keep in (("base", lambda n: n in BASELINES), ("w4", lambda n: n not in BASELINES and not is_w8(n)),

@@ -1,0 +1,33 @@
+"""The development benches' CPU-side helpers (benchmarks/bench_common.py): case parsing and the
+incremental result file that keeps finished cases when a run dies half-way."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_common  # noqa: E402
+
+
+def test_write_rows_rewrites_one_file_per_run(tmp_path):
+    t_start = time.time()
+    first = bench_common.write_rows([{"case": "B=1 N=1024", "time_us": 7.0}], str(tmp_path), "bench_x", t_start,
+                                    final=False)
+    rows = [{"case": "B=1 N=1024", "time_us": 7.0}, {"case": "B=1 N=4096", "time_us": 12.0}]
+    second = bench_common.write_rows(rows, str(tmp_path), "bench_x", t_start)
+    assert first == second and list(tmp_path.iterdir()) == [first]
+    assert pd.read_parquet(second)["time_us"].tolist() == [7.0, 12.0]
+
+
+def test_parse_cases():
+    assert bench_common.parse_cases("") == bench_common.CASES
+    assert bench_common.parse_cases("1x4096, B=4x8192") == [(1, 4096), (4, 8192)]
+    for bad in ("4096", "1x", "0x4096", "2x4096x3"):
+        with pytest.raises(SystemExit, match="not BxN"):
+            bench_common.parse_cases(bad)
