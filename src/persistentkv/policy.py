@@ -504,8 +504,9 @@ class DecisionMemo:
     per step; under the step protocol that host time sits in front of the first launch. The memo
     makes the steady-state cost that of the signature (a few microseconds): a serving loop's
     consecutive steps share a signature, so the model runs once every few hundred steps. The
-    first batch of a signature decides for all of it (``misses`` counts those), and the memo is
-    emptied when it reaches ``max_entries``."""
+    first batch of a signature decides for all of it (``misses`` counts those; the decision's
+    reason names that batch's B and N_max), and the memo is emptied when it reaches
+    ``max_entries``."""
 
     def __init__(self, policy: "Policy", available: Collection[str] | None = None,
                  bins_per_octave: int = MEMO_BINS_PER_OCTAVE, max_entries: int = MEMO_MAX_ENTRIES):
