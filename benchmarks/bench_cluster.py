@@ -66,7 +66,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--cases", default="", help="comma-separated BxN (e.g. 1x4096,4x8192); default all")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
+                             "default all")
     args = parser.parse_args()
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
@@ -76,10 +78,10 @@ def main() -> int:
           f"{ceiling:.0f} GB/s; kernel smem {engine.module.smem_bytes} B (opt-in max {engine.module.smem_optin})")
     baselines = load_baselines(spec)
     rows, table = [], []
-    for B, N in parse_cases(args.cases):
-        batch = make_batch(spec, [N] * B, seed=1)
+    for label, lengths in parse_cases(args.cases):
+        batch = make_batch(spec, lengths, seed=1)
         case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engine, batch, baselines),
-                                                ceiling, args)
+                                                ceiling, args, label)
         rows += case_rows
         write_rows(rows, args.out, "bench_cluster", t_start, final=False)
         route, C = choose_route(batch.seq_lens, spec.num_kv_heads, engine.num_sms)
@@ -88,7 +90,7 @@ def main() -> int:
         base = {n: t for n, t in ok.items() if n in BASELINES}
         best_base = min(base.items(), key=lambda kv: kv[1]) if base else (None, math.nan)
         rule_us = ok.get(rule, math.nan)
-        table.append((f"B={B} N={N}", floor, med, rule, rule_us, best_base))
+        table.append((label, floor, med, rule, rule_us, best_base))
     print(f"\n{'case':<14} {'floor':>6}  variants (us; * = rule's pick)   best baseline   rule speedup   %ceiling(rule)")
     for case, floor, med, rule, rule_us, (bname, bus) in table:
         cells = " ".join(f"{'*' if n == rule else ''}{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)

@@ -21,16 +21,27 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def parse_cases(text: str) -> list[tuple[int, int]]:
-    """``1x4096,B=4x8192`` -> [(1, 4096), (4, 8192)]; empty -> CASES."""
+def parse_cases(text: str) -> list[tuple[str, list[int]]]:
+    """``1x4096,B=4x8192,B8-bimodal`` -> [(label, row lengths), ...]; empty -> CASES.
+
+    A case is BxN (B rows of N tokens) or the name of one of bench-kernels' ragged row sets
+    (persistentkv.measure.workload.BENCH_EXTRA, e.g. B8-bimodal), so the development benches can
+    time the cases where bench-kernels found a route behind."""
+    from persistentkv.measure.workload import BENCH_EXTRA
+
     if not text:
-        return CASES
+        return [(f"B={B} N={N}", [N] * B) for B, N in CASES]
     cases = []
-    for item in text.split(","):
-        parts = item.strip().lower().replace("b=", "").split("x")
+    for item in (c.strip() for c in text.split(",")):
+        if item in BENCH_EXTRA:
+            cases.append((item, list(BENCH_EXTRA[item])))
+            continue
+        parts = item.lower().replace("b=", "").split("x")
         if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            raise SystemExit(f"--cases: {item.strip()!r} is not BxN with positive integers (e.g. 4x8192)")
-        cases.append((int(parts[0]), int(parts[1])))
+            raise SystemExit(f"--cases: {item!r} is not BxN with positive integers (e.g. 4x8192) nor one of "
+                             f"{', '.join(BENCH_EXTRA)}")
+        B, N = int(parts[0]), int(parts[1])
+        cases.append((f"B={B} N={N}", [N] * B))
     return cases
 
 
@@ -69,7 +80,8 @@ def add_baselines(add, batch, baselines: dict) -> None:
         add(name, lambda b=backend: b.plan(batch), lambda q, b=backend: (lambda kv, p, o: b.run(q, kv, p, o)))
 
 
-def time_case(engine, spec, batch, variants: dict, ceiling: float, args) -> tuple[list[dict], dict, dict, float]:
+def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
+              case: str | None = None) -> tuple[list[dict], dict, dict, float]:
     """Check every variant (name -> (plan, make_run)) against float64, then time them interleaved.
 
     Returns (parquet rows, median us per variant, name -> (rel err, CTAs per SM or -1), floor us).
@@ -82,7 +94,7 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args) -> tupl
     from persistentkv.engine import DevicePlan
 
     B, N = batch.batch_size, int(batch.seq_lens.max())
-    case = f"B={B} N={N}"
+    case = case or f"B={B} N={N}"
     copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size)
     ref = reference_torch64(batch, q, *copies[0])
     floor = batch.kv_bytes / (ceiling * 1e3) if ceiling > 0 else math.nan

@@ -77,7 +77,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--cases", default="", help="comma-separated BxN (e.g. 1x4096,4x8192); default all")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
+                             "default all")
     args = parser.parse_args()
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
@@ -97,19 +99,19 @@ def main() -> int:
               f"{m.occupancy} CTA/SM, target_items {e.target_items}, min chunk {e.min_chunk_tiles} tiles")
     baselines = load_baselines(spec)
     rows, table = [], []
-    for B, N in parse_cases(args.cases):
-        batch = make_batch(spec, [N] * B, seed=1)
+    for label, lengths in parse_cases(args.cases):
+        batch = make_batch(spec, lengths, seed=1)
         case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engines, batch, baselines),
-                                                ceiling, args)
+                                                ceiling, args, label)
         rows += case_rows
         write_rows(rows, args.out, "bench_warps", t_start, final=False)
         ok = within_tolerance(med, info, spec.dtype)
         best = {}
-        for label, keep in (("base", lambda n: n in BASELINES), ("w4", lambda n: n not in BASELINES and not is_w8(n)),
+        for kind, keep in (("base", lambda n: n in BASELINES), ("w4", lambda n: n not in BASELINES and not is_w8(n)),
                             ("w8", is_w8)):
             picks = {n: t for n, t in ok.items() if keep(n)}
-            best[label] = min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
-        table.append((f"B={B} N={N}", floor, med, best))
+            best[kind] = min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
+        table.append((label, floor, med, best))
     print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best 4-warp   best 8-warp   "
           f"8-warp speedup   %ceiling(best 8-warp)")
     for case, floor, med, best in table:
