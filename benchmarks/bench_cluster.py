@@ -17,9 +17,7 @@ read ceiling measured in this run, each variant, the best baseline, what plan.ch
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,9 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, add_baselines, first_line, load_baselines, parse_cases,  # noqa: E402
-                          read_ceiling_gbps, time_case, within_tolerance, write_rows)
-from persistentkv.cache import make_batch  # noqa: E402
+from bench_common import (BASELINES, add_baselines, bench_args, fastest, first_line, load_baselines,  # noqa: E402
+                          read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
@@ -62,14 +59,7 @@ def main() -> int:
     from persistentkv.engine import engine_for
     from persistentkv.plan import choose_route
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--cases", default="",
-                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
-                             "default all")
-    args = parser.parse_args()
+    args = bench_args()
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engine = engine_for(spec)
@@ -78,19 +68,12 @@ def main() -> int:
           f"{ceiling:.0f} GB/s; kernel smem {engine.module.smem_bytes} B (opt-in max {engine.module.smem_optin})")
     baselines = load_baselines(spec)
     rows, table = [], []
-    for label, lengths in parse_cases(args.cases):
-        batch = make_batch(spec, lengths, seed=1)
-        case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engine, batch, baselines),
-                                                ceiling, args, label)
-        rows += case_rows
-        write_rows(rows, args.out, "bench_cluster", t_start, final=False)
+    for label, batch, med, ok, floor in timed_cases(engine, spec, args,
+                                                     lambda batch: variants_for(engine, batch, baselines),
+                                                     ceiling, rows, "bench_cluster", t_start):
         route, C = choose_route(batch.seq_lens, spec.num_kv_heads, engine.num_sms)
         rule = f"cl{C}" if route == "cluster" and engine.capability[0] >= 9 else "wq"
-        ok = within_tolerance(med, info, spec.dtype)
-        base = {n: t for n, t in ok.items() if n in BASELINES}
-        best_base = min(base.items(), key=lambda kv: kv[1]) if base else (None, math.nan)
-        rule_us = ok.get(rule, math.nan)
-        table.append((label, floor, med, rule, rule_us, best_base))
+        table.append((label, floor, med, rule, ok.get(rule, math.nan), fastest(ok, lambda n: n in BASELINES)))
     print(f"\n{'case':<14} {'floor':>6}  variants (us; * = rule's pick)   best baseline   rule speedup   %ceiling(rule)")
     for case, floor, med, rule, rule_us, (bname, bus) in table:
         cells = " ".join(f"{'*' if n == rule else ''}{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)

@@ -4,7 +4,9 @@ variant of the case interleaved), so the two benches measure the same way."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -126,6 +128,39 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
     del graphs, copies
     torch.cuda.empty_cache()
     return rows, med, info, floor
+
+
+def bench_args() -> argparse.Namespace:
+    """The development benches' command line: --out (default $OUT, else .), --calls per graph,
+    --repeats of every graph, --cases (see parse_cases)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--cases", default="",
+                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
+                             "default all")
+    return parser.parse_args()
+
+
+def timed_cases(engine, spec, args, variants_for_batch, ceiling: float, rows: list, stem: str, t_start: float):
+    """Each case of --cases, timed by time_case over ``variants_for_batch(batch)``; its rows are
+    added to ``rows`` and written at once (write_rows), so a crash keeps the cases done. Yields
+    (label, batch, medians, medians of the variants that passed the float64 check, floor us)."""
+    from persistentkv.cache import make_batch
+
+    for label, lengths in parse_cases(args.cases):
+        batch = make_batch(spec, lengths, seed=1)
+        case_rows, med, info, floor = time_case(engine, spec, batch, variants_for_batch(batch), ceiling, args, label)
+        rows += case_rows
+        write_rows(rows, args.out, stem, t_start, final=False)
+        yield label, batch, med, within_tolerance(med, info, spec.dtype), floor
+
+
+def fastest(times: dict, keep=lambda name: True) -> tuple:
+    """(name, us) of the fastest variant in ``times`` that ``keep`` accepts, else (None, nan)."""
+    picks = {n: t for n, t in times.items() if keep(n)}
+    return min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
 
 
 def within_tolerance(med: dict, info: dict, dtype: str) -> dict:

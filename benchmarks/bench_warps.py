@@ -21,9 +21,6 @@ variant, the best baseline, the best 4-warp and 8-warp variants and the 8-warp s
 
 from __future__ import annotations
 
-import argparse
-import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,9 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, add_baselines, first_line, load_baselines, parse_cases,  # noqa: E402
-                          read_ceiling_gbps, time_case, within_tolerance, write_rows)
-from persistentkv.cache import make_batch  # noqa: E402
+from bench_common import (BASELINES, add_baselines, bench_args, fastest, first_line, load_baselines,  # noqa: E402
+                          read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CLUSTER_SIZES = (8, 16)
@@ -73,14 +69,7 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--cases", default="",
-                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
-                             "default all")
-    args = parser.parse_args()
+    args = bench_args()
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
@@ -99,18 +88,11 @@ def main() -> int:
               f"{m.occupancy} CTA/SM, target_items {e.target_items}, min chunk {e.min_chunk_tiles} tiles")
     baselines = load_baselines(spec)
     rows, table = [], []
-    for label, lengths in parse_cases(args.cases):
-        batch = make_batch(spec, lengths, seed=1)
-        case_rows, med, info, floor = time_case(engine, spec, batch, variants_for(engines, batch, baselines),
-                                                ceiling, args, label)
-        rows += case_rows
-        write_rows(rows, args.out, "bench_warps", t_start, final=False)
-        ok = within_tolerance(med, info, spec.dtype)
-        best = {}
-        for kind, keep in (("base", lambda n: n in BASELINES), ("w4", lambda n: n not in BASELINES and not is_w8(n)),
-                            ("w8", is_w8)):
-            picks = {n: t for n, t in ok.items() if keep(n)}
-            best[kind] = min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
+    for label, _, med, ok, floor in timed_cases(engine, spec, args,
+                                                lambda batch: variants_for(engines, batch, baselines),
+                                                ceiling, rows, "bench_warps", t_start):
+        best = {"base": fastest(ok, lambda n: n in BASELINES),
+                "w4": fastest(ok, lambda n: n not in BASELINES and not is_w8(n)), "w8": fastest(ok, is_w8)}
         table.append((label, floor, med, best))
     print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best 4-warp   best 8-warp   "
           f"8-warp speedup   %ceiling(best 8-warp)")
