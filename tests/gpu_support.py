@@ -74,3 +74,37 @@ def rel_err(out, ref) -> float:
 
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+
+
+def assert_graph_replay_matches(engine, plan, batch, q, k, v, tolerance: float, calls: int = 4, replays: int = 3):
+    """One eager run, then ``calls`` runs of ``plan`` cycling over two copies of the cache captured
+    in one CUDA graph; the outputs are poisoned with NaN and the graph replayed ``replays`` times:
+    every output must match the float64 reference again (nothing in the plan is used up by a run)."""
+    import torch
+
+    ks, vs = [k, k.clone()], [v, v.clone()]
+    ref = reference_torch64(batch, q, k, v)
+    outs = [torch.full_like(q, float("nan")) for _ in range(calls)]
+    engine.run(q, (k, v), plan, outs[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i, o in enumerate(outs):
+            engine.run(q, (ks[i % 2], vs[i % 2]), plan, o)
+    for o in outs:
+        o.fill_(float("nan"))
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    for o in outs:
+        assert rel_err(o, ref) <= tolerance
+
+
+def assert_repeats_bit_exact(engine, plan, q, k, v, out, times: int = 5):
+    """``times`` more runs of ``plan`` write exactly ``out`` again (counters reset, same merge order)."""
+    import torch
+
+    for _ in range(times):
+        again = torch.full_like(q, float("nan"))
+        engine.run(q, (k, v), plan, again)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)

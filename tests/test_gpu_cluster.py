@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from gpu_support import TOLERANCE, assert_repeats_bit_exact, device_case, reference_torch64, rel_err, requires_gpu
 from persistentkv.cache import Batch
 from persistentkv.spec import AttentionSpec
 
@@ -106,15 +106,10 @@ def test_one_cta_per_sm_gives_the_same_output():
 
 
 def test_repeated_launches_are_deterministic():
-    import torch
-
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, out, plan, engine, (batch, q, k, v) = run_cluster(spec, [3000, 9000], 8)
     assert err <= TOLERANCE["float16"]
-    for _ in range(5):
-        out2 = torch.full_like(q, float("nan"))
-        engine.run(q, (k, v), plan, out2)
-        torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    assert_repeats_bit_exact(engine, plan, q, k, v, out)
 
 
 def test_counters_of_the_device_plan():

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from gpu_support import (TOLERANCE, assert_graph_replay_matches, assert_repeats_bit_exact, device_case,
+                         reference_torch64, rel_err, requires_gpu)
 from persistentkv import plan as planner
 from persistentkv.cache import Batch, make_batch
 from persistentkv.spec import AttentionSpec
@@ -105,15 +106,10 @@ def test_gpu_planner_equals_cpu_planner():
 
 
 def test_repeated_fused_launches_reset_their_counters():
-    import torch
-
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, out, plan, engine, (batch, q, k, v) = run_case(spec, [3000, 9000], "workqueue")
     assert err <= TOLERANCE["float16"]
-    for _ in range(5):
-        out2 = torch.full_like(q, float("nan"))
-        engine.run(q, (k, v), plan, out2)
-        torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    assert_repeats_bit_exact(engine, plan, q, k, v, out)
 
 
 def test_cuda_graph_replay_and_whole_step_capture():
@@ -164,30 +160,12 @@ def test_cuda_graph_replay_and_whole_step_capture():
 @pytest.mark.parametrize("route", ROUTES)
 def test_graph_replay_of_every_route_over_rotated_caches(route):
     """Several plans captured side by side, each graph cycling over copies of the cache."""
-    import torch
-
     from persistentkv.engine import engine_for
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engine = engine_for(spec)
     batch, q, k, v = device_case(spec, [1000, 20000, 77], hole_fraction=0.2, seed=5)
-    ks, vs = [k, k.clone()], [v, v.clone()]
-    ref = reference_torch64(batch, q, k, v)
-    plan = engine.plan(batch, route)
-    outs = [torch.full_like(q, float("nan")) for _ in range(4)]
-    engine.run(q, (k, v), plan, outs[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i, o in enumerate(outs):
-            engine.run(q, (ks[i % 2], vs[i % 2]), plan, o)
-    for o in outs:
-        o.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    for o in outs:
-        assert rel_err(o, ref) <= TOLERANCE["float16"]
+    assert_graph_replay_matches(engine, engine.plan(batch, route), batch, q, k, v, TOLERANCE["float16"])
 
 
 def test_refuses_unsupported_specs_before_launch():

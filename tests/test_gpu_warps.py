@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from gpu_support import TOLERANCE, assert_graph_replay_matches, device_case, reference_torch64, rel_err, requires_gpu
 from persistentkv import plan as planner
 from persistentkv.cache import make_batch
 from persistentkv.spec import AttentionSpec
@@ -135,23 +135,8 @@ def test_cluster_counters_follow_128_token_stages():
 @pytest.mark.parametrize("route, options", ROUTES, ids=ROUTE_IDS)
 def test_graph_replay_over_rotated_caches(route, options):
     """A plan captured once, its graph cycling over copies of the cache, replayed three times."""
-    import torch
-
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, _, plan, engine, (batch, q, k, v) = run_case(spec, [1000, 20000, 77], route, seed=5, hole_fraction=0.2,
                                                       **options)
     assert err <= TOLERANCE["float16"]
-    ks, vs = [k, k.clone()], [v, v.clone()]
-    ref = reference_torch64(batch, q, k, v)
-    outs = [torch.full_like(q, float("nan")) for _ in range(4)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i, o in enumerate(outs):
-            engine.run(q, (ks[i % 2], vs[i % 2]), plan, o)
-    for o in outs:
-        o.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    for o in outs:
-        assert rel_err(o, ref) <= TOLERANCE["float16"]
+    assert_graph_replay_matches(engine, plan, batch, q, k, v, TOLERANCE["float16"])
