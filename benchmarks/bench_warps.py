@@ -10,6 +10,8 @@ page 16; every variant checked against float64, then CUDA graphs of --calls call
 cache copies (cold L2), all variants of a case interleaved, median of --repeats replays. Variants:
   wq            the GPU-planned queue, 4 warps (default target_items: occupancy x SMs)
   wq8           the same queue on the 8-warp module (its own default target_items and min chunk)
+  wq-closed, wq8-closed   the same queues with the v2-v6 closed-form chunk (chunk_rule="closed")
+                instead of the smallest chunk that fits the wave
   cl8, cl16     the cluster route at 4 warps, C = 8 and 16
   cl8w8, cl16w8 the cluster route at 8 warps
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
@@ -50,7 +52,9 @@ def variants_for(engines: dict, batch, baselines: dict) -> dict:
         return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
 
     for warps, engine in engines.items():
-        add("wq" if warps == 4 else f"wq{warps}", lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+        name = "wq" if warps == 4 else f"wq{warps}"
+        add(name, lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+        add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
@@ -61,7 +65,7 @@ def variants_for(engines: dict, batch, baselines: dict) -> dict:
 
 
 def is_w8(name: str) -> bool:
-    return name == "wq8" or name.endswith("w8")
+    return name.startswith("wq8") or name.endswith("w8")
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py
     compute-sanitizer --tool synccheck python benchmarks/sanitize_cases.py --cluster-sizes 2,4,8
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py --warps 4,8
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel: the GPU planner,
 fused and separate decode, the merge, the cluster route (C = 2 and 16), Q in registers and in shared memory, G = 1/4/7/16, page
@@ -36,16 +37,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster-sizes", default="2,16",
                         help="comma-separated cluster sizes of the cluster route to launch (default 2,16)")
+    parser.add_argument("--warps", default="4",
+                        help="comma-separated CTA widths, 4 and/or 8 (8 runs only where head_dim <= 128; default 4)")
     args = parser.parse_args(argv)
     sizes = [int(c) for c in args.cluster_sizes.split(",") if c.strip()]
+    widths = [int(w) for w in args.warps.split(",") if w.strip()]
+    if not widths or any(w not in (4, 8) for w in widths):
+        parser.error(f"--warps takes 4 and/or 8, got {args.warps!r}")
 
     failures = 0
-    for spec, lengths, _ in CASES:
-        engine = engine_for(spec)
+    for (spec, lengths, _), warps in ((case, w) for case in CASES for w in widths):
+        if warps == 8 and spec.head_dim > 128:
+            continue
+        engine = engine_for(spec, warps=warps)
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
-        for route, options in (("workqueue", {}), ("workqueue_host", {}), ("buckets", {"num_splits": 4}),
-                               ("split", {"num_splits": 48}),
+        for route, options in (("workqueue", {}), ("workqueue", {"chunk_rule": "closed"}), ("workqueue_host", {}),
+                               ("buckets", {"num_splits": 4}), ("split", {"num_splits": 48}),
                                *(("cluster", {"cluster_size": c}) for c in sizes)):
             plan = engine.plan(batch, route, **options)
             out = torch.full_like(q, float("nan"))
@@ -54,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             err = rel_err(out, ref)
             ok = err <= TOLERANCE[spec.dtype]
             failures += not ok
-            print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} {route}{options.get('cluster_size', '')}: "
+            print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} w{warps} {route}"
+                  f"{options.get('cluster_size', '')}{'-closed' if 'chunk_rule' in options else ''}: "
                   f"rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     return 1 if failures else 0
 

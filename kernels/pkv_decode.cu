@@ -721,23 +721,35 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
 // The GPU planner: the balanced work queue of plan.py (plan_workqueue with target_items), built
 // on the device from device sequence lengths, so a whole step (plan + layers) needs no host
 // round trip. One CTA of 1024 threads; batch <= PKV_PLAN_MAX_ROWS.
-//   W = B * Hkv / target + 1,  chunk = max(min_chunk_tiles, ceil(Hkv * sum_i T_i / (W * target - B * Hkv))),
+//   W = B * Hkv / target + 1,  cap = W * target
+//   closed = max(min_chunk_tiles, ceil(Hkv * sum_i T_i / (cap - B * Hkv)))   (always fits)
+//   chunk_rule 0 ("min"): chunk = the smallest c >= min_chunk_tiles with Hkv * sum_i ceil(T_i / c) <= cap,
+//     by bisection on [max(min_chunk_tiles, ceil(Hkv * sum_i T_i / cap)), closed], one block-wide
+//     sum per halving (plan.balanced_chunk_tiles); chunk_rule 1 ("closed"): chunk = closed
 //   S_i = ceil(T_i / chunk)
 //   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
 #define PKV_PLAN_THREADS 1024
 #define PKV_PLAN_MAX_ROWS 4096
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const int* seq_lens, const int* kv_indptr, int batch, int num_kv_heads, int target_items,
-    int min_chunk_tiles, int max_items, int* items, int* num_items) {
+    int min_chunk_tiles, int chunk_rule, int max_items, int* items, int* num_items) {
   __shared__ int s_off[PKV_PLAN_MAX_ROWS + 1];
   __shared__ int s_split[PKV_PLAN_MAX_ROWS];
   __shared__ long long s_warp[32];
+  __shared__ long long s_count[32];
   __shared__ int s_scan[PKV_PLAN_THREADS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int TILE_TOKENS = 32;
 
+  // Contiguous rows per thread; their tile counts wait in s_split (each thread reads only its own).
+  const int per = (batch + PKV_PLAN_THREADS - 1) / PKV_PLAN_THREADS;
+  const int r0 = min(batch, tid * per), r1 = min(batch, r0 + per);
   long long tiles = 0;
-  for (int i = tid; i < batch; i += PKV_PLAN_THREADS) tiles += (seq_lens[i] + TILE_TOKENS - 1) / TILE_TOKENS;
+  for (int i = r0; i < r1; ++i) {
+    const int T = (seq_lens[i] + TILE_TOKENS - 1) / TILE_TOKENS;
+    s_split[i] = T;
+    tiles += T;
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tiles += __shfl_xor_sync(0xffffffffu, tiles, o);
   if (lane == 0) s_warp[warp] = tiles;
@@ -750,20 +762,36 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
   }
   __syncthreads();
   const long long total = s_warp[0];
-  // plan.balanced_chunk_tiles: whole waves of target_items, every row's ceil() paid up front.
+  // plan.balanced_chunk_tiles: whole waves of target_items.
   const long long pairs = (long long)batch * num_kv_heads;
-  const long long waves = pairs / target_items + 1;
-  const long long room = waves * target_items - pairs;
-  long long chunk = (num_kv_heads * total + room - 1) / room;
-  if (chunk < min_chunk_tiles) chunk = min_chunk_tiles;
+  const long long cap = (pairs / target_items + 1) * target_items;
+  const long long room = cap - pairs;
+  long long hi = (num_kv_heads * total + room - 1) / room;
+  if (hi < min_chunk_tiles) hi = min_chunk_tiles;
+  if (chunk_rule == 0) {
+    long long lo = (num_kv_heads * total + cap - 1) / cap;
+    if (lo < min_chunk_tiles) lo = min_chunk_tiles;
+    while (lo < hi) {  // lo and hi are the same in every thread: the loop is uniform
+      const long long mid = (lo + hi) >> 1;
+      long long count = 0;
+      for (int i = r0; i < r1; ++i) count += (s_split[i] + mid - 1) / mid;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
+      if (lane == 0) s_count[warp] = count;
+      __syncthreads();
+      long long sum = 0;
+#pragma unroll 8
+      for (int w = 0; w < PKV_PLAN_THREADS / 32; ++w) sum += s_count[w];
+      __syncthreads();  // every thread has read s_count before the next halving writes it
+      if (num_kv_heads * sum <= cap) hi = mid; else lo = mid + 1;
+    }
+  }
+  const long long chunk = hi;
 
-  // Contiguous rows per thread, then a block-wide exclusive scan of the per-thread sums.
-  const int per = (batch + PKV_PLAN_THREADS - 1) / PKV_PLAN_THREADS;
-  const int r0 = min(batch, tid * per), r1 = min(batch, r0 + per);
+  // Split counts, then a block-wide exclusive scan of the per-thread sums.
   int mine = 0;
   for (int i = r0; i < r1; ++i) {
-    const long long T = (seq_lens[i] + TILE_TOKENS - 1) / TILE_TOKENS;
-    const int S = (int)((T + chunk - 1) / chunk);
+    const int S = (int)((s_split[i] + chunk - 1) / chunk);
     s_split[i] = S;
     mine += S;
   }

@@ -96,13 +96,17 @@ def test_gpu_planner_equals_cpu_planner():
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engine = engine_for(spec)
     rng = np.random.default_rng(3)
-    for B in (1, 3, 8, 100, 512, 3000):
-        lengths = rng.integers(1, 70000, size=B)
+    bimodal = [49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168]  # where the two chunk rules differ
+    cases = [rng.integers(1, 70000, size=B) for B in (1, 3, 8, 100, 512, 3000)] + [bimodal, [1, 5, 1 << 20]]
+    for lengths in cases:
         batch = make_batch(spec, lengths)
         for target in (engine.target_items, 64, 1000):
-            dev = engine.plan(batch, "workqueue", target_items=target)
-            cpu = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=engine.min_chunk_tiles)
-            np.testing.assert_array_equal(engine.device_items(dev), cpu.items, err_msg=f"B={B} target={target}")
+            for rule in planner.CHUNK_RULES:
+                dev = engine.plan(batch, "workqueue", target_items=target, chunk_rule=rule)
+                cpu = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=engine.min_chunk_tiles,
+                                             chunk_rule=rule)
+                np.testing.assert_array_equal(engine.device_items(dev), cpu.items,
+                                              err_msg=f"B={len(lengths)} target={target} rule={rule}")
 
 
 def test_repeated_fused_launches_reset_their_counters():

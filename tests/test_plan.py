@@ -198,9 +198,14 @@ def check_all_routes(case) -> int:
     assert info["nonempty"].all()                               # no empty work-queue item
     assert balanced.num_items <= max_workqueue_items(B, H, case["target"])
     chunk = balanced.params["chunk_tiles"]
-    assert chunk >= case["min_chunk"] and chunk == balanced_chunk_tiles(int(T.sum()), H, case["target"], case["min_chunk"],
-                                                                         batch_size=B)
+    assert chunk >= case["min_chunk"] and chunk == balanced_chunk_tiles(T, H, case["target"], case["min_chunk"])
     _same(balanced.row_splits, -(-T // chunk))
+    # the smallest chunk that fits: one tile less would overflow the waves (or the minimum)
+    cap = max_workqueue_items(B, H, case["target"])
+    assert chunk == case["min_chunk"] or H * int((-(-T // (chunk - 1))).sum()) > cap
+    closed = plan_workqueue(batch, target_items=case["target"], min_chunk_tiles=case["min_chunk"], chunk_rule="closed")
+    check_plan(closed, batch)
+    assert closed.params["chunk_tiles"] >= chunk and closed.num_items <= cap
     assert len(balanced.launches) == 1 and balanced.launches[0].kind == "fused"
 
     balanced2 = plan_workqueue(batch, target_items=case["target"], fused_merge=False)
@@ -246,14 +251,49 @@ def test_seeded_sweep_of_boundary_lengths():
 
 def test_balanced_chunk_worked_numbers():
     # B=1 at 4096 tokens (128 tiles), Hkv=8, target 264: room 264 - 8 = 256, ceil(1024 / 256) = 4
-    assert balanced_chunk_tiles(128, 8, 264, batch_size=1) == 4
+    for rule in ("min", "closed"):
+        assert balanced_chunk_tiles([128], 8, 264, chunk_rule=rule) == 4
     plan = plan_workqueue(make_batch(AttentionSpec(), [4096]), target_items=264)
     assert plan.row_splits.tolist() == [32] and plan.num_items == 256
     assert plan.counters().launches == 1
-    # B=4 x 32768 (4096 tiles each): room 232, chunk ceil(8 * 16384 / 232) = 142, S_i = 8, one wave
-    plan = plan_workqueue(make_batch(AttentionSpec(), [32768] * 4), target_items=264)
-    assert plan.params["chunk_tiles"] == 142 and plan.row_splits.tolist() == [8] * 4
-    assert plan.num_items == 256 <= max_workqueue_items(4, 8, 264) == 264
+    # B=4 x 32768 (4096 tiles each): closed form ceil(8 * 16384 / 232) = 142; the smallest chunk
+    # that fits is 128 (8 * 4 * ceil(4096 / 128) = 256 <= 264; 127 would need 9 splits: 288); S_i = 8
+    for rule, chunk in (("min", 128), ("closed", 142)):
+        plan = plan_workqueue(make_batch(AttentionSpec(), [32768] * 4), target_items=264, chunk_rule=rule)
+        assert plan.params["chunk_tiles"] == chunk and plan.row_splits.tolist() == [8] * 4
+        assert plan.num_items == 256 <= max_workqueue_items(4, 8, 264) == 264
+
+
+def test_min_chunk_fills_the_wave_on_ragged_rows():
+    """The B=8 bimodal-like row set of bench-kernels: the closed form leaves 32 of 264 slots empty
+    with items of up to 5120 tokens (a chunk of 163 tiles); the smallest fitting chunk, 128 tiles, fills all
+    264 with items of at most 4096 tokens."""
+    lens = [49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168]
+    batch = make_batch(AttentionSpec(), lens)
+    longest = {}
+    for rule in ("min", "closed"):
+        plan = plan_workqueue(batch, target_items=264, min_chunk_tiles=2, chunk_rule=rule)
+        cols = unpack_items(plan.items)
+        longest[rule] = (plan.params["chunk_tiles"], plan.num_items, int((cols["tok_hi"] - cols["tok_lo"]).max()))
+    assert longest == {"min": (128, 264, 4096), "closed": (163, 232, 5120)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(tiles=st.lists(st.integers(0, 5000), min_size=1, max_size=70), heads=st.integers(1, 16),
+       target=st.integers(1, 600), min_chunk=st.integers(1, 8))
+def test_min_chunk_is_the_brute_force_minimum(tiles, heads, target, min_chunk):
+    """Bisection equals a linear scan for the smallest chunk that fits, on lists and arrays alike."""
+    cap = max_workqueue_items(len(tiles), heads, target)
+    closed = balanced_chunk_tiles(tiles, heads, target, min_chunk, chunk_rule="closed")
+    assert heads * sum(-(-t // closed) for t in tiles) <= cap                  # the closed form fits
+    brute = next(c for c in range(min_chunk, closed + 1) if heads * sum(-(-t // c) for t in tiles) <= cap)
+    assert balanced_chunk_tiles(tiles, heads, target, min_chunk) == brute
+    assert balanced_chunk_tiles(np.asarray(tiles, dtype=np.int64), heads, target, min_chunk) == brute
+
+
+def test_chunk_rule_is_checked():
+    with pytest.raises(PKVError, match="chunk_rule must be one of min, closed"):
+        balanced_chunk_tiles([4], 8, 264, chunk_rule="max")
 
 
 def test_published_fan_out_on_bimodal_b8():

@@ -338,9 +338,11 @@ class DecodeEngine:
 
     def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
              min_chunk_tiles: int | None = None, cluster_size: int | None = None,
-             cluster_smem_bytes: int | None = None) -> DevicePlan:
+             cluster_smem_bytes: int | None = None, chunk_rule: str = "min") -> DevicePlan:
         """Plan one step: ``num_splits`` for buckets/split; ``target_items`` and ``min_chunk_tiles``
-        for the queues (defaults: one wave of resident CTAs, one pipeline stage); ``cluster_size``
+        for the queues (defaults: one wave of resident CTAs, one pipeline stage), and their
+        ``chunk_rule`` (plan.balanced_chunk_tiles: ``"min"``, the smallest chunk that fits the
+        waves, or ``"closed"``, the closed form of v2-v6, kept for side-by-side benches); ``cluster_size``
         (default plan.default_cluster_size) and ``cluster_smem_bytes`` (dynamic shared memory per
         CTA, default the kernel's; ask for more than half an SM's to force one CTA per SM) for
         the cluster route."""
@@ -352,10 +354,15 @@ class DecodeEngine:
                 f"cluster_size and cluster_smem_bytes apply to route cluster, not {route}")
         target = int(target_items or self.target_items)
         min_chunk = int(min_chunk_tiles or self.min_chunk_tiles)
+        require(chunk_rule in planner.CHUNK_RULES,
+                f"chunk_rule must be one of {', '.join(planner.CHUNK_RULES)}, got {chunk_rule!r}")
+        require(chunk_rule == "min" or route in ("workqueue", "workqueue_host"),
+                f"chunk_rule applies to the workqueue routes, not {route}")
         if route == "workqueue":
-            return self._plan_device(batch, target, min_chunk)
+            return self._plan_device(batch, target, min_chunk, chunk_rule)
         if route == "workqueue_host":
-            host = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=min_chunk, fused_merge=True)
+            host = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=min_chunk, fused_merge=True,
+                                          chunk_rule=chunk_rule)
         elif route == "buckets":
             host = planner.plan_buckets(batch, num_splits=int(num_splits))
         else:
@@ -394,7 +401,7 @@ class DecodeEngine:
                 launches.append(self._decode_launch(launch.kind, launch.size, buffers, 0, launch.start))
         return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host)
 
-    def _plan_device(self, batch: Batch, target_items: int, min_chunk: int) -> DevicePlan:
+    def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
         require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
                 f"batch size {batch.batch_size} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; use route workqueue_host")
         spec = self.spec
@@ -409,12 +416,13 @@ class DecodeEngine:
                        num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
         plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
                                (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, min_chunk),
-                               (_I32, max_items), (_PTR, buffers["items"].data_ptr()),
+                               (_I32, planner.CHUNK_RULES.index(chunk_rule)), (_I32, max_items), (_PTR, buffers["items"].data_ptr()),
                                (_PTR, buffers["num_items"].data_ptr())])
         launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
         plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
-                          lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk))
+                          lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk,
+                                                         chunk_rule=chunk_rule))
         self._launch(plan.launches[0], self._stream())
         return plan
 

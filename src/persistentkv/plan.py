@@ -1,6 +1,6 @@
 """The scheduler: split counts from real lengths, row-local split bounds, buckets, the work queue.
 
-Pure and CPU-testable; the GPU planner (kernels/plan.cu) produces the same items for the
+Pure and CPU-testable; the GPU planner (pkv_plan in kernels/pkv_decode.cu) produces the same items for the
 work-queue route, and a test holds the two equal.
 
 Vocabulary (the paper's):
@@ -75,35 +75,65 @@ def queue_waves(batch_size: int, num_kv_heads: int, target_items: int) -> int:
     return (batch_size * num_kv_heads) // target_items + 1
 
 
-def balanced_chunk_tiles(total_tiles: int, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1,
-                         *, batch_size: int) -> int:
-    """Tiles per work item: the smallest chunk whose queue is guaranteed to fit in whole waves.
+#: How the balanced queue picks its chunk: ``"min"`` (default) the smallest chunk whose queue
+#: fits whole waves, by search; ``"closed"`` the closed form that pays every row's ceil() up front
+#: (the v2-v6 planner, kept for side-by-side benches).
+CHUNK_RULES = ("min", "closed")
 
-    With W = queue_waves(B, Hkv, target) and room = W * target - B * Hkv, a chunk
-    c >= Hkv * sum_i T_i / room gives Hkv * sum_i ceil(T_i / c) <= Hkv * (sum_i T_i / c + B) <= W * target:
-    the ceil() of every row is paid for up front, so no step spills a few items into a second wave.
 
-    Worked numbers (Hkv=8, target 264 = 2 CTAs x 132 SMs): B=1 at 4096 tokens (128 tiles):
-    room 256, c = ceil(1024 / 256) = 4 tiles (128 tokens), 32 splits, 256 items of 64 KB.
-    B=4 x 32768 (4096 tiles): room 232, c = ceil(32768 / 232) = 142, S_i = 8, 256 items in one wave
-    (the plain ceil(Hkv * T / target) = 125 would give S_i = 9 and 288 items: 24 in a second wave).
+def _queue_items(tiles, chunk: int) -> int:
+    """sum_i ceil(T_i / chunk) for a NumPy array or a plain list of tile counts."""
+    if isinstance(tiles, np.ndarray):
+        return int(((tiles + (chunk - 1)) // chunk).sum())
+    return sum(-(-t // chunk) for t in tiles)
+
+
+def balanced_chunk_tiles(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1,
+                         chunk_rule: str = "min") -> int:
+    """Tiles per work item for rows of ``tiles`` tiles: the queue must fit in whole waves.
+
+    With W = queue_waves(B, Hkv, target) and cap = W * target, any chunk c with
+    Hkv * sum_i ceil(T_i / c) <= cap fits. The closed form c = ceil(Hkv * sum_i T_i / (cap - B * Hkv))
+    always does: Hkv * sum_i ceil(T_i / c) <= Hkv * (sum_i T_i / c + B) <= cap (every row's ceil()
+    paid up front). ``chunk_rule="min"`` returns the smallest chunk (>= ``min_chunk_tiles``) that
+    fits, found by bisection between ceil(Hkv * sum T / cap), below which nothing fits, and the
+    closed form: the same split counts on uniform rows, but ragged rows fill the wave with shorter
+    items instead of leaving slots empty. ``chunk_rule="closed"`` returns the closed form.
+
+    Worked numbers (Hkv=8, target 264 = 2 CTAs x 132 SMs): B=1 at 4096 tokens (128 tiles): both
+    rules give 4 tiles (128 tokens), 32 splits, 256 items. B=4 x 32768 (4096 tiles): the closed form
+    is ceil(32768 / 232) = 142 and the smallest fit is 128 (8 * 4 * ceil(4096 / 128) = 256 <= 264),
+    S_i = 8 either way. The B=8 lengths (49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168): closed
+    form 163 tiles (232 items, the longest 5120 tokens), smallest fit 128 (264 items, at most 4096).
     """
     require(min_chunk_tiles >= 1, f"min_chunk_tiles must be >= 1, got {min_chunk_tiles}")
-    waves = queue_waves(batch_size, num_kv_heads, target_items)
-    room = waves * target_items - batch_size * num_kv_heads
-    return max(min_chunk_tiles, -(-(num_kv_heads * total_tiles) // room))
+    require(chunk_rule in CHUNK_RULES, f"chunk_rule must be one of {', '.join(CHUNK_RULES)}, got {chunk_rule!r}")
+    batch_size = len(tiles)
+    total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
+    cap = queue_waves(batch_size, num_kv_heads, target_items) * target_items
+    room = cap - batch_size * num_kv_heads
+    hi = max(min_chunk_tiles, -(-(num_kv_heads * total) // room))
+    if chunk_rule == "closed":
+        return hi
+    lo = max(min_chunk_tiles, -(-(num_kv_heads * total) // cap))
+    while lo < hi:  # invariant: hi fits; every chunk below lo does not (or is below the minimum)
+        mid = (lo + hi) // 2
+        if num_kv_heads * _queue_items(tiles, mid) <= cap:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def balanced_row_splits(seq_lens: np.ndarray, num_kv_heads: int, target_items: int,
-                        min_chunk_tiles: int = 1) -> np.ndarray:
+                        min_chunk_tiles: int = 1, chunk_rule: str = "min") -> np.ndarray:
     """Split count per row: ceil(T_i / chunk) with one chunk size for the whole step.
 
     Long rows get many splits and short rows few, so items carry about equal work, and the item
     count stays within ``max_workqueue_items`` (whole waves of ``target_items``).
     """
     tiles = num_tiles(seq_lens)
-    chunk = balanced_chunk_tiles(int(tiles.sum()), num_kv_heads, target_items, min_chunk_tiles,
-                                 batch_size=int(np.asarray(seq_lens).size))
+    chunk = balanced_chunk_tiles(tiles, num_kv_heads, target_items, min_chunk_tiles, chunk_rule)
     return ((tiles + chunk - 1) // chunk).astype(np.int32)
 
 
@@ -331,10 +361,10 @@ def plan_buckets(batch: Batch, num_splits: int, bucket_tokens: int | None = None
 
 
 def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: int | None = None,
-                   min_chunk_tiles: int = 1, fused_merge: bool = True) -> Plan:
+                   min_chunk_tiles: int = 1, fused_merge: bool = True, chunk_rule: str = "min") -> Plan:
     """The compact work queue: only non-empty items, one launch (merge fused) or a decode + merge pair.
 
-    Split counts are balanced (:func:`balanced_row_splits`) for ``target_items``, or
+    Split counts are balanced (:func:`balanced_chunk_tiles`, by ``chunk_rule``) for ``target_items``, or
     ``min(num_splits, T_i)`` per row when a fixed ``num_splits`` is given (the published queue
     with its empty items dropped).
     """
@@ -345,11 +375,12 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
         splits = np.minimum(S, num_tiles(batch.seq_lens)).astype(np.int32)
         params = {"num_splits": S}
     else:
-        splits = balanced_row_splits(batch.seq_lens, batch.spec.num_kv_heads, int(target_items), min_chunk_tiles)
-        params = {"target_items": int(target_items), "min_chunk_tiles": min_chunk_tiles,
-                  "chunk_tiles": balanced_chunk_tiles(int(num_tiles(batch.seq_lens).sum()),
-                                                      batch.spec.num_kv_heads, int(target_items), min_chunk_tiles,
-                                                      batch_size=batch.batch_size)}
+        chunk = balanced_chunk_tiles(num_tiles(batch.seq_lens), batch.spec.num_kv_heads, int(target_items),
+                                     min_chunk_tiles, chunk_rule)
+        splits = ((num_tiles(batch.seq_lens) + chunk - 1) // chunk).astype(np.int32)
+        params = {"target_items": int(target_items), "min_chunk_tiles": min_chunk_tiles, "chunk_tiles": chunk}
+        if chunk_rule != "min":
+            params["chunk_rule"] = chunk_rule
     require(int(splits.max()) <= MAX_SPLITS, f"a row needs more than {MAX_SPLITS} splits")
     rows = np.arange(batch.batch_size)
     block = _items_for_rows(rows, batch.seq_lens, splits, batch.spec.num_kv_heads, False)
