@@ -12,6 +12,8 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
   wq8           the same queue on the 8-warp module (its own default target_items and min chunk)
   wq-closed, wq8-closed   the same queues with the v2-v6 closed-form chunk (chunk_rule="closed")
                 instead of the smallest chunk that fits the wave
+  wq-pdl, wq8-pdl   the queues launched with programmatic dependent launch (DecodeEngine(pdl=True)):
+                consecutive calls of the graph overlap one call's start with the last one's end
   cl8, cl16     the cluster route at 4 warps, C = 8 and 16
   cl8w8, cl16w8 the cluster route at 8 warps
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
@@ -37,9 +39,10 @@ from persistentkv.spec import AttentionSpec  # noqa: E402
 CLUSTER_SIZES = (8, 16)
 
 
-def variants_for(engines: dict, batch, baselines: dict) -> dict:
-    """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine); a variant that
-    cannot be planned is reported and left out."""
+def variants_for(engines: dict, batch, baselines: dict, pdl_engines: dict | None = None) -> dict:
+    """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine) and
+    ``pdl_engines`` (warps -> DecodeEngine(pdl=True)); a variant that cannot be planned is
+    reported and left out."""
     runs = {}
 
     def add(name, make_plan, run):
@@ -55,6 +58,8 @@ def variants_for(engines: dict, batch, baselines: dict) -> dict:
         name = "wq" if warps == 4 else f"wq{warps}"
         add(name, lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
         add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
+    for warps, engine in (pdl_engines or {}).items():
+        add(("wq" if warps == 4 else f"wq{warps}") + "-pdl", lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
@@ -82,6 +87,12 @@ def main() -> int:
             engines[warps] = engine_for(spec) if warps == 4 else engine_for(spec, warps=warps)
         except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below 192 KB
             print(f"{warps} warps: no engine ({first_line(exc)})")
+    pdl_engines = {}
+    for warps in engines:
+        try:
+            pdl_engines[warps] = engine_for(spec, warps=warps, pdl=True)
+        except Exception as exc:  # e.g. a GPU before sm_90
+            print(f"{warps} warps with PDL: no engine ({first_line(exc)})")
     engine = engines[4]
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: {engine.num_sms} SMs, cc {engine.capability}, read ceiling "
@@ -93,7 +104,7 @@ def main() -> int:
     baselines = load_baselines(spec)
     rows, table = [], []
     for label, _, med, ok, floor in timed_cases(engine, spec, args,
-                                                lambda batch: variants_for(engines, batch, baselines),
+                                                lambda batch: variants_for(engines, batch, baselines, pdl_engines),
                                                 ceiling, rows, "bench_warps", t_start):
         best = {"base": fastest(ok, lambda n: n in BASELINES),
                 "w4": fastest(ok, lambda n: n not in BASELINES and not is_w8(n)), "w8": fastest(ok, is_w8)}

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated cluster sizes of the cluster route to launch (default 2,16)")
     parser.add_argument("--warps", default="4",
                         help="comma-separated CTA widths, 4 and/or 8 (8 runs only where head_dim <= 128; default 4)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="also launch the queue routes with programmatic dependent launch (sm_90), twice each "
+                             "(the second call reads its items before griddepcontrol.wait)")
     args = parser.parse_args(argv)
     sizes = [int(c) for c in args.cluster_sizes.split(",") if c.strip()]
     widths = [int(w) for w in args.warps.split(",") if w.strip()]
@@ -65,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} w{warps} {route}"
                   f"{options.get('cluster_size', '')}{'-closed' if 'chunk_rule' in options else ''}: "
                   f"rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        if args.pdl:
+            pdl = engine_for(spec, warps=warps, pdl=True)
+            for route in ("workqueue", "buckets"):
+                plan = pdl.plan(batch, route, **({"num_splits": 4} if route == "buckets" else {}))
+                outs = [torch.full_like(q, float("nan")) for _ in range(2)]
+                for out in outs:  # the first call waits before reading its items, the second does not
+                    pdl.run(q, (k, v), plan, out)
+                torch.cuda.synchronize()
+                err = max(rel_err(out, ref) for out in outs)
+                ok = err <= TOLERANCE[spec.dtype]
+                failures += not ok
+                print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} w{warps} {route}-pdl: "
+                      f"rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     return 1 if failures else 0
 
 

@@ -180,6 +180,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for it).
+// grid_wait: block until the grids this one depends on have completed and their memory is
+// visible. grid_launch_dependents: let the next grid's CTAs be scheduled (they run up to their
+// own grid_wait). Each CTA signals only after its own wait, so when a dependent CTA runs, every
+// CTA of this grid has passed its wait: every grid before this one has completed.
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
+
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
 
@@ -199,6 +218,7 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
+  int early;             // 1: items and page ids may be read before the preceding grid completes (PDL)
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -375,6 +395,41 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     }
   };
 
+  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+
+  float o[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+  // Prologue: page ids for the first STAGES tiles (independent loads, issued together). Under
+  // programmatic dependent launch with p.early set, they (and the item) are read before
+  // grid_wait, while the preceding kernel still runs, and the K/V rows of the first STAGES - 1
+  // tiles are prefetched into L2 (a prefetch cannot change a value that is read later: the
+  // loads after grid_wait see the cache as the preceding kernel left it). Then Q, and the K/V
+  // loads of the first STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next.
+  int pg_next[LOADS];
+  int pg[STAGES - 1][LOADS];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
+  fetch_pages(STAGES - 1, pg_next);
+  if (p.early && (lc & 7) == 0) {  // one prefetch per 128-byte line of each token row
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+#pragma unroll
+      for (int i = 0; i < LOADS; ++i) {
+        const int tok = lo + s * TILE + lr + ROWS_PER_PASS * i;
+        if (tok < hi) {
+          const long long off = (long long)pg[s][i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8;
+          prefetch_l2(kbase + off);
+          prefetch_l2(vbase + off);
+        }
+      }
+    }
+  }
+  grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
+  grid_launch_dependents();
+
   // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G).
   unsigned qf[Q_SMEM ? 1 : D / 16][4];
   if constexpr (Q_SMEM) {
@@ -396,28 +451,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       qf[kk][3] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + 8 + c)) : 0u;
     }
   }
-  // Q's loads above need only (row, head): first use of the token range comes after them, so
-  // when the range itself was just loaded (cluster route) both round trips overlap.
-  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
-
-  float o[NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-
-  // Prologue: page ids for the first STAGES tiles (independent loads, issued together), then
-  // the K/V loads of the first STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next.
-  int pg_next[LOADS];
-  {
-    int pg[STAGES - 1][LOADS];
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
-    fetch_pages(STAGES - 1, pg_next);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) issue(s, pg[s]);
-      cp_async_commit();
-    }
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) issue(s, pg[s]);
+    cp_async_commit();
   }
 
   for (int t = 0; t < ntiles; ++t) {
@@ -619,15 +656,16 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
       const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
-      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2, int early
 
 #define PKV_FILL_PARAMS                                                                             \
   Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,   \
-           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2}
+           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early}
 
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
   pkv::decode_item<pkv::PARTIAL>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
@@ -636,6 +674,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_fused(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
   pkv::decode_item<pkv::FUSED>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
@@ -659,8 +698,9 @@ template <int C>
 __device__ __forceinline__ void decode_cluster(PKV_CLUSTER_ARGS) {
   static_assert(C >= 1 && C <= MAX_CLUSTER && (C & (C - 1)) == 0, "cluster size must be 1, 2, 4, 8 or 16");
   Params p{q, k, v, out, kv_indices, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
-           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};
+           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, 0};
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  grid_wait();  // a no-op unless launched with PDL (the engine does not): the lengths come first
   const int group = blockIdx.x / C, rank = blockIdx.x - group * C;
   Item it;
   it.row = group / num_kv_heads;

@@ -242,3 +242,44 @@ def test_backend_route_option():
 
     with pytest.raises(PKVError, match="route must be one of workqueue, cluster, auto"):
         PKVWorkqueue(route="fast")
+
+
+# --------------------------------------------------------------------------- PDL's early reads, without a GPU
+def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
+    """DecodeEngine.run sets the decode kernels' `early` argument: 0 on the first decode launch
+    after plan / replan_device (the plan kernel or upload may be the preceding operation), 1 after
+    that; launches without PDL never set it."""
+    from types import SimpleNamespace
+
+    from persistentkv.engine import _I32, _PTR, DECODE_EARLY, DevicePlan, _ArgBlock, _Launch
+
+    engine = cpu_engine()
+    engine.device = SimpleNamespace(index=0)
+    engine._raw_stream = lambda index: 0
+    seen = []
+    engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append((function, None)))
+
+    def decode(function, pdl=True):
+        args = _ArgBlock([(_PTR, 0)] * DECODE_EARLY + [(_I32, 7)])
+        launch = _Launch("decode", 4, args, function)
+        if pdl:
+            launch.pdl = lambda stream, l=launch: seen.append((l.function, l.args.slots[DECODE_EARLY].value))
+        return launch
+
+    merge = _Launch("merge", 2, _ArgBlock([(_PTR, 0)] * 7), 9)
+    fake = SimpleNamespace(data_ptr=lambda: 0, stride=lambda: (0, 0, 0, 0))
+    plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _ArgBlock([(_PTR, 0)]), 5), decode(1), merge,
+                                                   decode(2)])
+    engine.run(fake, (fake, fake), plan, fake, check=False)
+    assert seen == [(1, 0), (9, None), (2, 1)]
+    seen.clear()
+    engine.run(fake, (fake, fake), plan, fake, check=False)
+    assert seen == [(1, 1), (9, None), (2, 1)]
+    seen.clear()
+    engine.replan_device(plan)  # the plan kernel precedes the next decode launch again
+    engine.run(fake, (fake, fake), plan, fake, check=False)
+    assert seen == [(5, None), (1, 0), (9, None), (2, 1)]
+    plain = DevicePlan("workqueue_host", engine.spec, 1, [decode(3, pdl=False)])
+    seen.clear()
+    engine.run(fake, (fake, fake), plain, fake, check=False)
+    assert seen == [(3, None)] and plain.launches[0].args.slots[DECODE_EARLY].value == 7

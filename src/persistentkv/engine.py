@@ -29,6 +29,14 @@ on the host planner). Anything else is refused in ``DecodeEngine.__init__`` or `
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
 SM), so that a grid of one CTA per SM (the cluster route) keeps as many bytes in flight as two
 4-warp CTAs. head_dim <= 128 only; every route runs with either.
+
+``pdl`` (sm_90+) launches the decode kernels with programmatic dependent launch: a kernel's CTAs
+start while the preceding kernel on the stream finishes, read their work item and page ids and
+prefetch their first K/V tiles into L2, then wait (``griddepcontrol.wait``) for the preceding
+kernel's completion before they read Q, the cache or the partial-state buffers. The item and
+page ids are read early only when the plan's items were written before the preceding kernel:
+the first ``run`` after ``plan`` or ``replan_device`` waits first (``DevicePlan.early_ok``).
+The cluster route and the separate merge always launch without it.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ WARPS8_MAX_HEAD_DIM = 128
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
 ROUTES = ("workqueue", "workqueue_host", "buckets", "split", "cluster")
+# cuda.h: CUlaunchAttributeID of programmatic dependent launch (cuLaunchKernelEx).
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+#: Compute capability (major) with programmatic dependent launch (griddepcontrol).
+PDL_MIN_MAJOR = 9
 # cuda.h CUfunction_attribute values set on the cluster kernels.
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
@@ -149,6 +161,43 @@ class _ArgBlock:
 _PTR, _I32, _I64, _F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+class _PDLLaunch:
+    """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
+    a call rewrites only the stream."""
+
+    __slots__ = ("attr", "config", "function", "params")
+    _launch_ex = None
+
+    def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
+        if _PDLLaunch._launch_ex is None:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _PDLLaunch._launch_ex = fn
+        self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.config = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
+        self.function = ctypes.c_void_p(function)
+        self.params = ctypes.c_void_p(params)
+
+    def __call__(self, stream: int) -> None:
+        self.config.hStream = stream
+        status = _PDLLaunch._launch_ex(ctypes.byref(self.config), self.function, self.params, None)
+        if status != 0:
+            raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch) returned CUresult {status}")
+
+
 @dataclass
 class _Module:
     functions: dict
@@ -234,6 +283,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
 # Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
 DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
 DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
+DECODE_EARLY = 21    # early: read the item and page ids before griddepcontrol.wait
 # pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): q, k, v, out in the same slots; strides from slot 10.
 CLUSTER_STRIDES = 10
 
@@ -247,6 +297,7 @@ class _Launch:
     threads: int = 0
     smem: int = 0
     strides: int = DECODE_STRIDES  # first stride slot of a decode-like launch
+    pdl: Any = None    # a _PDLLaunch when this launch uses programmatic dependent launch
 # Parameter slots of pkv_merge: (groups, part_o, part_lse, out, group_size, o_sb, o_sh).
 MERGE_OUT, MERGE_STRIDES = 3, 5
 
@@ -278,6 +329,10 @@ class DevicePlan:
     host_plan: planner.Plan | None = None
     #: recomputes the host plan this device plan is equal to (for counters; never on the hot path)
     _host_equivalent: Any = None
+    #: the items were written before the kernel that precedes the next decode launch, so a PDL
+    #: launch may read them before griddepcontrol.wait (False after plan and replan_device until
+    #: a decode launch has followed)
+    early_ok: bool = False
 
     @property
     def num_launches(self) -> int:
@@ -296,10 +351,11 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool = False):
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
+        require(isinstance(pdl, bool), f"pdl must be True or False, got {pdl!r}")
         import torch
 
         self.spec = spec
@@ -310,6 +366,10 @@ class DecodeEngine:
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
+        require(not pdl or props.major >= PDL_MIN_MAJOR,
+                f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
+                f"{props.major}.{props.minor}")
+        self.pdl = pdl
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -378,9 +438,10 @@ class DecodeEngine:
                           (_I32, slot_offset), (_I32, spec.num_kv_heads), (_I32, spec.group_size),
                           (_I32, int(math.log2(spec.page_size))),
                           (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0),
-                          (_F32, float(self.scale_log2))])
-        name = "pkv_decode_fused" if kind == "fused" else "pkv_decode"
-        return _Launch(kind, grid, args, mod.functions[name].ptr, mod.threads, mod.smem_bytes)
+                          (_F32, float(self.scale_log2)), (_I32, 0)])
+        function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
+        pdl = _PDLLaunch(function, grid, mod.threads, mod.smem_bytes, args.address) if self.pdl else None
+        return _Launch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
 
     def _upload(self, batch: Batch, host: planner.Plan, route: str) -> DevicePlan:
         items8 = np.zeros((max(host.num_items, 1), 8), dtype=np.int32)
@@ -478,8 +539,12 @@ class DecodeEngine:
                 "only GPU-planned (workqueue) and cluster plans follow lengths changed on the device")
         if plan.route == "workqueue":
             self._launch(plan.launches[0], self._stream())
+            plan.early_ok = False
 
     def _launch(self, launch: _Launch, stream: int) -> None:
+        if launch.pdl is not None:
+            launch.pdl(stream)
+            return
         self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
                                   stream, launch.args.address, 0)
 
@@ -544,6 +609,11 @@ class DecodeEngine:
                 slots[first + 3].value = qs[1]
                 slots[first + 4].value = os_[0]
                 slots[first + 5].value = os_[1]
+                if launch.pdl is not None:
+                    slots[DECODE_EARLY].value = int(plan.early_ok)
+                    self._launch(launch, stream)
+                    plan.early_ok = True
+                    continue
             self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:

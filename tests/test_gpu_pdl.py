@@ -1,0 +1,120 @@
+"""Programmatic dependent launch (DecodeEngine(pdl=True)) on the GPU.
+
+The hazard PDL adds: a kernel starts before the preceding kernel has finished. Ours reads only
+its work item and page ids before ``griddepcontrol.wait``; Q, the cache, the partial states and
+the merge counters come after it. These tests chain layers so that each layer's Q IS the
+preceding kernel's output and every layer reuses the same partial-state and counter buffers:
+a read or write moved before the wait would see the previous layer's data. The outputs must be
+bit-identical to the same chain launched without PDL (same kernels, same arithmetic), eagerly
+and under CUDA-graph replay, and the first layer must match float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from persistentkv.spec import AttentionSpec
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
+
+
+def _engines(spec, warps=4):
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    return engine_for(spec, warps=warps), engine_for(spec, warps=warps, pdl=True)
+
+
+def _chain(engine, plan, q0, k, v, layers: int, graph: bool):
+    """layers calls, layer l's q = layer l-1's output (scaled into a sane range by the kernel's
+    own softmax: outputs are convex combinations of V rows)."""
+    import torch
+
+    outs = [torch.full_like(q0, float("nan")) for _ in range(layers)]
+
+    def step():
+        engine.run(q0, (k, v), plan, outs[0])
+        for layer in range(1, layers):
+            engine.run(outs[layer - 1], (k, v), plan, outs[layer])
+
+    if not graph:
+        step()
+        torch.cuda.synchronize()
+        return outs
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for o in outs:
+        o.fill_(float("nan"))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("graph", [False, True])
+def test_chained_layers_match_the_plain_launch_bit_for_bit(route, graph):
+    import torch
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    plain, pdl = _engines(spec)
+    batch, q, k, v = device_case(spec, [9000, 1, 300, 4100, 64, 20000], hole_fraction=0.3, seed=17)
+    layers = 12
+    ref = _chain(plain, plain.plan(batch, route), q, k, v, layers, graph)
+    got = _chain(pdl, pdl.plan(batch, route), q, k, v, layers, graph)
+    assert rel_err(got[0], reference_torch64(batch, q, k, v)) <= TOLERANCE["float16"]
+    for layer in range(layers):
+        assert not torch.isnan(got[layer]).any(), f"layer {layer}: unwritten output"
+        assert torch.equal(got[layer], ref[layer]), f"{route} layer {layer}: differs from the launch without PDL"
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_whole_step_with_replan_in_one_graph(warps):
+    """GPU plan + chained layers captured together: the first layer after the replan reads its
+    items only after the wait (early_ok is False there), the later ones before it."""
+    import torch
+
+    spec = AttentionSpec(32, 8, 128, 16, "bfloat16")
+    plain, pdl = _engines(spec, warps)
+    batch, q, k, v = device_case(spec, [70000, 3, 5000, 129], hole_fraction=0.2, seed=warps)
+    results = []
+    for engine in (plain, pdl):
+        plan = engine.plan(batch, "workqueue")
+        outs = [torch.empty_like(q) for _ in range(8)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+
+        def step():
+            engine.replan_device(plan)
+            engine.run(q, (k, v), plan, outs[0])
+            for layer in range(1, len(outs)):
+                engine.run(outs[layer - 1], (k, v), plan, outs[layer])
+
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        results.append(outs)
+    assert rel_err(results[1][0], reference_torch64(batch, q, k, v)) <= TOLERANCE["bfloat16"]
+    for layer, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"warps={warps} layer {layer}"
