@@ -14,6 +14,7 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
                 instead of the smallest chunk that fits the wave
   wq-pdl, wq8-pdl   the queues launched with programmatic dependent launch (DecodeEngine(pdl=True)):
                 consecutive calls of the graph overlap one call's start with the last one's end
+  wq-pdl-np, wq8-pdl-np   the same without the L2 prefetch of the first K/V tiles (pdl_prefetch=False)
   cl8, cl16     the cluster route at 4 warps, C = 8 and 16
   cl8w8, cl16w8 the cluster route at 8 warps
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
@@ -41,8 +42,8 @@ CLUSTER_SIZES = (8, 16)
 
 def variants_for(engines: dict, batch, baselines: dict, pdl_engines: dict | None = None) -> dict:
     """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine) and
-    ``pdl_engines`` (warps -> DecodeEngine(pdl=True)); a variant that cannot be planned is
-    reported and left out."""
+    ``pdl_engines`` ((warps, prefetch) -> DecodeEngine(pdl=True, pdl_prefetch=prefetch)); a
+    variant that cannot be planned is reported and left out."""
     runs = {}
 
     def add(name, make_plan, run):
@@ -58,8 +59,9 @@ def variants_for(engines: dict, batch, baselines: dict, pdl_engines: dict | None
         name = "wq" if warps == 4 else f"wq{warps}"
         add(name, lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
         add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
-    for warps, engine in (pdl_engines or {}).items():
-        add(("wq" if warps == 4 else f"wq{warps}") + "-pdl", lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+    for (warps, prefetch), engine in (pdl_engines or {}).items():
+        add(("wq" if warps == 4 else f"wq{warps}") + ("-pdl" if prefetch else "-pdl-np"),
+            lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
@@ -88,9 +90,9 @@ def main() -> int:
         except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below 192 KB
             print(f"{warps} warps: no engine ({first_line(exc)})")
     pdl_engines = {}
-    for warps in engines:
+    for warps, prefetch in ((w, p) for w in engines for p in (True, False)):
         try:
-            pdl_engines[warps] = engine_for(spec, warps=warps, pdl=True)
+            pdl_engines[warps, prefetch] = engine_for(spec, warps=warps, pdl=True, pdl_prefetch=prefetch)
         except Exception as exc:  # e.g. a GPU before sm_90
             print(f"{warps} warps with PDL: no engine ({first_line(exc)})")
     engine = engines[4]

@@ -218,7 +218,8 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
-  int early;             // 1: items and page ids may be read before the preceding grid completes (PDL)
+  int early;             // PDL: bit 0, read the item and page ids before the preceding grid completes;
+                         // bit 1, also prefetch the first K/V tiles into L2 before it completes
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -404,16 +405,16 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
   // Prologue: page ids for the first STAGES tiles (independent loads, issued together). Under
   // programmatic dependent launch with p.early set, they (and the item) are read before
-  // grid_wait, while the preceding kernel still runs, and the K/V rows of the first STAGES - 1
-  // tiles are prefetched into L2 (a prefetch cannot change a value that is read later: the
-  // loads after grid_wait see the cache as the preceding kernel left it). Then Q, and the K/V
+  // grid_wait, while the preceding kernel still runs, and (bit 1) the K/V rows of the first
+  // STAGES - 1 tiles are prefetched into L2 (a prefetch cannot change a value that is read
+  // later: the loads after grid_wait see the cache as the preceding kernel left it). Then Q, and the K/V
   // loads of the first STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next.
   int pg_next[LOADS];
   int pg[STAGES - 1][LOADS];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
   fetch_pages(STAGES - 1, pg_next);
-  if (p.early && (lc & 7) == 0) {  // one prefetch per 128-byte line of each token row
+  if ((p.early & 2) && (lc & 7) == 0) {  // one prefetch per 128-byte line of each token row
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
 #pragma unroll

@@ -32,7 +32,7 @@ SM), so that a grid of one CTA per SM (the cluster route) keeps as many bytes in
 
 ``pdl`` (sm_90+) launches the decode kernels with programmatic dependent launch: a kernel's CTAs
 start while the preceding kernel on the stream finishes, read their work item and page ids and
-prefetch their first K/V tiles into L2, then wait (``griddepcontrol.wait``) for the preceding
+(``pdl_prefetch``) prefetch their first K/V tiles into L2, then wait (``griddepcontrol.wait``) for the preceding
 kernel's completion before they read Q, the cache or the partial-state buffers. The item and
 page ids are read early only when the plan's items were written before the preceding kernel:
 the first ``run`` after ``plan`` or ``replan_device`` waits first (``DevicePlan.early_ok``).
@@ -283,7 +283,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
 # Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
 DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
 DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
-DECODE_EARLY = 21    # early: read the item and page ids before griddepcontrol.wait
+DECODE_EARLY = 21    # early: bit 0 read the item and page ids, bit 1 prefetch K/V, before griddepcontrol.wait
 # pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): q, k, v, out in the same slots; strides from slot 10.
 CLUSTER_STRIDES = 10
 
@@ -351,11 +351,13 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool = False):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool = False,
+                 pdl_prefetch: bool = True):
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
         require(isinstance(pdl, bool), f"pdl must be True or False, got {pdl!r}")
+        require(isinstance(pdl_prefetch, bool), f"pdl_prefetch must be True or False, got {pdl_prefetch!r}")
         import torch
 
         self.spec = spec
@@ -370,6 +372,9 @@ class DecodeEngine:
                 f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
                 f"{props.major}.{props.minor}")
         self.pdl = pdl
+        #: the kernels' `early` argument once a plan's items are safe to read early (bit 0) and,
+        #: with pdl_prefetch, the first K/V tiles are prefetched into L2 before the wait (bit 1)
+        self.early_flags = 1 | (2 if pdl_prefetch else 0)
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -610,7 +615,7 @@ class DecodeEngine:
                 slots[first + 4].value = os_[0]
                 slots[first + 5].value = os_[1]
                 if launch.pdl is not None:
-                    slots[DECODE_EARLY].value = int(plan.early_ok)
+                    slots[DECODE_EARLY].value = self.early_flags if plan.early_ok else 0
                     self._launch(launch, stream)
                     plan.early_ok = True
                     continue
