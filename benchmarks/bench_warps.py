@@ -10,11 +10,11 @@ page 16; every variant checked against float64, then CUDA graphs of --calls call
 cache copies (cold L2), all variants of a case interleaved, median of --repeats replays. Variants:
   wq            the GPU-planned queue, 4 warps (default target_items: occupancy x SMs)
   wq8           the same queue on the 8-warp module (its own default target_items and min chunk)
-  wq-closed, wq8-closed   the same queues with the v2-v6 closed-form chunk (chunk_rule="closed")
-                instead of the smallest chunk that fits the wave
-  wq-pdl, wq8-pdl   the queues launched with programmatic dependent launch (DecodeEngine(pdl=True)):
-                consecutive calls of the graph overlap one call's start with the last one's end
-  wq-pdl-np, wq8-pdl-np   the same without the L2 prefetch of the first K/V tiles (pdl_prefetch=False)
+  wq-closed     the 4-warp queue with the v2-v6 closed-form chunk (chunk_rule="closed") instead of
+                the smallest chunk that fits the wave
+  wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
+                the others use it where the device has it (sm_90), so consecutive calls of a graph
+                overlap one call's start with the last one's end
   cl8, cl16     the cluster route at 4 warps, C = 8 and 16
   cl8w8, cl16w8 the cluster route at 8 warps
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
@@ -40,10 +40,10 @@ from persistentkv.spec import AttentionSpec  # noqa: E402
 CLUSTER_SIZES = (8, 16)
 
 
-def variants_for(engines: dict, batch, baselines: dict, pdl_engines: dict | None = None) -> dict:
-    """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine) and
-    ``pdl_engines`` ((warps, prefetch) -> DecodeEngine(pdl=True, pdl_prefetch=prefetch)); a
-    variant that cannot be planned is reported and left out."""
+def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | None = None) -> dict:
+    """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine, PDL where the
+    device has it) and ``plain_engines`` (warps -> DecodeEngine(pdl=False)); a variant that cannot
+    be planned is reported and left out."""
     runs = {}
 
     def add(name, make_plan, run):
@@ -58,10 +58,11 @@ def variants_for(engines: dict, batch, baselines: dict, pdl_engines: dict | None
     for warps, engine in engines.items():
         name = "wq" if warps == 4 else f"wq{warps}"
         add(name, lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
-        add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
-    for (warps, prefetch), engine in (pdl_engines or {}).items():
-        add(("wq" if warps == 4 else f"wq{warps}") + ("-pdl" if prefetch else "-pdl-np"),
-            lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+        if warps == 4:
+            add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
+    for warps, engine in (plain_engines or {}).items():
+        add(("wq" if warps == 4 else f"wq{warps}") + "-nopdl", lambda e=engine: e.plan(batch, "workqueue"),
+            ours(engine))
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
@@ -89,12 +90,7 @@ def main() -> int:
             engines[warps] = engine_for(spec) if warps == 4 else engine_for(spec, warps=warps)
         except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below 192 KB
             print(f"{warps} warps: no engine ({first_line(exc)})")
-    pdl_engines = {}
-    for warps, prefetch in ((w, p) for w in engines for p in (True, False)):
-        try:
-            pdl_engines[warps, prefetch] = engine_for(spec, warps=warps, pdl=True, pdl_prefetch=prefetch)
-        except Exception as exc:  # e.g. a GPU before sm_90
-            print(f"{warps} warps with PDL: no engine ({first_line(exc)})")
+    plain_engines = {warps: engine_for(spec, warps=warps, pdl=False) for warps in engines}
     engine = engines[4]
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: {engine.num_sms} SMs, cc {engine.capability}, read ceiling "
@@ -106,7 +102,7 @@ def main() -> int:
     baselines = load_baselines(spec)
     rows, table = [], []
     for label, _, med, ok, floor in timed_cases(engine, spec, args,
-                                                lambda batch: variants_for(engines, batch, baselines, pdl_engines),
+                                                lambda batch: variants_for(engines, batch, baselines, plain_engines),
                                                 ceiling, rows, "bench_warps", t_start):
         best = {"base": fastest(ok, lambda n: n in BASELINES),
                 "w4": fastest(ok, lambda n: n not in BASELINES and not is_w8(n)), "w8": fastest(ok, is_w8)}

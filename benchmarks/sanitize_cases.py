@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     for (spec, lengths, _), warps in ((case, w) for case in CASES for w in widths):
         if warps == 8 and spec.head_dim > 128:
             continue
-        engine = engine_for(spec, warps=warps)
+        engine = engine_for(spec, warps=warps, pdl=False)  # PDL: --pdl
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
         for route, options in (("workqueue", {}), ("workqueue", {"chunk_rule": "closed"}), ("workqueue_host", {}),

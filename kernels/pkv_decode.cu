@@ -195,10 +195,6 @@ __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
-}
-
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
 
@@ -218,8 +214,7 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
-  int early;             // PDL: bit 0, read the item and page ids before the preceding grid completes;
-                         // bit 1, also prefetch the first K/V tiles into L2 before it completes
+  int early;             // 1: read the item and page ids before the preceding grid completes (PDL)
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -405,29 +400,14 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
   // Prologue: page ids for the first STAGES tiles (independent loads, issued together). Under
   // programmatic dependent launch with p.early set, they (and the item) are read before
-  // grid_wait, while the preceding kernel still runs, and (bit 1) the K/V rows of the first
-  // STAGES - 1 tiles are prefetched into L2 (a prefetch cannot change a value that is read
-  // later: the loads after grid_wait see the cache as the preceding kernel left it). Then Q, and the K/V
-  // loads of the first STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next.
+  // grid_wait, while the preceding kernel still runs. Then Q, and the K/V loads of the first
+  // STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next. (An L2 prefetch of those K/V tiles
+  // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.)
   int pg_next[LOADS];
   int pg[STAGES - 1][LOADS];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
   fetch_pages(STAGES - 1, pg_next);
-  if ((p.early & 2) && (lc & 7) == 0) {  // one prefetch per 128-byte line of each token row
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-#pragma unroll
-      for (int i = 0; i < LOADS; ++i) {
-        const int tok = lo + s * TILE + lr + ROWS_PER_PASS * i;
-        if (tok < hi) {
-          const long long off = (long long)pg[s][i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8;
-          prefetch_l2(kbase + off);
-          prefetch_l2(vbase + off);
-        }
-      }
-    }
-  }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
 

@@ -254,7 +254,6 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     from persistentkv.engine import _I32, _PTR, DECODE_EARLY, DevicePlan, _ArgBlock, _Launch
 
     engine = cpu_engine()
-    engine.early_flags = 3
     engine.device = SimpleNamespace(index=0)
     engine._raw_stream = lambda index: 0
     seen = []
@@ -272,14 +271,14 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _ArgBlock([(_PTR, 0)]), 5), decode(1), merge,
                                                    decode(2)])
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, 0), (9, None), (2, 3)]
+    assert seen == [(1, 0), (9, None), (2, 1)]
     seen.clear()
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, 3), (9, None), (2, 3)]
+    assert seen == [(1, 1), (9, None), (2, 1)]
     seen.clear()
     engine.replan_device(plan)  # the plan kernel precedes the next decode launch again
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(5, None), (1, 0), (9, None), (2, 3)]
+    assert seen == [(5, None), (1, 0), (9, None), (2, 1)]
     plain = DevicePlan("workqueue_host", engine.spec, 1, [decode(3, pdl=False)])
     seen.clear()
     engine.run(fake, (fake, fake), plain, fake, check=False)

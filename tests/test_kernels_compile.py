@@ -174,6 +174,48 @@ def test_pkv_workqueue_passes_warps_to_engine_for(monkeypatch):
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     for backend in (PKVWorkqueue(warps=8), PKVWorkqueue(route="cluster", warps=4), PKVWorkqueue(), PKVBuckets()):
         backend.engine(spec)
-    assert engines == [{"warps": 8}, {"warps": 4}, {}, {}]
+    assert engines == [{"warps": 8}, {}, {}, {}]  # 4 and "auto" share the default (4-warp) engine
     assert any("warps=8 needs head_dim <= 128" in r
                for r in PKVWorkqueue(warps=8).unavailable(AttentionSpec(32, 8, 256, 16, "float16")))
+
+
+def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
+    """warps="auto": balanced rows plan on the 8-warp engine with its own defaults, ragged rows on
+    the 4-warp engine with the backend's options; run() goes to the engine that planned; a device
+    without the 8-warp module falls back to 4 warps for good."""
+    from types import SimpleNamespace
+
+    from persistentkv import engine as engine_module
+    from persistentkv.backends.pkv import PKVWorkqueue
+    from persistentkv.cache import make_batch
+    from persistentkv.errors import PKVError
+
+    calls, refuse8 = [], []
+
+    def engine_for(spec, warps=4):
+        if warps == 8 and refuse8:
+            raise PKVError("no 192 KB of shared memory here")
+
+        def plan(batch, route, **options):
+            calls.append((warps, route, options))
+            return SimpleNamespace(warps=warps, spec=spec)
+
+        return SimpleNamespace(spec=spec, capability=(9, 0), num_sms=132, plan=plan,
+                               run=lambda q, cache, p, out: calls.append((warps, "run")))
+
+    monkeypatch.setattr(engine_module, "engine_for", engine_for)
+    spec = AttentionSpec()
+    backend = PKVWorkqueue(target_items=264, min_chunk_tiles=2)
+    balanced, ragged = make_batch(spec, [8192, 8000]), make_batch(spec, [8192, 1000])
+    for batch in (balanced, ragged):
+        backend.run(None, None, backend.plan(batch), None)
+    assert calls == [(8, "workqueue", {}), (8, "run"),
+                     (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2}), (4, "run")]
+    calls.clear()
+    refuse8.append(True)
+    fallback = PKVWorkqueue()
+    fallback.plan(balanced)
+    assert calls == [(4, "workqueue", {})] and "192 KB" in fallback._warps8_error
+    for bad in (6, True, "8"):
+        with pytest.raises(PKVError, match="warps must be one of auto, 4, 8"):
+            PKVWorkqueue(warps=bad)

@@ -387,3 +387,17 @@ def test_checker_catches_corrupted_plans():
     for plan in broken:
         with pytest.raises(AssertionError):
             check_plan(plan, batch)
+
+
+def test_choose_warps_worked_numbers():
+    from persistentkv.plan import WARPS8_MAX_SKEW, choose_warps
+
+    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8
+    assert choose_warps([8192] * 4, 128) == 8
+    assert choose_warps([8192, 4096], 128) == 4                      # skew 1.33
+    assert choose_warps([49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168], 128) == 4
+    assert choose_warps([8192], 256) == 4                            # no 8-warp module at D=256
+    assert choose_warps([150, 100], 128, max_skew=1.2) == 8 and choose_warps([151, 100], 128, max_skew=1.2) == 4
+    assert WARPS8_MAX_SKEW == 1.25
+    with pytest.raises(PKVError, match="at least one row"):
+        choose_warps([], 128)

@@ -31,12 +31,12 @@ SM), so that a grid of one CTA per SM (the cluster route) keeps as many bytes in
 4-warp CTAs. head_dim <= 128 only; every route runs with either.
 
 ``pdl`` (sm_90+) launches the decode kernels with programmatic dependent launch: a kernel's CTAs
-start while the preceding kernel on the stream finishes, read their work item and page ids and
-(``pdl_prefetch``) prefetch their first K/V tiles into L2, then wait (``griddepcontrol.wait``) for the preceding
+start while the preceding kernel on the stream finishes, read their work item and page ids, then wait (``griddepcontrol.wait``) for the preceding
 kernel's completion before they read Q, the cache or the partial-state buffers. The item and
 page ids are read early only when the plan's items were written before the preceding kernel:
 the first ``run`` after ``plan`` or ``replan_device`` waits first (``DevicePlan.early_ok``).
-The cluster route and the separate merge always launch without it.
+The cluster route and the separate merge always launch without it. Default (``pdl=None``): on
+where the device has it (sm_90+), as FlashInfer's and TensorRT-LLM's decode kernels do there.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
 # Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
 DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
 DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
-DECODE_EARLY = 21    # early: bit 0 read the item and page ids, bit 1 prefetch K/V, before griddepcontrol.wait
+DECODE_EARLY = 21    # early: read the item and page ids before griddepcontrol.wait
 # pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): q, k, v, out in the same slots; strides from slot 10.
 CLUSTER_STRIDES = 10
 
@@ -333,6 +333,8 @@ class DevicePlan:
     #: launch may read them before griddepcontrol.wait (False after plan and replan_device until
     #: a decode launch has followed)
     early_ok: bool = False
+    #: warps per CTA of the module that planned it (its launches run only on that module)
+    warps: int = DEFAULT_WARPS
 
     @property
     def num_launches(self) -> int:
@@ -351,13 +353,11 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool = False,
-                 pdl_prefetch: bool = True):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None):
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
-        require(isinstance(pdl, bool), f"pdl must be True or False, got {pdl!r}")
-        require(isinstance(pdl_prefetch, bool), f"pdl_prefetch must be True or False, got {pdl_prefetch!r}")
+        require(pdl is None or isinstance(pdl, bool), f"pdl must be None (auto), True or False, got {pdl!r}")
         import torch
 
         self.spec = spec
@@ -371,10 +371,7 @@ class DecodeEngine:
         require(not pdl or props.major >= PDL_MIN_MAJOR,
                 f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
                 f"{props.major}.{props.minor}")
-        self.pdl = pdl
-        #: the kernels' `early` argument once a plan's items are safe to read early (bit 0) and,
-        #: with pdl_prefetch, the first K/V tiles are prefetched into L2 before the wait (bit 1)
-        self.early_flags = 1 | (2 if pdl_prefetch else 0)
+        self.pdl = props.major >= PDL_MIN_MAJOR if pdl is None else pdl
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -465,7 +462,7 @@ class DecodeEngine:
                                         self.module.threads, 0))
             elif launch.size:
                 launches.append(self._decode_launch(launch.kind, launch.size, buffers, 0, launch.start))
-        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host)
+        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps)
 
     def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
         require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
@@ -486,7 +483,7 @@ class DecodeEngine:
                                (_PTR, buffers["num_items"].data_ptr())])
         launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
-        plan = DevicePlan("workqueue", spec, B, launches, buffers, None,
+        plan = DevicePlan("workqueue", spec, B, launches, buffers, None, warps=self.warps, _host_equivalent=
                           lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk,
                                                          chunk_rule=chunk_rule))
         self._launch(plan.launches[0], self._stream())
@@ -530,7 +527,8 @@ class DecodeEngine:
                           (_F32, float(self.scale_log2))])
         launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem,
                          CLUSTER_STRIDES)
-        return DevicePlan("cluster", spec, B, [launch], buffers, None, lambda: planner.plan_cluster(batch, C, self.module.tile))
+        return DevicePlan("cluster", spec, B, [launch], buffers, None,
+                          lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps)
 
     def occupancy(self, launch: _Launch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory (clusters aside)."""
@@ -615,7 +613,7 @@ class DecodeEngine:
                 slots[first + 4].value = os_[0]
                 slots[first + 5].value = os_[1]
                 if launch.pdl is not None:
-                    slots[DECODE_EARLY].value = self.early_flags if plan.early_ok else 0
+                    slots[DECODE_EARLY].value = int(plan.early_ok)
                     self._launch(launch, stream)
                     plan.early_ok = True
                     continue

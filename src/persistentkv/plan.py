@@ -493,6 +493,27 @@ def choose_route(seq_lens, num_kv_heads: int, num_sms: int, *, max_skew: float =
     return "cluster", C
 
 
+#: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages) for steps whose
+#: rows are within this skew (max N / mean N); else the 4-warp module (two CTAs per SM). From the
+#: H200 dev benches (results/nvidia-h200/kernel_dev/bench_warps_*.parquet, benchmarks/NOTES.md v6
+#: and v8): on equal rows 8 warps were as fast or faster everywhere measured (B=1 x 4K-64K 3-7 %,
+#: B=16 x 4K 3 %, B=64 x 8K equal), on ragged rows up to 1.4x slower (B8-ragged 250-300 us
+#: against 209; B8-bimodal 136 against 126): half the queue slots, and an SM whose only CTA drew
+#: a short item idles.
+WARPS8_MAX_SKEW = 1.25
+
+
+def choose_warps(seq_lens, head_dim: int, *, max_skew: float = WARPS8_MAX_SKEW) -> int:
+    """8 for a step of rows within ``max_skew`` of their mean at head_dim <= 128, else 4.
+    Worked numbers: B=1 -> 8 (any length); B=4 x 8K -> 8; lengths (8K, 4K) -> skew 1.33 -> 4;
+    head_dim 256 -> 4."""
+    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    require(seq.size >= 1, "choose_warps needs at least one row")
+    if head_dim > 128 or float(seq.max()) > max_skew * float(seq.mean()):
+        return 4
+    return 8
+
+
 def make_plan(batch: Batch, route: str, **options) -> Plan:
     """Dispatch by route name (``split``, ``buckets``, ``padded_buckets``, ``workqueue``, ``cluster``)."""
     if route == "split":

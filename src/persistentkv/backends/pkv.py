@@ -3,8 +3,11 @@
     pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused;
                     route="cluster" runs the cluster route instead, route="auto" picks per step
                     with plan.choose_route (cluster only for a balanced one-wave step of at most
-                    256 tokens per CTA, on sm_90+); warps=8 runs every route on the 8-warp module
-                    (128-token stages, head_dim <= 128)
+                    256 tokens per CTA, on sm_90+); warps="auto" (default) picks the module per
+                    step with plan.choose_warps (8 warps, 128-token stages, for balanced rows at
+                    head_dim <= 128; 4 otherwise), warps=4 or 8 fixes it. Explicit target_items and
+                    min_chunk_tiles apply to the 4-warp module; the 8-warp one keeps its own
+                    defaults (one wave of its resident CTAs, one 128-token stage).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -45,26 +48,62 @@ class _PKVBackend:
         self._engine.run(q, cache, plan, out)
 
 
+#: pkv-workqueue's warps choices: "auto" (per step, plan.choose_warps) or a fixed module.
+WARPS_CHOICES = ("auto", 4, 8)
+
+
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
     ROUTE_CHOICES = ("workqueue", "cluster", "auto")
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
                  min_chunk_tiles: int | None = None, route: str = "workqueue", cluster_size: int | None = None,
-                 cluster_smem_bytes: int | None = None, warps: int | None = None):
+                 cluster_smem_bytes: int | None = None, warps: int | str = "auto"):
         from ..errors import require
 
         require(route in self.ROUTE_CHOICES,
                 f"pkv-workqueue route must be one of {', '.join(self.ROUTE_CHOICES)}, got {route!r}")
+        require(warps in WARPS_CHOICES and not isinstance(warps, bool),
+                f"pkv-workqueue warps must be one of {', '.join(map(str, WARPS_CHOICES))}, got {warps!r}")
         super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
-        # unset: the default module, through the same engine_for cache entry as the other backends
-        self.engine_options = {} if warps is None else {"warps": warps}
+        # "auto" and 4: the default module, through the same engine_for cache entry as the other backends
+        self.warps = warps
+        self.engine_options = {"warps": 8} if warps == 8 else {}
+        self._engines = {}        # spec -> the 8-warp DecodeEngine (auto)
+        self._warps8_error = None  # why the 8-warp module is unavailable here (auto falls back to 4)
         self.route = route
         self.cluster_options = {k: v for k, v in (("cluster_size", cluster_size),
                                                   ("cluster_smem_bytes", cluster_smem_bytes)) if v is not None}
 
-    def plan(self, batch: Batch):
+    def _engine_for_step(self, batch: Batch):
+        """(engine, plan options) for this step: the fixed module, or plan.choose_warps's."""
         engine = self.engine(batch.spec)
+        if self.warps != "auto":
+            return engine, self.options
+        from ..plan import choose_warps
+
+        if self._warps8_error is not None or choose_warps(batch.seq_lens, batch.spec.head_dim) == 4:
+            return engine, self.options
+        w8 = self._engines.get(batch.spec)
+        if w8 is None:
+            from ..engine import engine_for
+            from ..errors import PKVError
+
+            try:
+                w8 = self._engines[batch.spec] = engine_for(batch.spec, warps=8)
+            except PKVError as exc:  # e.g. a device whose opt-in shared memory is below 192 KB
+                self._warps8_error = str(exc)
+                return engine, self.options
+        return w8, {}
+
+    def run(self, q, cache, plan, out) -> None:
+        if plan.warps == 8 and self.warps == "auto":
+            self._engines[plan.spec].run(q, cache, plan, out)
+        else:
+            self._engine.run(q, cache, plan, out)
+
+    def plan(self, batch: Batch):
+        engine, options = self._engine_for_step(batch)
         route = self.route
         if route == "auto":
             from ..plan import CLUSTER_MIN_MAJOR, choose_route
@@ -75,7 +114,7 @@ class PKVWorkqueue(_PKVBackend):
                 return engine.plan(batch, "cluster", **{"cluster_size": size, **self.cluster_options})
         if route == "cluster":
             return engine.plan(batch, "cluster", **self.cluster_options)
-        return engine.plan(batch, "workqueue", **self.options)
+        return engine.plan(batch, "workqueue", **options)
 
 
 class PKVWorkqueueHost(_PKVBackend):
