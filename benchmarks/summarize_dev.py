@@ -29,12 +29,14 @@ def main() -> int:
         med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
         floor = df.groupby("case", sort=False)["floor_us"].first()
         base = [c for c in ("flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa") if c in med]
-        ours = [c for c in med.columns if c in ("wq", "wq8") or c.startswith("cl")]
+        ours = [c for c in med.columns if c.startswith(("wq", "cl"))]
         table = med[ours].copy()
         table.insert(0, "floor", floor)
         table["best baseline"] = med[base].min(axis=1)
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2; clN = cluster route with C=N, "
-              f"-1cta = one CTA per SM, w8/wq8 = 8-warp CTAs; blank = variant not run for that case)")
+              f"-1cta = one CTA per SM, w8/wq8 = 8-warp CTAs, -closed = closed-form chunk, -pdl / -nopdl = with / without "
+              f"programmatic dependent launch, -np = no L2 prefetch (variant names per file: benchmarks/NOTES.md); "
+              f"blank = variant not run for that case)")
         print(table.round(1).to_string())
         print(f"max rel err vs float64 over all variants: {df['rel_err'].max():.1e}")
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
