@@ -25,10 +25,11 @@ def main() -> int:
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engine = engine_for(spec)
     batch, q, k, v = device_case(spec, [4096], hole_fraction=0.0)
     out = torch.empty_like(q)
-    for route in ("workqueue", "buckets"):
+    pdl_choices = (True, False) if torch.cuda.get_device_capability()[0] >= 9 else (False,)
+    for route, pdl in ((r, p) for r in ("workqueue", "buckets") for p in pdl_choices):
+        engine = engine_for(spec, pdl=pdl)  # PDL: cuLaunchKernelEx through ctypes; else CuPy's launchKernel
         plan = engine.plan(batch, route)
         for check in (True, False):
             samples = []
@@ -39,7 +40,7 @@ def main() -> int:
                     engine.run(q, (k, v), plan, out, check=check)
                 samples.append((time.perf_counter() - t0) / 200 * 1e6)
             torch.cuda.synchronize()
-            print(f"{route:10s} check={check!s:5s} host us per run(): median {statistics.median(samples):.2f} "
+            print(f"{route:10s} pdl={pdl!s:5s} check={check!s:5s} host us per run(): median {statistics.median(samples):.2f} "
                   f"min {min(samples):.2f}  launches {plan.num_launches}")
     return 0
 
