@@ -283,3 +283,31 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     seen.clear()
     engine.run(fake, (fake, fake), plain, fake, check=False)
     assert seen == [(3, None)] and plain.launches[0].args.slots[DECODE_EARLY].value == 7
+
+
+def test_pdl_launch_api_is_absent_without_a_driver(monkeypatch):
+    """Where libcuda or its cuLaunchKernelEx is missing, the helper says so (None) instead of
+    raising from ctypes, so DecodeEngine's automatic PDL stays off there."""
+    import ctypes
+
+    from persistentkv import engine as engine_module
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert engine_module._launch_kernel_ex() is None
+
+    class OldDriver:  # a libcuda without the symbol
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: OldDriver())
+    assert engine_module._launch_kernel_ex() is None
+    launched = []
+
+    class NewDriver:
+        cuLaunchKernelEx = staticmethod(lambda *args: launched.append(args) or 0)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: NewDriver())
+    assert engine_module._launch_kernel_ex() is not None

@@ -172,6 +172,17 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+def _launch_kernel_ex():
+    """libcuda's cuLaunchKernelEx with its argument types, or None where the driver lacks it."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class _PDLLaunch:
     """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
     a call rewrites only the stream."""
@@ -181,9 +192,8 @@ class _PDLLaunch:
 
     def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
         if _PDLLaunch._launch_ex is None:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
+            fn = _launch_kernel_ex()
+            require(fn is not None, "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)")
             _PDLLaunch._launch_ex = fn
         self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
@@ -371,7 +381,10 @@ class DecodeEngine:
         require(not pdl or props.major >= PDL_MIN_MAJOR,
                 f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
                 f"{props.major}.{props.minor}")
-        self.pdl = props.major >= PDL_MIN_MAJOR if pdl is None else pdl
+        has_api = _launch_kernel_ex() is not None if pdl is not False else False
+        require(not pdl or has_api, "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)")
+        #: auto (None): on where both the device (sm_90+) and the driver (cuLaunchKernelEx) have it
+        self.pdl = (props.major >= PDL_MIN_MAJOR and has_api) if pdl is None else pdl
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
