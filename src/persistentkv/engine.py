@@ -31,12 +31,14 @@ SM), so that a grid of one CTA per SM (the cluster route) keeps as many bytes in
 4-warp CTAs. head_dim <= 128 only; every route runs with either.
 
 ``pdl`` (sm_90+) launches the decode kernels with programmatic dependent launch: a kernel's CTAs
-start while the preceding kernel on the stream finishes, read their work item and page ids, then wait (``griddepcontrol.wait``) for the preceding
-kernel's completion before they read Q, the cache or the partial-state buffers. The item and
+start while the preceding kernel on the stream finishes, read their work item and page ids,
+then wait (``griddepcontrol.wait``) for the preceding kernel's completion before they read Q, the
+cache or the partial-state buffers. The item and
 page ids are read early only when the plan's items were written before the preceding kernel:
 the first ``run`` after ``plan`` or ``replan_device`` waits first (``DevicePlan.early_ok``).
 The cluster route and the separate merge always launch without it. Default (``pdl=None``): on
-where the device has it (sm_90+), as FlashInfer's and TensorRT-LLM's decode kernels do there.
+where the device (sm_90+) and the driver (cuLaunchKernelEx) have it, as FlashInfer's and
+TensorRT-LLM's decode kernels are launched there.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+NO_LAUNCH_EX = "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)"
+
+
 def _launch_kernel_ex():
     """libcuda's cuLaunchKernelEx with its argument types, or None where the driver lacks it."""
     try:
@@ -193,7 +198,7 @@ class _PDLLaunch:
     def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
         if _PDLLaunch._launch_ex is None:
             fn = _launch_kernel_ex()
-            require(fn is not None, "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)")
+            require(fn is not None, NO_LAUNCH_EX)
             _PDLLaunch._launch_ex = fn
         self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
@@ -382,7 +387,7 @@ class DecodeEngine:
                 f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
                 f"{props.major}.{props.minor}")
         has_api = _launch_kernel_ex() is not None if pdl is not False else False
-        require(not pdl or has_api, "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)")
+        require(not pdl or has_api, NO_LAUNCH_EX)
         #: auto (None): on where both the device (sm_90+) and the driver (cuLaunchKernelEx) have it
         self.pdl = (props.major >= PDL_MIN_MAJOR and has_api) if pdl is None else pdl
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
@@ -492,8 +497,8 @@ class DecodeEngine:
                        num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
         plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
                                (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, min_chunk),
-                               (_I32, planner.CHUNK_RULES.index(chunk_rule)), (_I32, max_items), (_PTR, buffers["items"].data_ptr()),
-                               (_PTR, buffers["num_items"].data_ptr())])
+                               (_I32, planner.CHUNK_RULES.index(chunk_rule)), (_I32, max_items),
+                               (_PTR, buffers["items"].data_ptr()), (_PTR, buffers["num_items"].data_ptr())])
         launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
         plan = DevicePlan("workqueue", spec, B, launches, buffers, None, warps=self.warps, _host_equivalent=
