@@ -31,14 +31,17 @@ def _engines(spec, warps=4):
     return engine_for(spec, warps=warps, pdl=False), engine_for(spec, warps=warps, pdl=True)
 
 
-def _chain(engine, plan, q0, k, v, layers: int, graph: bool):
+def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = False):
     """layers calls, layer l's q = layer l-1's output (scaled into a sane range by the kernel's
-    own softmax: outputs are convex combinations of V rows)."""
+    own softmax: outputs are convex combinations of V rows); ``replan``: the GPU planner runs
+    first, inside the step (and the graph)."""
     import torch
 
     outs = [torch.full_like(q0, float("nan")) for _ in range(layers)]
 
     def step():
+        if replan:
+            engine.replan_device(plan)
         engine.run(q0, (k, v), plan, outs[0])
         for layer in range(1, layers):
             engine.run(outs[layer - 1], (k, v), plan, outs[layer])
@@ -90,31 +93,8 @@ def test_whole_step_with_replan_in_one_graph(warps):
     spec = AttentionSpec(32, 8, 128, 16, "bfloat16")
     plain, pdl = _engines(spec, warps)
     batch, q, k, v = device_case(spec, [70000, 3, 5000, 129], hole_fraction=0.2, seed=warps)
-    results = []
-    for engine in (plain, pdl):
-        plan = engine.plan(batch, "workqueue")
-        outs = [torch.empty_like(q) for _ in range(8)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-
-        def step():
-            engine.replan_device(plan)
-            engine.run(q, (k, v), plan, outs[0])
-            for layer in range(1, len(outs)):
-                engine.run(outs[layer - 1], (k, v), plan, outs[layer])
-
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        results.append(outs)
+    results = [_chain(engine, engine.plan(batch, "workqueue"), q, k, v, 8, graph=True, replan=True)
+               for engine in (plain, pdl)]
     assert rel_err(results[1][0], reference_torch64(batch, q, k, v)) <= TOLERANCE["bfloat16"]
     for layer, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"warps={warps} layer {layer}"
