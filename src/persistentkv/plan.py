@@ -375,9 +375,9 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
         splits = np.minimum(S, num_tiles(batch.seq_lens)).astype(np.int32)
         params = {"num_splits": S}
     else:
-        chunk = balanced_chunk_tiles(num_tiles(batch.seq_lens), batch.spec.num_kv_heads, int(target_items),
-                                     min_chunk_tiles, chunk_rule)
-        splits = ((num_tiles(batch.seq_lens) + chunk - 1) // chunk).astype(np.int32)
+        tiles = num_tiles(batch.seq_lens)
+        chunk = balanced_chunk_tiles(tiles, batch.spec.num_kv_heads, int(target_items), min_chunk_tiles, chunk_rule)
+        splits = ((tiles + chunk - 1) // chunk).astype(np.int32)
         params = {"target_items": int(target_items), "min_chunk_tiles": min_chunk_tiles, "chunk_tiles": chunk}
         if chunk_rule != "min":
             params["chunk_rule"] = chunk_rule
