@@ -295,19 +295,49 @@ def test_pdl_launch_api_is_absent_without_a_driver(monkeypatch):
     def no_driver(name):
         raise OSError(f"{name}: cannot open shared object file")
 
+    lookup = engine_module._launch_kernel_ex.__wrapped__  # the lookup itself, without the per-process cache
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
-    assert engine_module._launch_kernel_ex() is None
+    assert lookup() is None
 
     class OldDriver:  # a libcuda without the symbol
         def __getattr__(self, name):
             raise AttributeError(name)
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: OldDriver())
-    assert engine_module._launch_kernel_ex() is None
+    assert lookup() is None
     launched = []
 
     class NewDriver:
         cuLaunchKernelEx = staticmethod(lambda *args: launched.append(args) or 0)
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: NewDriver())
-    assert engine_module._launch_kernel_ex() is not None
+    assert lookup() is not None
+
+
+def test_pdl_launch_fills_the_launch_config(monkeypatch):
+    """_PDLLaunch hands cuLaunchKernelEx one programmatic-serialization attribute, the grid, block,
+    shared memory, the call's stream and the parameter block; a nonzero CUresult and a driver
+    without the function are one-line errors."""
+    import ctypes
+
+    from persistentkv import engine as engine_module
+
+    calls = []
+
+    def launch_ex(config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(engine_module._LaunchConfig)).contents
+        attr = config.attrs[0]
+        calls.append((config.gridDimX, config.blockDimX, config.sharedMemBytes, config.hStream, config.numAttrs,
+                      attr.id, attr.value[0], function.value, params.value, extra))
+        return len(calls) - 1  # CUDA_SUCCESS on the first call, an error after
+
+    monkeypatch.setattr(engine_module, "_launch_kernel_ex", lambda: launch_ex)
+    launch = engine_module._PDLLaunch(0x1234, 264, 128, 98304, 0x5678)
+    launch(0xABC)
+    assert calls == [(264, 128, 98304, 0xABC, 1, engine_module.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                      1, 0x1234, 0x5678, None)]
+    with pytest.raises(PKVError, match="cuLaunchKernelEx .* returned CUresult 1"):
+        launch(0xABC)
+    monkeypatch.setattr(engine_module, "_launch_kernel_ex", lambda: None)
+    with pytest.raises(PKVError, match="pdl needs cuLaunchKernelEx"):
+        engine_module._PDLLaunch(0x1234, 264, 128, 98304, 0x5678)

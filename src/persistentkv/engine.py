@@ -177,8 +177,10 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
 NO_LAUNCH_EX = "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)"
 
 
+@lru_cache(maxsize=None)
 def _launch_kernel_ex():
-    """libcuda's cuLaunchKernelEx with its argument types, or None where the driver lacks it."""
+    """libcuda's cuLaunchKernelEx with its argument types, or None where the driver lacks it
+    (looked up once per process)."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     except (OSError, AttributeError):
@@ -192,14 +194,11 @@ class _PDLLaunch:
     """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
     a call rewrites only the stream."""
 
-    __slots__ = ("attr", "config", "function", "params")
-    _launch_ex = None
+    __slots__ = ("launch_ex", "attr", "config", "function", "params")
 
     def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
-        if _PDLLaunch._launch_ex is None:
-            fn = _launch_kernel_ex()
-            require(fn is not None, NO_LAUNCH_EX)
-            _PDLLaunch._launch_ex = fn
+        self.launch_ex = _launch_kernel_ex()
+        require(self.launch_ex is not None, NO_LAUNCH_EX)
         self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
         self.config = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
@@ -208,7 +207,7 @@ class _PDLLaunch:
 
     def __call__(self, stream: int) -> None:
         self.config.hStream = stream
-        status = _PDLLaunch._launch_ex(ctypes.byref(self.config), self.function, self.params, None)
+        status = self.launch_ex(ctypes.byref(self.config), self.function, self.params, None)
         if status != 0:
             raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch) returned CUresult {status}")
 
