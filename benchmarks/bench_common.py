@@ -16,6 +16,8 @@ from graph_timing import capture, rotated_copies, time_replays
 CASES = [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536), (1, 131072),
          (2, 16384), (4, 8192), (8, 4096), (4, 32768)]
 BASELINES = ("flashinfer-tc", "vllm-fa3", "trtllm-xqa")
+#: variants that time something other than attention (no float64 check, never "fastest")
+NOT_ATTENTION = ("read",)
 
 
 def first_line(exc: BaseException) -> str:
@@ -56,6 +58,42 @@ def read_ceiling_gbps() -> float:
     except Exception as exc:  # the bench still runs; the floor column says nan
         print(f"read ceiling: not measured ({first_line(exc)})")
         return math.nan
+
+
+class PlainRead:
+    """The read-ceiling kernel (kernels/ceiling.cu) over a contiguous buffer of ``nbytes``, one
+    buffer per cache copy it is called with (as cold in L2 as the copies): what a step of the same
+    bytes costs a kernel that only streams them, launch and ramp included, with no pages, no
+    math and no merge. Called as a variant's run(kv, plan, out); plan and out are unused."""
+
+    def __init__(self, nbytes: int):
+        from persistentkv import ceiling
+
+        self.kernel = ceiling._read_kernel()
+        self.nbytes = (nbytes + 15) // 16 * 16
+        self.buffers: dict = {}
+
+    def __call__(self, kv, plan, out) -> None:
+        import cupy
+        import numpy as np
+        import torch
+
+        key = kv[0].data_ptr()
+        if key not in self.buffers:
+            buf = torch.full((self.nbytes,), 0x5A, dtype=torch.uint8, device=kv[0].device)
+            sink = torch.zeros(1, dtype=torch.int32, device=kv[0].device)
+            self.buffers[key] = (buf, sink, cupy.from_dlpack(buf), cupy.from_dlpack(sink))
+        _, _, src, sink = self.buffers[key]
+        from persistentkv.ceiling import BLOCKS_PER_SM, THREADS
+
+        sms = torch.cuda.get_device_properties(kv[0].device).multi_processor_count
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.kernel((sms * BLOCKS_PER_SM,), (THREADS,), (src, np.uint64(self.nbytes // 16), sink))
+
+
+def add_plain_read(add, batch) -> None:
+    """Register PlainRead over the case's KV bytes as the variant ``read`` (NOT_ATTENTION)."""
+    add(NOT_ATTENTION[0], lambda: None, lambda q: PlainRead(batch.kv_bytes))
 
 
 def load_baselines(spec) -> dict:
@@ -108,10 +146,13 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
             out = torch.full_like(q, float("nan"))
             run(copies[0], plan, out)
             torch.cuda.synchronize()
-            err = rel_err(out, ref)
+            err = math.nan if name in NOT_ATTENTION else rel_err(out, ref)
             occ = engine.occupancy(plan.launches[-1]) if isinstance(plan, DevicePlan) else -1
             graphs[name] = capture(lambda kv, r=run, p=plan, o=out: r(kv, p, o), copies, args.calls)
             info[name] = (err, occ)
+            if name in NOT_ATTENTION:
+                print(f"  {name}: not attention, not checked")
+                continue
             print(f"  {name}: rel err {err:.1e}{'' if err <= TOLERANCE[spec.dtype] else '  WRONG'}"
                   + (f", {occ} CTA/SM" if occ >= 0 else ""))
         except Exception as exc:

@@ -18,6 +18,8 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
   cl8, cl16     the cluster route at 4 warps, C = 8 and 16
   cl8w8, cl16w8 the cluster route at 8 warps
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
+  read          not attention: the read-ceiling kernel over a contiguous buffer of the case's KV
+                bytes (bench_common.PlainRead), the time a kernel that only streams them takes
 Cluster variants run only where B * Hkv * C <= SMs (one CTA per SM, one wave: the case the
 8-warp CTA is for). The table gives the floor at the read ceiling measured in this run, each
 variant, the best baseline, the best 4-warp and 8-warp variants and the 8-warp speedup (best
@@ -33,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, add_baselines, bench_args, fastest, first_line, load_baselines,  # noqa: E402
-                          read_ceiling_gbps, timed_cases, write_rows)
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args, fastest,  # noqa: E402
+                          first_line, load_baselines, read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CLUSTER_SIZES = (8, 16)
@@ -69,6 +71,7 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
         for c in one_wave if engine.capability[0] >= 9 else ():
             add(f"cl{c}{suffix}", lambda e=engine, c=c: e.plan(batch, "cluster", cluster_size=c), ours(engine))
     add_baselines(add, batch, baselines)
+    add_plain_read(add, batch)
     return runs
 
 
@@ -104,6 +107,7 @@ def main() -> int:
     for label, _, med, ok, floor in timed_cases(engine, spec, args,
                                                 lambda batch: variants_for(engines, batch, baselines, plain_engines),
                                                 ceiling, rows, "bench_warps", t_start):
+        ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
         best = {"base": fastest(ok, lambda n: n in BASELINES),
                 "w4": fastest(ok, lambda n: n not in BASELINES and not is_w8(n)), "w8": fastest(ok, is_w8)}
         table.append((label, floor, med, best))

@@ -46,6 +46,11 @@
 #ifndef PKV_WARPS
 #define PKV_WARPS 4
 #endif
+// Development instrumentation (benchmarks/trace_cta.py), 0 in every module the engine ships: each
+// CTA of pkv_decode / pkv_decode_fused appends one record of timestamps to pkv_trace.
+#ifndef PKV_TRACE
+#define PKV_TRACE 0
+#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -197,6 +202,34 @@ __device__ __forceinline__ void grid_launch_dependents() {
 }
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
+
+// PKV_TRACE: thread 0 stamps %globaltimer (ns, one clock for the whole GPU) and clock64 (this SM's
+// cycles) at each phase of a CTA into shared memory (no registers held across the loop), and the
+// kernel appends the record to pkv_trace at its end. Phases: 0 entry, 1 after grid_wait, 2 first
+// stage landed, 3 loop done, 4 state written, 5 merge decided, 6 exit.
+#if PKV_TRACE
+constexpr int TRACE_STAMPS = 7;
+constexpr int TRACE_FIELDS = 16;  // 7 ns stamps, 7 cycle stamps, 2 words of meta
+constexpr int TRACE_RECORDS = 1 << 16;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long* trace_slots() {
+  __shared__ unsigned long long s_trace[TRACE_FIELDS];
+  return s_trace;
+}
+__device__ __forceinline__ void stamp(int phase) {
+  if (threadIdx.x == 0) {
+    unsigned long long* t = trace_slots();
+    t[phase] = global_ns();
+    t[TRACE_STAMPS + phase] = clock64();
+  }
+}
+#else
+__device__ __forceinline__ void stamp(int) {}
+#endif
 
 struct Params {
   const kv_t* q;         // [B, Hq, D] with strides q_sb, q_sh (elements)
@@ -410,6 +443,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   fetch_pages(STAGES - 1, pg_next);
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
+  stamp(1);
 
   // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G).
   unsigned qf[Q_SMEM ? 1 : D / 16][4];
@@ -441,6 +475,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
+    if (PKV_TRACE && t == 0) stamp(2);
     {
       const int nt = t + STAGES - 1;
       if (nt < ntiles) {
@@ -531,6 +566,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers become the combine buffers
+  stamp(3);
 
   // Combine the WARPS warps' (m, l, O) through shared memory.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -599,6 +635,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       if (d == 0) p.part_lse[(long long)slot * G + g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
     }
   }
+  stamp(4);
   if constexpr (MODE == CLUSTER) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_merge<C>(p, row, head, it.split, pub_o, pub_lse);
@@ -621,6 +658,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     *flag = last;
   }
   __syncthreads();
+  stamp(5);
+#if PKV_TRACE
+  if (tid == 0) trace_slots()[2 * TRACE_STAMPS + 1] = *flag;
+#endif
   if (!*flag) return;
   merge_group(p, row, head, slot - it.split, it.nsplit);
 }
@@ -632,6 +673,40 @@ using pkv::Params;
 // Launch facts the host reads from the module (never restated in Python): dynamic shared
 // memory per decode CTA, threads per CTA, tokens per pipeline stage, stages, planner tile.
 extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32};
+
+#if PKV_TRACE
+// Records of PKV_TRACE builds: TRACE_FIELDS words each, appended in the order CTAs finish.
+extern "C" {
+__device__ unsigned long long pkv_trace[pkv::TRACE_RECORDS * pkv::TRACE_FIELDS];
+__device__ unsigned int pkv_trace_count;
+}
+namespace pkv {
+// The end of a traced CTA: stamp the exit, then thread 0 appends the record (meta word 0: SM,
+// block, item slot; word 1: merged or not, set by the fused tail).
+__device__ __forceinline__ void trace_end(int slot, const Item& it) {
+  stamp(6);
+  if (threadIdx.x == 0) {
+    unsigned long long* t = trace_slots();
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+    t[2 * TRACE_STAMPS] = (unsigned long long)smid | ((unsigned long long)blockIdx.x << 16) |
+                          ((unsigned long long)(unsigned)slot << 40);
+    t[2 * TRACE_STAMPS + 1] |= (unsigned long long)(it.hi - it.lo) << 8;
+    const unsigned r = atomicAdd(&pkv_trace_count, 1u);
+    if (r < TRACE_RECORDS)
+      for (int f = 0; f < TRACE_FIELDS; ++f) pkv_trace[(unsigned long long)r * TRACE_FIELDS + f] = t[f];
+  }
+}
+}  // namespace pkv
+#define PKV_TRACE_BEGIN                                                               \
+  if (threadIdx.x == 0)                                                               \
+    for (int f = 0; f < pkv::TRACE_FIELDS; ++f) pkv::trace_slots()[f] = 0ull;         \
+  pkv::stamp(0)
+#define PKV_TRACE_END(slot, it) pkv::trace_end(slot, it)
+#else
+#define PKV_TRACE_BEGIN
+#define PKV_TRACE_END(slot, it)
+#endif
 
 #define PKV_DECODE_ARGS                                                                              \
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
@@ -646,19 +721,25 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  PKV_TRACE_BEGIN;
   if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
-  pkv::decode_item<pkv::PARTIAL>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+  const pkv::Item it = pkv::load_item(items, slot);
+  pkv::decode_item<pkv::PARTIAL>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));
+  PKV_TRACE_END(slot, it);
 }
 
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_fused(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  PKV_TRACE_BEGIN;
   if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
-  pkv::decode_item<pkv::FUSED>(p, slot, pkv::load_item(items, slot), reinterpret_cast<kv_t*>(smem_raw));
+  const pkv::Item it = pkv::load_item(items, slot);
+  pkv::decode_item<pkv::FUSED>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));
+  PKV_TRACE_END(slot, it);
 }
 
 // The cluster route: grid = B * Hkv * C CTAs, blockIdx.x = (row * Hkv + head) * C + rank, one

@@ -47,7 +47,7 @@ def reference_torch64(batch: Batch, q, k, v):
     import torch
 
     spec = batch.spec
-    G, D, P = spec.group_size, spec.head_dim, spec.page_size
+    G, D = spec.group_size, spec.head_dim
     out = torch.empty((batch.batch_size, spec.num_qo_heads, D), dtype=torch.float64, device="cuda")
     indptr = batch.kv_indptr
     indices = torch.from_numpy(batch.kv_indices.astype(np.int64)).cuda()

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from persistentkv.cli import main
-from persistentkv.engine import (DecodeEngine, compile_options, engine_unsupported, kernels_dir, min_chunk_tiles_for,
+from persistentkv.engine import (DecodeEngine, check_defines, compile_options, engine_unsupported, kernels_dir, min_chunk_tiles_for,
                                  stage_tokens)
 from persistentkv.errors import PKVError
 from persistentkv.kernel_build import CONFIGS, MODULES, WARPS8_CONFIGS, check_arch, cubin_name, nvcc_path, parse_ptxas
@@ -73,6 +73,34 @@ def test_compile_options_define_warps_only_for_8():
     default = compile_options(spec)
     assert compile_options(spec, 4) == default and not any("PKV_WARPS" in o for o in default)
     assert compile_options(spec, 8) == (*default, "-DPKV_WARPS=8")
+
+
+def test_development_defines_are_appended_and_checked():
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    assert compile_options(spec, 8, ("PKV_TRACE=1",)) == (*compile_options(spec, 8), "-DPKV_TRACE=1")
+    assert check_defines(["PKV_TRACE", "PKV_X_2=on"]) == ("PKV_TRACE", "PKV_X_2=on")
+    for bad, message in [("PKV_TRACE=1", "not the string"), (["TRACE=1"], "is not PKV_NAME"),
+                         (["PKV_TRACE=1 -O0"], "is not PKV_NAME"), (["PKV_WARPS=8"], "derives from the spec"),
+                         (["PKV_HEAD_DIM=64"], "derives from the spec"), ([3], "is not PKV_NAME")]:
+        with pytest.raises(PKVError, match=message):
+            compile_options(spec, 4, bad)
+        with pytest.raises(PKVError, match=message):  # before the GPU checks, compile or launch
+            DecodeEngine(spec, defines=bad)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_trace_build_compiles_without_spills(tmp_path, arch):
+    """PKV_TRACE=1 (benchmarks/trace_cta.py) adds its stamps without spilling the decode kernels."""
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
+           *compile_options(spec, 8, ("PKV_TRACE=1",)), str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
+    for name in ("pkv_decode", "pkv_decode_fused"):
+        assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
+        assert rows[name]["static_shared_bytes"] >= 16 * 8  # the CTA's trace record
 
 
 @pytest.mark.parametrize("head_dim, warps, message", [

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -112,15 +113,36 @@ def warps_unsupported(spec: AttentionSpec, warps: int) -> list[str]:
     return []
 
 
-def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> tuple[str, ...]:
+#: Macros of kernels/pkv_decode.cu that the engine sets itself (from the spec and ``warps``).
+_ENGINE_MACROS = ("PKV_HEAD_DIM", "PKV_BF16", "PKV_WARPS")
+_DEFINE = re.compile(r"PKV_[A-Z0-9_]+(=[A-Za-z0-9_]+)?")
+
+
+def check_defines(defines) -> tuple[str, ...]:
+    """``defines`` as a tuple of ``PKV_NAME[=VALUE]`` strings, or a PKVError saying what is wrong.
+    They are development switches of the kernel source (e.g. ``PKV_TRACE=1``,
+    benchmarks/trace_cta.py), never the macros the engine derives from the spec."""
+    require(not isinstance(defines, str), f"defines must be a sequence of PKV_NAME[=VALUE], not the string {defines!r}")
+    defines = tuple(defines)
+    for d in defines:
+        require(isinstance(d, str) and _DEFINE.fullmatch(d) is not None,
+                f"define {d!r} is not PKV_NAME or PKV_NAME=VALUE (letters, digits, underscores)")
+        require(d.split("=")[0] not in _ENGINE_MACROS,
+                f"define {d!r} sets {d.split('=')[0]}, which the engine derives from the spec and warps")
+    return defines
+
+
+def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, defines=()) -> tuple[str, ...]:
     """Compiler options for the module of ``spec``'s (dtype, head_dim) with ``warps`` warps per
-    decode CTA; shared with compile-kernels. The default module gets no PKV_WARPS define, so its
-    options (and CuPy's cache key) are those of before the option existed."""
+    decode CTA and the development ``defines`` (check_defines); shared with compile-kernels. The
+    default module gets no PKV_WARPS define, so its options (and CuPy's cache key) are those of
+    before the option existed."""
     reasons = warps_unsupported(spec, warps)
     require(not reasons, "; ".join(reasons))
     options = ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
                f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
-    return options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
+    options = options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
+    return (*options, *(f"-D{d}" for d in check_defines(defines)))
 
 
 def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[str]:
@@ -228,6 +250,8 @@ class _Module:
     smem_optin: int = 0
     #: CUfunction -> dynamic shared memory it is currently allowed (raised on demand)
     smem_allowed: dict = field(default_factory=dict)
+    #: the CuPy RawModule (its globals, e.g. pkv_trace of a PKV_TRACE build)
+    raw: Any = None
 
 
 def _set_function_attribute(function: int, attribute: int, value: int) -> None:
@@ -245,12 +269,12 @@ def _set_function_attribute(function: int, attribute: int, value: int) -> None:
 
 
 @lru_cache(maxsize=None)
-def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
+def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tuple[str, ...] = ()) -> _Module:
     import cupy
 
     spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
     source = (kernels_dir() / KERNEL_FILE).read_text()
-    options = compile_options(spec, warps)
+    options = compile_options(spec, warps, defines)
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
@@ -291,7 +315,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int) -> _Module:
                                f"use cluster_size <= 8")
     cluster_functions = {c: functions[f"pkv_decode_cluster{c}"].ptr for c in planner.CLUSTER_SIZES}
     return _Module(functions, smem, threads, tile, stages, max(1, occupancy), cluster_functions, cluster16_error,
-                   smem_optin, {ptr: smem for ptr in cluster_functions.values()})
+                   smem_optin, {ptr: smem for ptr in cluster_functions.values()}, module)
 
 
 # Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
@@ -367,7 +391,9 @@ class DecodeEngine:
     """Our decode kernels for one AttentionSpec on one CUDA device."""
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None,
+                 defines=()):
+        defines = check_defines(defines)
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -378,7 +404,9 @@ class DecodeEngine:
         self.warps = warps
         self.torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        self.module = _load_module(spec.dtype, spec.head_dim, warps, self.device.index)
+        #: development switches of the kernel source (check_defines); () in every shipped use
+        self.defines = defines
+        self.module = _load_module(spec.dtype, spec.head_dim, warps, self.device.index, defines)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)

@@ -1,0 +1,204 @@
+"""Where a step's time goes: a per-CTA timeline of the work queue under CUDA-graph replay.
+
+    python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--calls 10] [--warps 4,8] [--out DIR]
+
+Builds the decode module with PKV_TRACE=1 (kernels/pkv_decode.cu): thread 0 of every CTA stamps
+%globaltimer (ns, one clock for the GPU) and clock64 at its phases - 0 entry, 1 after
+griddepcontrol.wait, 2 first stage landed, 3 K/V loop done, 4 state written, 5 merge decided,
+6 exit - and appends a record as it exits. A graph of --calls queue calls over rotated cache copies
+(cold L2, as the other benches) is replayed, then replayed once more with the trace reset.
+
+CTAs of call k+1 pass their wait only after call k has completed, so records come in call order:
+call = record index // items. Per call (the first of the graph excluded: nothing precedes it in
+the graph), relative to that call's release (the first CTA past its wait), the table gives:
+  period     release to the next call's release (the time per call under replay)
+  gap        the previous call's last exit to this call's release (completion -> dependents)
+  first      release to the first stage landed (median over CTAs): the first K/V round trip
+  loop       release to the last CTA's loop done; floor = KV bytes / read ceiling of this run
+  tail       the last loop done to the last exit (state written, atomic, merge, exit)
+  skew       spread of the CTAs' releases (max - min)
+and the untraced engine's time per call in the same process (the trace's own cost is the
+difference). Writes trace_cta_HHMMSS.parquet (one row per record) to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import numpy as np  # noqa: E402
+
+from bench_common import first_line, parse_cases, read_ceiling_gbps, write_rows  # noqa: E402
+from graph_timing import capture, rotated_copies  # noqa: E402
+
+STAMPS = 7
+FIELDS = 16  # the kernel's TRACE_FIELDS: 7 ns stamps, 7 cycle stamps, 2 meta words
+PHASES = ("entry", "released", "first", "loop", "written", "decided", "exit")
+
+
+def parse_args():
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--warps", default="4,8", help="comma-separated warps per CTA (4, 8)")
+    parser.add_argument("--cases", default="1x4096,1x16384,1x32768,1x65536,2x16384,4x8192,4x32768")
+    args = parser.parse_args()
+    args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
+    return args
+
+
+def graph_us(graph, calls: int, repeats: int = 7) -> float:
+    import torch
+
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def read_trace(engine) -> np.ndarray:
+    """The records of the last replay, [n, FIELDS] uint64."""
+    import cupy
+
+    raw = engine.module.raw
+    count = int(cupy.ndarray((1,), dtype=cupy.uint32, memptr=raw.get_global("pkv_trace_count")).get()[0])
+    buf = cupy.ndarray((1 << 16, FIELDS), dtype=cupy.uint64, memptr=raw.get_global("pkv_trace"))
+    return buf[:min(count, 1 << 16)].get()
+
+
+def reset_trace(engine) -> None:
+    import cupy
+
+    cupy.ndarray((1,), dtype=cupy.uint32, memptr=engine.module.raw.get_global("pkv_trace_count")).fill(0)
+
+
+def records_frame(rec: np.ndarray, items: int, case: str, warps: int):
+    import pandas as pd
+
+    ns = rec[:, :STAMPS].astype(np.int64)
+    cyc = rec[:, STAMPS:2 * STAMPS].astype(np.int64)
+    meta0, meta1 = rec[:, 2 * STAMPS], rec[:, 2 * STAMPS + 1]
+    df = pd.DataFrame({f"ns_{p}": ns[:, i] for i, p in enumerate(PHASES)})
+    for i, p in enumerate(PHASES):
+        df[f"cyc_{p}"] = cyc[:, i]
+    df["sm"] = (meta0 & 0xFFFF).astype(np.int32)
+    df["block"] = ((meta0 >> 16) & 0xFFFFFF).astype(np.int32)
+    df["slot"] = (meta0 >> 40).astype(np.int32)
+    df["merged"] = (meta1 & 0xFF).astype(np.int32)
+    df["tokens"] = (meta1 >> 8).astype(np.int64)
+    df["call"] = np.arange(len(df)) // items
+    df.insert(0, "warps", warps)
+    df.insert(0, "case", case)
+    return df
+
+
+def call_table(df, floor_us: float) -> dict:
+    """Medians over the calls after the first of the phase figures of the module docstring (us)."""
+    rows = []
+    calls = sorted(df.call.unique())
+    for k in calls[1:-1]:  # the period needs the next call's release
+        cur, prev, nxt = (df[df.call == c] for c in (k, k - 1, k + 1))
+        rel = cur.ns_released.min()
+        done = cur.ns_loop.max()
+        rows.append({
+            "period": (nxt.ns_released.min() - rel) / 1e3,
+            "gap": (rel - prev.ns_exit.max()) / 1e3,
+            "first": float(np.median(cur.ns_first[cur.ns_first > 0] - rel)) / 1e3,
+            "loop": (done - rel) / 1e3,
+            "tail": (cur.ns_exit.max() - done) / 1e3,
+            "skew": (cur.ns_released.max() - rel) / 1e3,
+            "loop_spread": (done - cur.ns_loop.min()) / 1e3,
+        })
+    out = {key: statistics.median(r[key] for r in rows) for key in rows[0]} if rows else {}
+    out["floor"] = floor_us
+    return out
+
+
+def main() -> int:
+    import pandas as pd
+    import torch
+
+    from persistentkv.cache import make_batch
+    from persistentkv.engine import DecodeEngine
+    from persistentkv.spec import AttentionSpec
+
+    args = parse_args()
+    t_start = time.time()
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    ceiling = read_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s", flush=True)
+    engines = {}
+    for w in args.warps:
+        try:
+            engines[w] = (DecodeEngine(spec, warps=w, defines=("PKV_TRACE=1",)), DecodeEngine(spec, warps=w))
+        except Exception as exc:
+            print(f"{w} warps: no engine ({first_line(exc)})")
+    frames, table = [], []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for label, lengths in parse_cases(args.cases):
+        batch = make_batch(spec, lengths, seed=1)
+        copies, q = rotated_copies(spec, batch, l2)
+        floor = batch.kv_bytes / (ceiling * 1e3)
+        for w, (traced, plain) in engines.items():
+            try:
+                times = {}
+                for name, engine in (("traced", traced), ("plain", plain)):
+                    plan = engine.plan(batch, "workqueue")
+                    out = torch.empty_like(q)
+                    graph = capture(lambda kv, e=engine, p=plan, o=out: e.run(q, kv, p, o), copies, args.calls)
+                    times[name] = graph_us(graph, args.calls)
+                    if name == "traced":
+                        items = len(engine.device_items(plan))
+                        reset_trace(traced)
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        rec = read_trace(traced)
+                    del graph
+            except Exception as exc:
+                print(f"{label} {w} warps: failed ({first_line(exc)})", flush=True)
+                torch.cuda.synchronize()
+                continue
+            if len(rec) != items * args.calls:
+                print(f"{label} {w} warps: {len(rec)} records for {items} items x {args.calls} calls; skipped")
+                continue
+            df = records_frame(rec, items, label, w)
+            bad = [k for k, g in df.groupby("call") if sorted(g.block) != list(range(items))]
+            if bad:
+                print(f"{label} {w} warps: calls {bad} do not hold each item once; records out of call order")
+            df["floor_us"], df["plain_us"], df["traced_us"] = floor, times["plain"], times["traced"]
+            frames.append(df)
+            stats = call_table(df, floor)
+            ratio = np.median((df.cyc_exit - df.cyc_entry) / np.maximum(df.ns_exit - df.ns_entry, 1))
+            table.append((label, w, items, times, stats, ratio))
+            print(f"{label} {w} warps: {items} items, plain {times['plain']:.1f} us, traced {times['traced']:.1f} us, "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in stats.items()), flush=True)
+            write_rows(pd.concat(frames).to_dict("records"), args.out, "trace_cta", t_start, final=False)
+        del copies
+        torch.cuda.empty_cache()
+    print(f"\n{'case':<14} {'w':>2} {'items':>5} {'plain':>6} {'traced':>6} {'period':>6} {'floor':>6} {'gap':>5} "
+          f"{'skew':>5} {'first':>5} {'loop':>6} {'spread':>6} {'tail':>5}  GHz")
+    for label, w, items, times, s, ratio in table:
+        print(f"{label:<14} {w:>2} {items:>5} {times['plain']:6.1f} {times['traced']:6.1f} {s['period']:6.1f} "
+              f"{s['floor']:6.1f} {s['gap']:5.2f} {s['skew']:5.2f} {s['first']:5.2f} {s['loop']:6.1f} "
+              f"{s['loop_spread']:6.2f} {s['tail']:5.2f}  {ratio:.2f}")
+    if frames:
+        write_rows(pd.concat(frames).to_dict("records"), args.out, "trace_cta", t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
