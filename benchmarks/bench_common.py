@@ -61,34 +61,41 @@ def read_ceiling_gbps() -> float:
 
 
 class PlainRead:
-    """The read-ceiling kernel (kernels/ceiling.cu) over a contiguous buffer of ``nbytes``, one
-    buffer per cache copy it is called with (as cold in L2 as the copies): what a step of the same
-    bytes costs a kernel that only streams them, launch and ramp included, with no pages, no
-    math and no merge. Called as a variant's run(kv, plan, out); plan and out are unused."""
+    """The read-ceiling kernel (kernels/ceiling.cu) over a contiguous buffer of ``nbytes``: what a
+    step of the same bytes costs a kernel that only streams them, launch and ramp included, with no
+    pages, no math and no merge. As many buffers as rotated_copies makes cache copies (allocated
+    here, never inside a graph capture), the n-th cache copy it is called with mapped to buffer n,
+    so it is as cold in L2 as the attention variants. Called as run(kv, plan, out); plan and out
+    are unused."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, factor: float = 3.0, max_copies: int = 64):
+        import cupy
+        import torch
+
         from persistentkv import ceiling
 
         self.kernel = ceiling._read_kernel()
         self.nbytes = (nbytes + 15) // 16 * 16
-        self.buffers: dict = {}
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.grid = props.multi_processor_count * ceiling.BLOCKS_PER_SM
+        self.block = ceiling.THREADS
+        count = max(1, min(max_copies, math.ceil(factor * props.L2_cache_size / self.nbytes)))
+        self.buffers = []
+        for _ in range(count):
+            buf = torch.full((self.nbytes,), 0x5A, dtype=torch.uint8, device="cuda")
+            sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+            self.buffers.append((buf, sink, cupy.from_dlpack(buf), cupy.from_dlpack(sink)))
+        self.slot: dict = {}
 
     def __call__(self, kv, plan, out) -> None:
         import cupy
         import numpy as np
         import torch
 
-        key = kv[0].data_ptr()
-        if key not in self.buffers:
-            buf = torch.full((self.nbytes,), 0x5A, dtype=torch.uint8, device=kv[0].device)
-            sink = torch.zeros(1, dtype=torch.int32, device=kv[0].device)
-            self.buffers[key] = (buf, sink, cupy.from_dlpack(buf), cupy.from_dlpack(sink))
-        _, _, src, sink = self.buffers[key]
-        from persistentkv.ceiling import BLOCKS_PER_SM, THREADS
-
-        sms = torch.cuda.get_device_properties(kv[0].device).multi_processor_count
+        index = self.slot.setdefault(kv[0].data_ptr(), len(self.slot) % len(self.buffers))
+        _, _, src, sink = self.buffers[index]
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.kernel((sms * BLOCKS_PER_SM,), (THREADS,), (src, np.uint64(self.nbytes // 16), sink))
+            self.kernel((self.grid,), (self.block,), (src, np.uint64(self.nbytes // 16), sink))
 
 
 def add_plain_read(add, batch) -> None:

@@ -1,6 +1,7 @@
 """Where a step's time goes: a per-CTA timeline of the work queue under CUDA-graph replay.
 
     python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--calls 10] [--warps 4,8] [--out DIR]
+                                   [--variants base=,pf2=PKV_PREFETCH=2,detail=PKV_TRACE=2]
 
 Builds the decode module with PKV_TRACE=1 (kernels/pkv_decode.cu): thread 0 of every CTA stamps
 %globaltimer (ns, one clock for the GPU) and clock64 at its phases - 0 entry, 1 after
@@ -18,7 +19,11 @@ the graph), relative to that call's release (the first CTA past its wait), the t
   tail       the last loop done to the last exit (state written, atomic, merge, exit)
   skew       spread of the CTAs' releases (max - min)
 and the untraced engine's time per call in the same process (the trace's own cost is the
-difference). Writes trace_cta_HHMMSS.parquet (one row per record) to --out ($OUT).
+difference; the untraced variants of a case are replayed interleaved, as in the other benches).
+--variants names modules by their development defines (DecodeEngine(defines=...), '+' between
+two): each is traced (PKV_TRACE=1 unless it sets PKV_TRACE; with PKV_TRACE=2 stamps 4 and 5 sit
+inside the cross-warp combine, so "written" and "decided" mean its two barriers) and timed without
+the trace. Writes trace_cta_HHMMSS.parquet (one row per record) to --out ($OUT).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")
 import numpy as np  # noqa: E402
 
 from bench_common import first_line, parse_cases, read_ceiling_gbps, write_rows  # noqa: E402
-from graph_timing import capture, rotated_copies  # noqa: E402
+from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
 
 STAMPS = 7
 FIELDS = 16  # the kernel's TRACE_FIELDS: 7 ns stamps, 7 cycle stamps, 2 meta words
@@ -50,9 +55,24 @@ def parse_args():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--warps", default="4,8", help="comma-separated warps per CTA (4, 8)")
     parser.add_argument("--cases", default="1x4096,1x16384,1x32768,1x65536,2x16384,4x8192,4x32768")
+    parser.add_argument("--variants", default="base=",
+                        help="comma-separated NAME=DEFINE+DEFINE (e.g. base=,pf2=PKV_PREFETCH=2)")
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
+    args.variants = parse_variants(args.variants)
     return args
+
+
+def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
+    """``base=,pf2=PKV_PREFETCH=2+PKV_X=1`` -> {"base": (), "pf2": ("PKV_PREFETCH=2", "PKV_X=1")}."""
+    variants = {}
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        name, _, defs = item.partition("=")
+        if not name or name in variants:
+            raise SystemExit(f"--variants: {item!r} needs a new NAME before '='")
+        variants[name] = tuple(d for d in defs.split("+") if d)
+    return variants
 
 
 def graph_us(graph, calls: int, repeats: int = 7) -> float:
@@ -143,56 +163,69 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s", flush=True)
     engines = {}
     for w in args.warps:
-        try:
-            engines[w] = (DecodeEngine(spec, warps=w, defines=("PKV_TRACE=1",)), DecodeEngine(spec, warps=w))
-        except Exception as exc:
-            print(f"{w} warps: no engine ({first_line(exc)})")
+        for name, defs in args.variants.items():
+            plain_defs = tuple(d for d in defs if not d.startswith("PKV_TRACE"))
+            traced_defs = defs if len(plain_defs) < len(defs) else (*defs, "PKV_TRACE=1")
+            try:
+                engines[(w, name)] = (DecodeEngine(spec, warps=w, defines=traced_defs),
+                                      DecodeEngine(spec, warps=w, defines=plain_defs))
+            except Exception as exc:
+                print(f"{w} warps {name}: no engine ({first_line(exc)})")
     frames, table = [], []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for label, lengths in parse_cases(args.cases):
         batch = make_batch(spec, lengths, seed=1)
         copies, q = rotated_copies(spec, batch, l2)
         floor = batch.kv_bytes / (ceiling * 1e3)
-        for w, (traced, plain) in engines.items():
+        plain_graphs, traced = {}, {}
+        for (w, name), (tr_engine, plain) in engines.items():
             try:
-                times = {}
-                for name, engine in (("traced", traced), ("plain", plain)):
-                    plan = engine.plan(batch, "workqueue")
-                    out = torch.empty_like(q)
-                    graph = capture(lambda kv, e=engine, p=plan, o=out: e.run(q, kv, p, o), copies, args.calls)
-                    times[name] = graph_us(graph, args.calls)
-                    if name == "traced":
-                        items = len(engine.device_items(plan))
-                        reset_trace(traced)
-                        graph.replay()
-                        torch.cuda.synchronize()
-                        rec = read_trace(traced)
-                    del graph
+                plan = tr_engine.plan(batch, "workqueue")
+                out = torch.empty_like(q)
+                graph = capture(lambda kv, e=tr_engine, p=plan, o=out: e.run(q, kv, p, o), copies, args.calls)
+                traced_us = graph_us(graph, args.calls)
+                items = len(tr_engine.device_items(plan))
+                reset_trace(tr_engine)
+                graph.replay()
+                torch.cuda.synchronize()
+                rec = read_trace(tr_engine)
+                del graph
+                pplan = plain.plan(batch, "workqueue")
+                pout = torch.empty_like(q)
+                plain_graphs[(w, name)] = capture(lambda kv, e=plain, p=pplan, o=pout: e.run(q, kv, p, o), copies,
+                                                  args.calls)
             except Exception as exc:
-                print(f"{label} {w} warps: failed ({first_line(exc)})", flush=True)
+                print(f"{label} {w} warps {name}: failed ({first_line(exc)})", flush=True)
                 torch.cuda.synchronize()
                 continue
             if len(rec) != items * args.calls:
-                print(f"{label} {w} warps: {len(rec)} records for {items} items x {args.calls} calls; skipped")
+                print(f"{label} {w} warps {name}: {len(rec)} records for {items} items x {args.calls} calls; skipped")
                 continue
+            traced[(w, name)] = (items, traced_us, rec)
+        replays = time_replays(plain_graphs, args.repeats, args.calls) if plain_graphs else {}
+        plain_us = {k: statistics.median(v) for k, v in replays.items()}
+        for (w, name), (items, traced_us, rec) in traced.items():
             df = records_frame(rec, items, label, w)
+            df.insert(2, "variant", name)
             bad = [k for k, g in df.groupby("call") if sorted(g.block) != list(range(items))]
             if bad:
-                print(f"{label} {w} warps: calls {bad} do not hold each item once; records out of call order")
+                print(f"{label} {w} warps {name}: calls {bad} do not hold each item once; records out of call order")
+            times = {"plain": plain_us.get((w, name), float("nan")), "traced": traced_us}
             df["floor_us"], df["plain_us"], df["traced_us"] = floor, times["plain"], times["traced"]
             frames.append(df)
             stats = call_table(df, floor)
             ratio = np.median((df.cyc_exit - df.cyc_entry) / np.maximum(df.ns_exit - df.ns_entry, 1))
-            table.append((label, w, items, times, stats, ratio))
-            print(f"{label} {w} warps: {items} items, plain {times['plain']:.1f} us, traced {times['traced']:.1f} us, "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in stats.items()), flush=True)
+            table.append((label, w, name, items, times, stats, ratio))
+            print(f"{label} {w} warps {name}: {items} items, plain {times['plain']:.1f} us, traced "
+                  f"{times['traced']:.1f} us, " + ", ".join(f"{k} {v:.2f}" for k, v in stats.items()), flush=True)
+        if frames:
             write_rows(pd.concat(frames).to_dict("records"), args.out, "trace_cta", t_start, final=False)
-        del copies
+        del copies, plain_graphs
         torch.cuda.empty_cache()
-    print(f"\n{'case':<14} {'w':>2} {'items':>5} {'plain':>6} {'traced':>6} {'period':>6} {'floor':>6} {'gap':>5} "
+    print(f"\n{'case':<14} {'w':>2} {'variant':<8} {'items':>5} {'plain':>6} {'traced':>6} {'period':>6} {'floor':>6} {'gap':>5} "
           f"{'skew':>5} {'first':>5} {'loop':>6} {'spread':>6} {'tail':>5}  GHz")
-    for label, w, items, times, s, ratio in table:
-        print(f"{label:<14} {w:>2} {items:>5} {times['plain']:6.1f} {times['traced']:6.1f} {s['period']:6.1f} "
+    for label, w, name, items, times, s, ratio in table:
+        print(f"{label:<14} {w:>2} {name:<8} {items:>5} {times['plain']:6.1f} {times['traced']:6.1f} {s['period']:6.1f} "
               f"{s['floor']:6.1f} {s['gap']:5.2f} {s['skew']:5.2f} {s['first']:5.2f} {s['loop']:6.1f} "
               f"{s['loop_spread']:6.2f} {s['tail']:5.2f}  {ratio:.2f}")
     if frames:

@@ -49,7 +49,14 @@
 // Development instrumentation (benchmarks/trace_cta.py), 0 in every module the engine ships: each
 // CTA of pkv_decode / pkv_decode_fused appends one record of timestamps to pkv_trace.
 #ifndef PKV_TRACE
-#define PKV_TRACE 0
+#define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
+#endif
+// Development switch (benchmarks/trace_cta.py variants), 0 in every shipped module: before
+// griddepcontrol.wait, prefetch the first STAGES - 1 K/V tiles into L2, 1 with one prefetch.global.L2
+// per 128-byte line, 2 with one cp.async.bulk.prefetch.L2 per token row (sm_90). A prefetch only
+// warms L2, the point of coherence: the loads after the wait still see what the preceding kernel wrote.
+#ifndef PKV_PREFETCH
+#define PKV_PREFETCH 0
 #endif
 
 #if PKV_BF16
@@ -230,6 +237,10 @@ __device__ __forceinline__ void stamp(int phase) {
 #else
 __device__ __forceinline__ void stamp(int) {}
 #endif
+// Stamps of one trace mode only (PKV_TRACE 1: phases 4 and 5 after the combine; 2: inside it).
+__device__ __forceinline__ void stamp_if(int mode, int phase) {
+  if (PKV_TRACE == mode) stamp(phase);
+}
 
 struct Params {
   const kv_t* q;         // [B, Hq, D] with strides q_sb, q_sh (elements)
@@ -441,6 +452,26 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
   fetch_pages(STAGES - 1, pg_next);
+#if PKV_PREFETCH
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int tok = lo + s * TILE + lr + ROWS_PER_PASS * i;
+      const long long off = (long long)pg[s][i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st;
+      if (tok < hi && PKV_PREFETCH == 1 && (lc & 7) == 0) {
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kbase + off + lc * 8));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(vbase + off + lc * 8));
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (tok < hi && PKV_PREFETCH == 2 && lc == 0) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kbase + off), "r"(D * 2) : "memory");
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(vbase + off), "r"(D * 2) : "memory");
+      }
+#endif
+    }
+  }
+#endif
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
   stamp(1);
@@ -587,6 +618,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     redL[warp * 16 + g1] = l1;
   }
   __syncthreads();
+  stamp_if(2, 4);
   float M0 = NEG_INF, M1 = NEG_INF;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) {
@@ -614,6 +646,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     }
   }
   __syncthreads();
+  stamp_if(2, 5);
 
   const bool direct = MODE != CLUSTER && it.nsplit <= 1;
   float* pub_o = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + PUB_OFFSET);  // [16][D]
@@ -635,7 +668,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       if (d == 0) p.part_lse[(long long)slot * G + g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
     }
   }
-  stamp(4);
+  stamp_if(1, 4);
   if constexpr (MODE == CLUSTER) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_merge<C>(p, row, head, it.split, pub_o, pub_lse);
@@ -658,7 +691,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     *flag = last;
   }
   __syncthreads();
-  stamp(5);
+  stamp_if(1, 5);
 #if PKV_TRACE
   if (tid == 0) trace_slots()[2 * TRACE_STAMPS + 1] = *flag;
 #endif
