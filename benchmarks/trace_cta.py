@@ -58,6 +58,8 @@ def parse_args():
     parser.add_argument("--variants", default="base=",
                         help="comma-separated NAME=DEFINE+DEFINE (e.g. base=,pf2=PKV_PREFETCH=2)")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each untraced graph right after its capture instead of interleaving them")
     args = parser.parse_args()
     args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
     args.variants = parse_variants(args.variants)
@@ -177,7 +179,7 @@ def main() -> int:
         batch = make_batch(spec, lengths, seed=1)
         copies, q = rotated_copies(spec, batch, l2)
         floor = batch.kv_bytes / (ceiling * 1e3)
-        plain_graphs, traced = {}, {}
+        plain_graphs, traced, sequential = {}, {}, {}
         for (w, name), (tr_engine, plain) in engines.items():
             try:
                 plan = tr_engine.plan(batch, "workqueue")
@@ -194,6 +196,8 @@ def main() -> int:
                 pout = torch.empty_like(q)
                 plain_graphs[(w, name)] = capture(lambda kv, e=plain, p=pplan, o=pout: e.run(q, kv, p, o), copies,
                                                   args.calls)
+                if args.sequential:
+                    sequential[(w, name)] = graph_us(plain_graphs.pop((w, name)), args.calls, args.repeats)
             except Exception as exc:
                 print(f"{label} {w} warps {name}: failed ({first_line(exc)})", flush=True)
                 torch.cuda.synchronize()
@@ -203,7 +207,7 @@ def main() -> int:
                 continue
             traced[(w, name)] = (items, traced_us, rec)
         replays = time_replays(plain_graphs, args.repeats, args.calls) if plain_graphs else {}
-        plain_us = {k: statistics.median(v) for k, v in replays.items()}
+        plain_us = {k: statistics.median(v) for k, v in replays.items()} | sequential
         for (w, name), (items, traced_us, rec) in traced.items():
             df = records_frame(rec, items, label, w)
             df.insert(2, "variant", name)
