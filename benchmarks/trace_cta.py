@@ -1,7 +1,7 @@
 """Where a step's time goes: a per-CTA timeline of the work queue under CUDA-graph replay.
 
     python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--calls 10] [--warps 4,8] [--out DIR]
-                                   [--variants base=,pf2=PKV_PREFETCH=2,detail=PKV_TRACE=2]
+                                   [--variants base=,detail=PKV_TRACE=2]
 
 Builds the decode module with PKV_TRACE=1 (kernels/pkv_decode.cu): thread 0 of every CTA stamps
 %globaltimer (ns, one clock for the GPU) and clock64 at its phases - 0 entry, 1 after
@@ -56,7 +56,7 @@ def parse_args():
     parser.add_argument("--warps", default="4,8", help="comma-separated warps per CTA (4, 8)")
     parser.add_argument("--cases", default="1x4096,1x16384,1x32768,1x65536,2x16384,4x8192,4x32768")
     parser.add_argument("--variants", default="base=",
-                        help="comma-separated NAME=DEFINE+DEFINE (e.g. base=,pf2=PKV_PREFETCH=2)")
+                        help="comma-separated NAME=DEFINE+DEFINE (e.g. base=,detail=PKV_TRACE=2)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--sequential", action="store_true",
                         help="time each untraced graph right after its capture instead of interleaving them")
@@ -67,7 +67,7 @@ def parse_args():
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``base=,pf2=PKV_PREFETCH=2+PKV_X=1`` -> {"base": (), "pf2": ("PKV_PREFETCH=2", "PKV_X=1")}."""
+    """``base=,x=PKV_A=2+PKV_B=1`` -> {"base": (), "x": ("PKV_A=2", "PKV_B=1")}."""
     variants = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
         name, _, defs = item.partition("=")

@@ -51,13 +51,6 @@
 #ifndef PKV_TRACE
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
-// Development switch (benchmarks/trace_cta.py variants), 0 in every shipped module: before
-// griddepcontrol.wait, prefetch the first STAGES - 1 K/V tiles into L2, 1 with one prefetch.global.L2
-// per 128-byte line, 2 with one cp.async.bulk.prefetch.L2 per token row (sm_90). A prefetch only
-// warms L2, the point of coherence: the loads after the wait still see what the preceding kernel wrote.
-#ifndef PKV_PREFETCH
-#define PKV_PREFETCH 0
-#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -252,7 +245,7 @@ struct Params {
   const int* num_items;  // device item count (GPU-planned launches) or nullptr
   float* part_o;         // [slots, G, D]
   float* part_lse;       // [slots, G], log2 units
-  int* counters;         // [B * Hkv * 2], zero between launches (fused merge)
+  int* counters;         // [B * Hkv], zero between launches (fused merge)
   int slot_offset;       // slot of this launch's first item
   int num_kv_heads, group_size, log2_page;
   long long kv_sp, kv_st;
@@ -452,26 +445,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
   fetch_pages(STAGES - 1, pg_next);
-#if PKV_PREFETCH
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int tok = lo + s * TILE + lr + ROWS_PER_PASS * i;
-      const long long off = (long long)pg[s][i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st;
-      if (tok < hi && PKV_PREFETCH == 1 && (lc & 7) == 0) {
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kbase + off + lc * 8));
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(vbase + off + lc * 8));
-      }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (tok < hi && PKV_PREFETCH == 2 && lc == 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kbase + off), "r"(D * 2) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(vbase + off), "r"(D * 2) : "memory");
-      }
-#endif
-    }
-  }
-#endif
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
   stamp(1);
@@ -599,18 +572,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   __syncthreads();  // the pipeline buffers become the combine buffers
   stamp(3);
 
-#ifndef PKV_COMBINE
-#define PKV_COMBINE 0
-#endif
-#ifndef PKV_TAIL
-#define PKV_TAIL 0
-#endif
   const bool direct = MODE != CLUSTER && it.nsplit <= 1;
-  int* counter = p.counters + 2 * (row * p.num_kv_heads + head);  // [arrived, written] (fused merge)
-  int arrived = 0;
-  if (PKV_TAIL && MODE == FUSED && !direct && tid == 0)  // its result is waited for after the combine
-    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(arrived) : "l"(counter) : "memory");
-
   // Combine the WARPS warps' (m, l, O) through shared memory.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -619,9 +581,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   float* obuf = reinterpret_cast<float*>(smem);            // [WARPS][16][OBUF_STRIDE]
   float* redM = obuf + WARPS * 16 * OBUF_STRIDE;            // [WARPS][16]
   float* redL = redM + WARPS * 16;                          // [WARPS][16]
-  float* rowM = redL + WARPS * 16;                          // [16]
-  float* rowL = rowM + 16;                                  // [16]
-  int* flag = reinterpret_cast<int*>(rowL + 16);
+  int* flag = reinterpret_cast<int*>(redL + WARPS * 16);
   const int g0 = lane >> 2, g1 = g0 + 8;
   if ((lane & 3) == 0) {
     redM[warp * 16 + g0] = m0;
@@ -639,16 +599,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   const float sc0 = M0 == NEG_INF ? 0.f : fast_exp2(m0 - M0);
   const float sc1 = M1 == NEG_INF ? 0.f : fast_exp2(m1 - M1);
-  if (!PKV_COMBINE && tid < 16) {
-    float M = NEG_INF, L = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, redM[w * 16 + tid]);
-    if (M != NEG_INF)
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) L += redL[w * 16 + tid] * fast_exp2(redM[w * 16 + tid] - M);
-    rowM[tid] = M;
-    rowL[tid] = L;
-  }
   {
     const int c = (lane & 3) * 2;
 #pragma unroll
@@ -662,55 +612,35 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
   float* pub_o = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + PUB_OFFSET);  // [16][D]
   float* pub_lse = pub_o + 16 * D;                                                                // [16]
-  if (PKV_COMBINE) {
-    // Two adjacent dims per thread; each thread derives its row's (M, L) from the WARPS warps'
-    // (m, l) itself (broadcast reads), so no serial block sits before the barrier above.
-    constexpr int D2 = D / 2;
-    for (int idx = tid; idx < G * D2; idx += THREADS) {
-      const int g = idx / D2, d = (idx - g * D2) * 2;
-      float M = NEG_INF, L = 0.f;
+  // Two adjacent dims per thread; each thread derives its row's (M, L) from the WARPS warps'
+  // (m, l) itself (broadcast reads), so no serial block sits before the barrier above.
+  constexpr int D2 = D / 2;
+  for (int idx = tid; idx < G * D2; idx += THREADS) {
+    const int g = idx / D2, d = (idx - g * D2) * 2;
+    float M = NEG_INF, L = 0.f;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) M = fmaxf(M, redM[w * 16 + g]);
-      float2 acc = make_float2(0.f, 0.f);
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, redM[w * 16 + g]);
+    float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float2 v = *reinterpret_cast<const float2*>(obuf + (w * 16 + g) * OBUF_STRIDE + d);
-        acc.x += v.x;
-        acc.y += v.y;
-        if (M != NEG_INF) L += redL[w * 16 + g] * fast_exp2(redM[w * 16 + g] - M);
-      }
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      const float2 val = make_float2(acc.x * inv, acc.y * inv);
-      const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;  // an empty state: o = 0, lse = -inf
-      if (MODE == CLUSTER) {
-        *reinterpret_cast<float2*>(pub_o + g * D + d) = val;
-        if (d == 0) pub_lse[g] = lse;
-      } else if (direct) {
-        kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
-        dst[0] = to_kv(val.x);
-        dst[1] = to_kv(val.y);
-      } else {
-        *reinterpret_cast<float2*>(p.part_o + ((long long)slot * G + g) * D + d) = val;
-        if (d == 0) p.part_lse[(long long)slot * G + g] = lse;
-      }
+    for (int w = 0; w < WARPS; ++w) {
+      const float2 v = *reinterpret_cast<const float2*>(obuf + (w * 16 + g) * OBUF_STRIDE + d);
+      acc.x += v.x;
+      acc.y += v.y;
+      if (M != NEG_INF) L += redL[w * 16 + g] * fast_exp2(redM[w * 16 + g] - M);
     }
-  } else {
-    for (int idx = tid; idx < G * D; idx += THREADS) {
-      const int g = idx / D, d = idx - g * D;
-      float acc = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) acc += obuf[(w * 16 + g) * OBUF_STRIDE + d];
-      const float L = rowL[g];
-      const float val = L > 0.f ? acc / L : 0.f;
-      if (MODE == CLUSTER) {  // an empty split publishes o = 0, lse = -inf
-        pub_o[g * D + d] = val;
-        if (d == 0) pub_lse[g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
-      } else if (direct) {
-        p.out[row * p.o_sb + (long long)(head * G + g) * p.o_sh + d] = to_kv(val);
-      } else {
-        p.part_o[((long long)slot * G + g) * D + d] = val;
-        if (d == 0) p.part_lse[(long long)slot * G + g] = L > 0.f ? rowM[g] + __log2f(L) : NEG_INF;
-      }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    const float2 val = make_float2(acc.x * inv, acc.y * inv);
+    const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;  // an empty state: o = 0, lse = -inf
+    if (MODE == CLUSTER) {
+      *reinterpret_cast<float2*>(pub_o + g * D + d) = val;
+      if (d == 0) pub_lse[g] = lse;
+    } else if (direct) {
+      kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
+      dst[0] = to_kv(val.x);
+      dst[1] = to_kv(val.y);
+    } else {
+      *reinterpret_cast<float2*>(p.part_o + ((long long)slot * G + g) * D + d) = val;
+      if (d == 0) p.part_lse[(long long)slot * G + g] = lse;
     }
   }
   stamp_if(1, 4);
@@ -722,41 +652,21 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   if (MODE != FUSED || direct) return;
 
+  // Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
+  // barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is
+  // cumulative over what the barrier ordered before it) and, for the last CTA, acquires the
+  // others'; the barrier after it extends that to every thread, whose loads then go to L2 (.cg).
+  // (An election at the loop's end instead, the combine overlapping the atomic and the others
+  // publishing with a release increment the last one waits for, was measured too: no faster,
+  // benchmarks/NOTES.md v9.)
   __syncthreads();
-  if (PKV_TAIL) {
-    // Fused merge, elected at the loop's end: the CTA whose arrival (the relaxed atomic above,
-    // counter[0]) was the group's last merges. The others publish their partial state with one
-    // release increment of counter[1] (cumulative over the barrier) and exit without waiting for
-    // it; the last one, which did its combine while its atomic was in flight, waits until every
-    // other state is published (they have all left their loops, so they only have their combine
-    // and their stores left: no deadlock whatever the residency), resets both counters for the
-    // next launch (nobody else touches them in this one), and merges.
-    if (tid == 0) {
-      const int last = arrived == it.nsplit - 1;
-      if (!last) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter + 1) : "memory");
-      } else {
-        int seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter + 1) : "memory");
-        } while (seen < it.nsplit - 1);
-        counter[0] = 0;
-        counter[1] = 0;
-      }
-      *flag = last;
-    }
-  } else {
-    // Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
-    // barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is
-    // cumulative over what the barrier ordered before it) and, for the last CTA, acquires the
-    // others'; the barrier after it extends that to every thread, whose loads then go to L2 (.cg).
-    if (tid == 0) {
-      int prev;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
-      const int last = prev == it.nsplit - 1;
-      if (last) *counter = 0;  // ready for the next launch; nobody else touches it in this one
-      *flag = last;
-    }
+  if (tid == 0) {
+    int* counter = p.counters + row * p.num_kv_heads + head;
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
+    const int last = prev == it.nsplit - 1;
+    if (last) *counter = 0;  // ready for the next launch; nobody else touches it in this one
+    *flag = last;
   }
   __syncthreads();
   stamp_if(1, 5);

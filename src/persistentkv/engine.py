@@ -353,7 +353,7 @@ class DevicePlan:
     items:       int32 [max_items, 8] on the device (row|head<<16, lo, hi, split|nsplit<<16, page_base, 0, 0, 0)
     num_items:   int32 [1] device count (GPU-planned) or None
     part_o/lse:  float32 partial states [slots, G, D] / [slots, G]
-    counters:    int32 [B * Hkv * 2], zero between launches (fused merge: arrivals, published states)
+    counters:    int32 [B * Hkv], zero between launches (fused merge)
     packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
 
     Route ``cluster`` holds only ``packed``; its host equivalent is plan.plan_cluster.
@@ -440,7 +440,7 @@ class DecodeEngine:
         return {
             "part_o": torch.empty((max(slots, 1), G, D), dtype=torch.float32, device=self.device),
             "part_lse": torch.empty((max(slots, 1), G), dtype=torch.float32, device=self.device),
-            "counters": torch.zeros((2 * batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
+            "counters": torch.zeros((batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
         }
 
     def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
