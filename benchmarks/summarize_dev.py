@@ -8,11 +8,15 @@ and results/nvidia-h200/bench_kernels.parquet (persistentkv bench-kernels): medi
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from trace_cta import call_table  # noqa: E402
 DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
 
 
@@ -29,16 +33,28 @@ def main() -> int:
         med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
         floor = df.groupby("case", sort=False)["floor_us"].first()
         base = [c for c in ("flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa") if c in med]
-        ours = [c for c in med.columns if c.startswith(("wq", "cl"))]
+        ours = [c for c in med.columns if c.startswith(("wq", "cl")) or c == "read"]
         table = med[ours].copy()
         table.insert(0, "floor", floor)
         table["best baseline"] = med[base].min(axis=1)
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2; clN = cluster route with C=N, "
               f"-1cta = one CTA per SM, w8/wq8 = 8-warp CTAs, -closed = closed-form chunk, -pdl / -nopdl = with / without "
-              f"programmatic dependent launch, -np = no L2 prefetch (variant names per file: benchmarks/NOTES.md); "
-              f"blank = variant not run for that case)")
+              f"programmatic dependent launch, -np = no L2 prefetch, read = a plain read of the case's bytes, not "
+              f"attention (variant names per file: benchmarks/NOTES.md); blank = variant not run for that case)")
         print(table.round(1).to_string())
         print(f"max rel err vs float64 over all variants: {df['rel_err'].max():.1e}")
+    for path in sorted(DEV.glob("trace_cta_*.parquet")):
+        df = pd.read_parquet(path)
+        if "variant" not in df:  # the first trace run had one module per warp count
+            df["variant"] = "base"
+        rows = []
+        for (case, warps, variant), d in df.groupby(["case", "warps", "variant"], sort=False):
+            stats = call_table(d, float(d.floor_us.iloc[0]))
+            rows.append({"case": case, "warps": warps, "variant": variant, "plain": d.plain_us.iloc[0], **stats})
+        print(f"\n{path.stem} (us; per-call medians of the CTA trace, benchmarks/trace_cta.py: period = release to "
+              f"next release, gap = previous call's last exit to this release, first = first stage landed, loop = "
+              f"last loop done, tail = last loop done to last exit, all from this call's release)")
+        print(pd.DataFrame(rows).round(2).to_string(index=False))
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
     if alone:
         df = pd.concat(alone)
