@@ -117,7 +117,7 @@ def test_counters_of_the_device_plan():
     _, _, plan, _, (batch, *_) = run_cluster(spec, [4096, 4000], 8)
     counters = plan.counters()
     assert counters["launches"] == 1 and counters["merge_ctas"] == 0 and counters["merge_state_bytes"] == 0
-    assert counters["h2d_bytes"] == plan.buffers["upload"].numel() * 4
+    assert counters["h2d_bytes"] == plan.buffers["packed"].numel() * 4
     assert plan.num_launches == 1
 
 

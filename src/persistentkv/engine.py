@@ -355,9 +355,8 @@ class DevicePlan:
     part_o/lse:  float32 partial states [slots, G, D] / [slots, G]
     counters:    int32 [B * Hkv], zero between launches (fused merge)
     packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
-    upload:      what was copied from the host (h2d_bytes): ``packed`` and, GPU-planned, the counters' zeros
 
-    Route ``cluster`` holds only ``packed`` (= ``upload``); its host equivalent is plan.plan_cluster.
+    Route ``cluster`` holds only ``packed``; its host equivalent is plan.plan_cluster.
     """
 
     route: str
@@ -383,8 +382,8 @@ class DevicePlan:
         """Workload counters (plan.StepCounters) of this step; computed on demand on the host."""
         host = self.host_plan if self.host_plan is not None else self._host_equivalent()
         counters = host.counters().to_dict()
-        if "upload" in self.buffers:  # GPU-planned: lengths, block table and the counters' zeros
-            counters["h2d_bytes"] = int(self.buffers["upload"].numel() * 4)
+        if "packed" in self.buffers:  # GPU-planned: only lengths and the block table were uploaded
+            counters["h2d_bytes"] = int(self.buffers["packed"].numel() * 4)
         return counters
 
 
@@ -513,33 +512,16 @@ class DecodeEngine:
     def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
         require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
                 f"batch size {batch.batch_size} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; use route workqueue_host")
-        torch, spec = self.torch, self.spec
+        spec = self.spec
         max_items = planner.max_workqueue_items(batch.batch_size, spec.num_kv_heads, target_items)
-        B, nnz = batch.batch_size, int(batch.kv_indices.size)
-        # Host work per plan is what a serving loop pays every step before its first launch, so the
-        # plan makes two device allocations and one asynchronous upload, and launches nothing but
-        # the planner. int32 layout (each part 16-byte aligned, items are read as int4):
-        #   seq_lens | indptr | indices (one 0 when empty) | counters (zeros) || num_items | items
-        # Everything before || is uploaded from pinned memory in one copy (the counters' zeros
-        # with it: no fill kernel); the planner writes num_items and items.
-        n_in = 2 * B + 1 + max(nnz, 1)
-        o_counters = -(-n_in // 4) * 4
-        o_num = -(-(o_counters + B * spec.num_kv_heads) // 4) * 4
-        o_items = o_num + 4
-        host = np.zeros(o_num, dtype=np.int32)
-        host[:B] = batch.seq_lens
-        host[B:2 * B + 1] = batch.kv_indptr
-        host[2 * B + 1:2 * B + 1 + nnz] = batch.kv_indices
-        dev = torch.empty(o_items + 8 * max_items, dtype=torch.int32, device=self.device)
-        dev[:o_num].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-        G, D = spec.group_size, spec.head_dim
-        states = torch.empty(max_items * G * (D + 1), dtype=torch.float32, device=self.device)
-        buffers = {"upload": dev[:o_num], "packed": dev[:2 * B + 1 + nnz],
-                   "kv_indices": dev[2 * B + 1:2 * B + 1 + max(nnz, 1)],
-                   "counters": dev[o_counters:o_counters + B * spec.num_kv_heads],
-                   "num_items": dev[o_num:o_num + 1], "items": dev[o_items:].view(max_items, 8),
-                   "part_o": states[:max_items * G * D].view(max_items, G, D),
-                   "part_lse": states[max_items * G * D:].view(max_items, G)}
+        # One upload of everything the planner and the kernels read: seq_lens | indptr | indices.
+        packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
+        dev = self._i32(packed)
+        B = batch.batch_size
+        buffers = self._workspace(max_items, B)
+        buffers.update(packed=dev, kv_indices=dev[2 * B + 1:] if batch.kv_indices.size else dev[:1],
+                       items=self.torch.empty((max_items, 8), dtype=self.torch.int32, device=self.device),
+                       num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
         plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
                                (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, min_chunk),
                                (_I32, planner.CHUNK_RULES.index(chunk_rule)), (_I32, max_items),
@@ -581,7 +563,7 @@ class DecodeEngine:
         smem = self._cluster_smem(function, smem_bytes)
         packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
         dev = self._i32(packed)
-        buffers = {"upload": dev, "packed": dev, "kv_indices": dev[2 * B + 1:] if batch.kv_indices.size else dev[:1]}
+        buffers = {"packed": dev, "kv_indices": dev[2 * B + 1:] if batch.kv_indices.size else dev[:1]}
         args = _ArgBlock([(_PTR, 0), (_PTR, 0), (_PTR, 0), (_PTR, 0),
                           (_PTR, buffers["kv_indices"].data_ptr()), (_PTR, dev.data_ptr()),
                           (_PTR, dev.data_ptr() + 4 * B),
