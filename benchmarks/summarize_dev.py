@@ -55,6 +55,12 @@ def main() -> int:
               f"next release, gap = previous call's last exit to this release, first = first stage landed, loop = "
               f"last loop done, tail = last loop done to last exit, all from this call's release)")
         print(pd.DataFrame(rows).round(2).to_string(index=False))
+    for path in sorted(DEV.glob("adaptive_overhead_*.parquet")):
+        df = pd.read_parquet(path)
+        med = df.groupby(["case", "backend"], sort=False)[["plan_host", "runs_host", "step", "layers"]].median()
+        print(f"\n{path.stem} (us, medians; benchmarks/adaptive_overhead.py: plan_host / runs_host = host time of "
+              f"plan() / of the 32 run() calls, step = plan + 32 layers synchronised, layers = 32 layers alone)")
+        print(med.round(1).to_string())
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
     if alone:
         df = pd.concat(alone)
