@@ -728,3 +728,32 @@ def test_adaptive_memo_plans_every_step_and_decides_rarely(policy_file):
     assert not exact.memo and exact.plan(make_batch(SPEC, [30099, 2099])).route == plan.route
     assert exact.memo_stats() == {"hits": 0, "misses": 0}
     assert not AdaptiveBackend(policy_file, registry=FakeRegistry(), policy="paper").memo
+
+
+def test_adaptive_finds_a_memo_decisions_delegate_by_identity(policy_file, monkeypatch):
+    """A memo hit reuses its Decision object, and the adaptive backend finds that decision's delegate
+    without rebuilding the options key; a decision it has not seen (or whose id was reused by
+    another object) goes through the full lookup, and the cache is bounded."""
+    from persistentkv.backends import adaptive as adaptive_module
+
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    assert backend.unavailable(SPEC) == []   # creates every candidate once, before the count
+    lookups = []
+    full = backend._delegate
+    monkeypatch.setattr(backend, "_delegate", lambda name, options: lookups.append(name) or full(name, options))
+    plans = [backend.plan(make_batch(SPEC, [30000 + step, 2000 + step])) for step in range(50)]
+    assert len({id(p.decision) for p in plans}) == backend.memo_stats()["misses"] == len(lookups)
+    assert all(p.delegate is backend._delegates[(p.route, tuple(sorted(p.decision.options.items())))]
+               for p in plans)
+    # a different Decision object with equal fields is looked up in full and gets the same delegate
+    other = type(plans[0].decision)(plans[0].decision.backend, dict(plans[0].decision.options), "copy")
+    assert backend._delegate_for(other) is plans[0].delegate and len(lookups) == len({id(p.decision) for p in plans}) + 1
+    monkeypatch.setattr(adaptive_module, "MAX_DECISIONS_HELD", 2)
+    for lengths in ([500], [70000] * 8, [5000, 90000]):
+        backend.plan(make_batch(SPEC, lengths))
+    assert len(backend._by_decision) <= 2
+    # the rule policies decide every step anew and never fill the cache
+    rules = AdaptiveBackend(policy_file, registry=FakeRegistry(), policy="thresholds")
+    for step in range(20):
+        rules.plan(make_batch(SPEC, [1000 + step]))
+    assert rules._by_decision == {}

@@ -19,6 +19,11 @@ from ..policy import POLICIES, Decision, DecisionMemo, Policy, load_policy
 from ..spec import AttentionSpec
 
 
+#: Memo decisions whose delegate AdaptiveBackend remembers by identity; the cache is emptied when
+#: it reaches this size (the memo holds at most policy.MEMO_MAX_ENTRIES decisions at a time).
+MAX_DECISIONS_HELD = 4096
+
+
 @dataclass(frozen=True)
 class AdaptivePlan:
     """One step's decision and the chosen delegate's own plan.
@@ -67,6 +72,12 @@ class AdaptiveBackend:
         self._delegates: dict[tuple, Any] = {}
         self._usable: dict[AttentionSpec, tuple[str, ...]] = {}
         self._memos: dict[tuple[str, ...], DecisionMemo] = {}
+        #: spec -> (usable candidates, their memo or None): one lookup per step
+        self._per_spec: dict[AttentionSpec, tuple] = {}
+        #: id(decision) -> (decision, delegate): a memo hit returns the same Decision object, so
+        #: its delegate is found without rebuilding the options key (the entry holds the decision,
+        #: so its id cannot be reused while the entry lives)
+        self._by_decision: dict[int, tuple] = {}
 
     # -- helpers
     def _load(self) -> Policy:
@@ -120,20 +131,41 @@ class AdaptiveBackend:
                     f"(no fitted cost model for any of {', '.join(policy.candidates)})"]
         return [f"no candidate of policy {self.policy_path} can run here: " + " | ".join(reasons)]
 
-    def plan(self, batch: Batch) -> AdaptivePlan:
-        if batch.spec not in self._usable:
-            reasons = self.unavailable(batch.spec)
-            require(not reasons, f"{self.name} cannot run this spec: {'; '.join(reasons)}")
-        usable = self._usable[batch.spec]
-        require(usable, f"{self.name}: no candidate backend can run this spec")
-        if self.memo:
-            memo = self._memos.get(usable)
-            if memo is None:
-                memo = self._memos[usable] = DecisionMemo(self._load(), usable)
-            decision = memo.decide(batch)
-        else:
-            decision = self._load().decide(batch, self.kind, usable)
+    def _for_spec(self, spec: AttentionSpec) -> tuple:
+        """(usable candidates, their DecisionMemo or None) for ``spec``, checked once."""
+        entry = self._per_spec.get(spec)
+        if entry is None:
+            if spec not in self._usable:
+                reasons = self.unavailable(spec)
+                require(not reasons, f"{self.name} cannot run this spec: {'; '.join(reasons)}")
+            usable = self._usable[spec]
+            require(usable, f"{self.name}: no candidate backend can run this spec")
+            memo = None
+            if self.memo:
+                memo = self._memos.get(usable)
+                if memo is None:
+                    memo = self._memos[usable] = DecisionMemo(self._load(), usable)
+            entry = self._per_spec[spec] = (usable, memo)
+        return entry
+
+    def _delegate_for(self, decision: Decision) -> Any:
+        hit = self._by_decision.get(id(decision))
+        if hit is not None and hit[0] is decision:
+            return hit[1]
         delegate = self._delegate(decision.backend, decision.options)
+        if len(self._by_decision) >= MAX_DECISIONS_HELD:
+            self._by_decision.clear()
+        self._by_decision[id(decision)] = (decision, delegate)
+        return delegate
+
+    def plan(self, batch: Batch) -> AdaptivePlan:
+        usable, memo = self._for_spec(batch.spec)
+        if memo is not None:
+            decision = memo.decide(batch)
+            delegate = self._delegate_for(decision)
+        else:  # the rule policies decide every step anew
+            decision = self._load().decide(batch, self.kind, usable)
+            delegate = self._delegate(decision.backend, decision.options)
         inner = delegate.plan(batch)
         self.last_decision = decision
         self._last_delegate = delegate
