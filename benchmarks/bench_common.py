@@ -73,13 +73,14 @@ class PlainRead:
         import torch
 
         from persistentkv import ceiling
+        from persistentkv.measure.rotation import cold_copies
 
         self.kernel = ceiling._read_kernel()
         self.nbytes = (nbytes + 15) // 16 * 16
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.grid = props.multi_processor_count * ceiling.BLOCKS_PER_SM
         self.block = ceiling.THREADS
-        count = max(1, min(max_copies, math.ceil(factor * props.L2_cache_size / self.nbytes)))
+        count = min(max_copies, cold_copies(nbytes, props.L2_cache_size, factor))
         self.buffers = []
         for _ in range(count):
             buf = torch.full((self.nbytes,), 0x5A, dtype=torch.uint8, device="cuda")

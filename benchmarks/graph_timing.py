@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 
@@ -11,7 +9,9 @@ def rotated_copies(spec, batch, l2_bytes: int, factor: float = 3.0, max_copies: 
     """(copies, q): R views of one KV tensor, R x case bytes >= factor x L2, and queries; fp16 normals."""
     import torch
 
-    R = max(1, min(max_copies, math.ceil(factor * l2_bytes / batch.kv_bytes)))
+    from persistentkv.measure.rotation import cold_copies
+
+    R = min(max_copies, cold_copies(batch.kv_bytes, l2_bytes, factor))
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = batch.num_pages
     shape = (R * pages, spec.page_size, spec.num_kv_heads, spec.head_dim)

@@ -78,18 +78,8 @@ def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
 
 
 def graph_us(graph, calls: int, repeats: int = 7) -> float:
-    import torch
-
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    """Median us per call of ``repeats`` replays of one graph (graph_timing.time_replays)."""
+    return statistics.median(time_replays({"graph": graph}, repeats, calls)["graph"])
 
 
 def read_trace(engine) -> np.ndarray:
