@@ -175,7 +175,9 @@ def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS, warps=
     occupancy = 2 if warps == 4 else 1
     engine.target_items = occupancy * num_sms
     engine.warps = warps
-    engine.scale_log2 = np.float32(1.0)
+    engine.scale_log2 = 1.0
+    engine._log2_page = 4
+    engine._plan_function = 0
     engine.min_chunk_tiles = min_chunk_tiles_for(warps)
     engine.module = _Module({}, 3 * 2 * stage_tokens(warps) * 128 * 2, 32 * warps, stage_tokens(warps), 3, occupancy,
                             {c: 0 for c in planner.CLUSTER_SIZES}, cluster16_error, 232448, {})
@@ -251,7 +253,7 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     that; launches without PDL never set it."""
     from types import SimpleNamespace
 
-    from persistentkv.engine import _I32, _PTR, DECODE_EARLY, DevicePlan, _ArgBlock, _Launch
+    from persistentkv.engine import DecodeArgs, DevicePlan, MergeArgs, PlanArgs, _arg_block, _Launch
 
     engine = cpu_engine()
     engine.device = SimpleNamespace(index=0)
@@ -260,15 +262,15 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append((function, None)))
 
     def decode(function, pdl=True):
-        args = _ArgBlock([(_PTR, 0)] * DECODE_EARLY + [(_I32, 7)])
+        args = _arg_block(DecodeArgs, *[0] * 21, 7)
         launch = _Launch("decode", 4, args, function)
         if pdl:
-            launch.pdl = lambda stream, l=launch: seen.append((l.function, l.args.slots[DECODE_EARLY].value))
+            launch.pdl = lambda stream, l=launch: seen.append((l.function, l.args.early))
         return launch
 
-    merge = _Launch("merge", 2, _ArgBlock([(_PTR, 0)] * 7), 9)
+    merge = _Launch("merge", 2, _arg_block(MergeArgs, *[0] * 7), 9)
     fake = SimpleNamespace(data_ptr=lambda: 0, stride=lambda: (0, 0, 0, 0))
-    plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _ArgBlock([(_PTR, 0)]), 5), decode(1), merge,
+    plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _arg_block(PlanArgs, *[0] * 10), 5), decode(1), merge,
                                                    decode(2)])
     engine.run(fake, (fake, fake), plan, fake, check=False)
     assert seen == [(1, 0), (9, None), (2, 1)]
@@ -282,7 +284,7 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     plain = DevicePlan("workqueue_host", engine.spec, 1, [decode(3, pdl=False)])
     seen.clear()
     engine.run(fake, (fake, fake), plain, fake, check=False)
-    assert seen == [(3, None)] and plain.launches[0].args.slots[DECODE_EARLY].value == 7
+    assert seen == [(3, None)] and plain.launches[0].args.early == 7
 
 
 def test_pdl_launch_api_is_absent_without_a_driver(monkeypatch):

@@ -401,3 +401,27 @@ def test_choose_warps_worked_numbers():
     assert WARPS8_MAX_SKEW == 1.25
     with pytest.raises(PKVError, match="at least one row"):
         choose_warps([], 128)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 65, 512])
+def test_choose_warps_equals_the_numpy_rule_on_both_paths(rows):
+    """Up to 64 rows choose_warps sums a Python list, above it uses numpy; both give the rule
+    max > skew * mean, including rows sitting exactly on the threshold."""
+    from persistentkv.plan import WARPS8_MAX_SKEW, choose_warps
+
+    rng = np.random.default_rng(rows)
+    for trial in range(200):
+        seq = rng.integers(1, 1 << 20, size=rows).astype(np.int32)
+        if trial % 4 == 0:  # balanced rows around the threshold
+            seq = rng.integers(1000, 1300, size=rows).astype(np.int32)
+        expect = 4 if float(seq.max()) > WARPS8_MAX_SKEW * float(seq.astype(np.int64).mean()) else 8
+        assert choose_warps(seq, 128) == expect
+        assert choose_warps(seq.tolist(), 128) == expect
+
+
+def test_choose_warps_exactly_on_the_threshold_keeps_8_warps():
+    """max == 1.25 x mean is not skewed, on the Python path (5 rows) and numpy's (65 rows)."""
+    from persistentkv.plan import choose_warps
+
+    assert choose_warps([3, 3, 3, 3, 4], 128) == 8 and choose_warps([3, 3, 3, 3, 5], 128) == 4
+    assert choose_warps([51] * 64 + [64], 128) == 8 and choose_warps([51] * 64 + [65], 128) == 4

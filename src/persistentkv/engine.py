@@ -165,24 +165,54 @@ def gpu_reasons() -> list[str]:
     return cuda_reasons() or missing_module("cupy")
 
 
-class _ArgBlock:
-    """A kernel's parameter block, kept alive between launches.
+_PTR, _I32, _I64, _F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+def _arg_layout(name: str, fields: list) -> type:
+    """A ctypes Structure holding one kernel's parameter values (``fields``: (name, ctype) in the
+    kernel's order) followed by ``_params``, the array of pointers to each value that
+    cuLaunchKernel takes. Field names are the kernel's parameter names, so ``run`` rewrites its
+    per-call values by name (``args.q = ...``)."""
+    layout = type(name, (ctypes.Structure,), {"_fields_": [*fields, ("_params", ctypes.c_void_p * len(fields))]})
+    layout.offsets = np.array([getattr(layout, f).offset for f, _ in fields], dtype=np.uint64)
+    layout.params_offset = layout._params.offset
+    return layout
+
+
+def _arg_block(layout: type, *values):
+    """A kernel's parameter block, kept alive between launches (a ``layout`` instance).
 
     cuLaunchKernel copies parameter values at launch (and a graph capture records them), so one
-    block per launch is built at plan time and ``run`` only rewrites the per-call slots (tensor
-    pointers and strides) before handing the block's address to the driver: this keeps the host
-    cost of a launch to a few ctypes stores and one driver call.
-    """
-
-    __slots__ = ("slots", "array", "address")
-
-    def __init__(self, values: list):
-        self.slots = [ctype(value) for ctype, value in values]
-        self.array = (ctypes.c_void_p * len(self.slots))(*[ctypes.addressof(slot) for slot in self.slots])
-        self.address = ctypes.addressof(self.array)
+    block per launch is built at plan time and ``run`` only rewrites the per-call values (tensor
+    pointers and strides) before handing ``block.address`` (its pointer array) to the driver: a
+    launch costs a few ctypes stores and one driver call. Building a block is one Structure and
+    one vector add for the pointer array (a plan builds two of them on its host path)."""
+    block = layout(*values)
+    base = ctypes.addressof(block)
+    np.add(layout.offsets, base, out=np.frombuffer(block._params, dtype=np.uint64))
+    block.address = base + layout.params_offset
+    return block
 
 
-_PTR, _I32, _I64, _F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_DECODE_COMMON = [("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("kv_indices", _PTR)]
+_STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh")]
+#: pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS)
+DecodeArgs = _arg_layout("DecodeArgs", [
+    *_DECODE_COMMON, ("items", _PTR), ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR),
+    ("counters", _PTR), ("slot_offset", _I32), ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32),
+    *_STRIDES, ("scale_log2", _F32), ("early", _I32)])
+#: pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): the same per-call names as DecodeArgs
+ClusterArgs = _arg_layout("ClusterArgs", [
+    *_DECODE_COMMON, ("seq_lens", _PTR), ("kv_indptr", _PTR), ("num_kv_heads", _I32), ("group_size", _I32),
+    ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32)])
+#: pkv_merge
+MergeArgs = _arg_layout("MergeArgs", [
+    ("groups", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("out", _PTR), ("group_size", _I32),
+    ("o_sb", _I64), ("o_sh", _I64)])
+#: pkv_plan
+PlanArgs = _arg_layout("PlanArgs", [
+    ("seq_lens", _PTR), ("kv_indptr", _PTR), ("batch", _I32), ("num_kv_heads", _I32), ("target_items", _I32),
+    ("min_chunk_tiles", _I32), ("chunk_rule", _I32), ("max_items", _I32), ("items", _PTR), ("num_items", _PTR)])
 
 
 class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
@@ -318,26 +348,15 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tu
                    smem_optin, {ptr: smem for ptr in cluster_functions.values()}, module)
 
 
-# Parameter slots of pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS).
-DECODE_Q, DECODE_K, DECODE_V, DECODE_OUT = 0, 1, 2, 3
-DECODE_STRIDES = 14  # kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh
-DECODE_EARLY = 21    # early: read the item and page ids before griddepcontrol.wait
-# pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): q, k, v, out in the same slots; strides from slot 10.
-CLUSTER_STRIDES = 10
-
-
 @dataclass
 class _Launch:
-    kind: str         # decode | fused | merge | plan | cluster
+    kind: str          # decode | fused | merge | plan | cluster
     grid: int
-    args: _ArgBlock   # parameter block; per-call slots are rewritten by run()
+    args: Any          # parameter block (_arg_block); per-call values are rewritten by run()
     function: int = 0  # CUfunction
     threads: int = 0
     smem: int = 0
-    strides: int = DECODE_STRIDES  # first stride slot of a decode-like launch
     pdl: Any = None    # a _PDLLaunch when this launch uses programmatic dependent launch
-# Parameter slots of pkv_merge: (groups, part_o, part_lse, out, group_size, o_sb, o_sh).
-MERGE_OUT, MERGE_STRIDES = 3, 5
 
 
 def _ensure_launch_api():
@@ -356,7 +375,12 @@ class DevicePlan:
     counters:    int32 [B * Hkv], zero between launches (fused merge)
     packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
 
-    Route ``cluster`` holds only ``packed``; its host equivalent is plan.plan_cluster.
+    ``view(name)`` returns any of these. A GPU-planned plan keeps its int32 parts in one device
+    tensor and its states in another (two allocations on the host path of a step; the views are
+    made when asked for, since each costs microseconds of host time); ``buffers`` holds those
+    tensors, ``packed`` and, GPU-planned, ``upload`` (what one pinned copy uploaded: ``packed``
+    and the counters' zeros). Route ``cluster`` holds only ``packed`` (= ``upload``); its host
+    equivalent is plan.plan_cluster.
     """
 
     route: str
@@ -373,17 +397,29 @@ class DevicePlan:
     early_ok: bool = False
     #: warps per CTA of the module that planned it (its launches run only on that module)
     warps: int = DEFAULT_WARPS
+    #: name -> (tensor in buffers, first element, element count, shape) of the views made on demand
+    regions: dict = field(default_factory=dict)
 
     @property
     def num_launches(self) -> int:
         return sum(1 for l in self.launches if l.kind != "plan")
 
+    def view(self, name: str):
+        """The named buffer (``items``, ``num_items``, ``counters``, ``part_o``, ``part_lse``,
+        ``packed``, ...) as a tensor on the device, or a PKVError naming those this plan has."""
+        if name in self.buffers:
+            return self.buffers[name]
+        require(name in self.regions, f"a {self.route} plan has no buffer {name!r}; it has "
+                                      f"{', '.join(sorted({*self.buffers, *self.regions}))}")
+        base, start, count, shape = self.regions[name]
+        return self.buffers[base][start:start + count].view(shape)
+
     def counters(self) -> dict:
         """Workload counters (plan.StepCounters) of this step; computed on demand on the host."""
         host = self.host_plan if self.host_plan is not None else self._host_equivalent()
         counters = host.counters().to_dict()
-        if "packed" in self.buffers:  # GPU-planned: only lengths and the block table were uploaded
-            counters["h2d_bytes"] = int(self.buffers["packed"].numel() * 4)
+        if "upload" in self.buffers:  # GPU-planned and cluster: what one copy uploaded
+            counters["h2d_bytes"] = int(self.buffers["upload"].numel() * 4)
         return counters
 
 
@@ -427,7 +463,9 @@ class DecodeEngine:
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._raw_stream = raw if raw is not None else (
             lambda index: torch.cuda.current_stream(index).cuda_stream)
-        self.scale_log2 = np.float32(LOG2E / math.sqrt(spec.head_dim))
+        self.scale_log2 = float(np.float32(LOG2E / math.sqrt(spec.head_dim)))
+        self._log2_page = int(math.log2(spec.page_size))
+        self._plan_function = self.module.functions["pkv_plan"].ptr
         self._last_check = None
 
     # ------------------------------------------------------------------ planning
@@ -453,20 +491,24 @@ class DecodeEngine:
         (default plan.default_cluster_size) and ``cluster_smem_bytes`` (dynamic shared memory per
         CTA, default the kernel's; ask for more than half an SM's to force one CTA per SM) for
         the cluster route."""
-        require(route in ROUTES, f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
-        require(batch.spec == self.spec, f"batch spec {batch.spec} != engine spec {self.spec}")
+        # A serving loop pays this method's host time before every step's first launch: the
+        # checks build their messages only when they fail.
+        if route not in ROUTES:
+            raise PKVError(f"unknown route {route!r}; expected one of {', '.join(ROUTES)}")
+        if batch.spec != self.spec:
+            raise PKVError(f"batch spec {batch.spec} != engine spec {self.spec}")
         if route == "cluster":
             return self._plan_cluster(batch, cluster_size, cluster_smem_bytes)
-        require(cluster_size is None and cluster_smem_bytes is None,
-                f"cluster_size and cluster_smem_bytes apply to route cluster, not {route}")
+        if cluster_size is not None or cluster_smem_bytes is not None:
+            raise PKVError(f"cluster_size and cluster_smem_bytes apply to route cluster, not {route}")
         target = int(target_items or self.target_items)
         min_chunk = int(min_chunk_tiles or self.min_chunk_tiles)
-        require(chunk_rule in planner.CHUNK_RULES,
-                f"chunk_rule must be one of {', '.join(planner.CHUNK_RULES)}, got {chunk_rule!r}")
-        require(chunk_rule == "min" or route in ("workqueue", "workqueue_host"),
-                f"chunk_rule applies to the workqueue routes, not {route}")
+        if chunk_rule not in planner.CHUNK_RULES:
+            raise PKVError(f"chunk_rule must be one of {', '.join(planner.CHUNK_RULES)}, got {chunk_rule!r}")
         if route == "workqueue":
             return self._plan_device(batch, target, min_chunk, chunk_rule)
+        require(chunk_rule == "min" or route == "workqueue_host",
+                f"chunk_rule applies to the workqueue routes, not {route}")
         if route == "workqueue_host":
             host = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=min_chunk, fused_merge=True,
                                           chunk_rule=chunk_rule)
@@ -476,16 +518,13 @@ class DecodeEngine:
             host = planner.plan_split(batch, num_splits=int(num_splits))
         return self._upload(batch, host, route)
 
-    def _decode_launch(self, kind: str, grid: int, buffers: dict, num_items_ptr: int, slot_offset: int) -> _Launch:
+    def _decode_launch(self, kind: str, grid: int, kv_indices: int, items: int, num_items: int, part_o: int,
+                       part_lse: int, counters: int, slot_offset: int) -> _Launch:
+        """A decode launch over the given device addresses (its q/k/v/out and strides are run()'s)."""
         spec, mod = self.spec, self.module
-        args = _ArgBlock([(_PTR, 0), (_PTR, 0), (_PTR, 0), (_PTR, 0),
-                          (_PTR, buffers["kv_indices"].data_ptr()), (_PTR, buffers["items"].data_ptr()),
-                          (_PTR, num_items_ptr), (_PTR, buffers["part_o"].data_ptr()),
-                          (_PTR, buffers["part_lse"].data_ptr()), (_PTR, buffers["counters"].data_ptr()),
-                          (_I32, slot_offset), (_I32, spec.num_kv_heads), (_I32, spec.group_size),
-                          (_I32, int(math.log2(spec.page_size))),
-                          (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0),
-                          (_F32, float(self.scale_log2)), (_I32, 0)])
+        args = _arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
+                          slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
+                          self.scale_log2, 0)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
         pdl = _PDLLaunch(function, grid, mod.threads, mod.smem_bytes, args.address) if self.pdl else None
         return _Launch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
@@ -497,41 +536,66 @@ class DecodeEngine:
         buffers = self._workspace(host.num_items, batch.batch_size)
         buffers.update(items=self._i32(items8), kv_indices=self._i32(batch.kv_indices if batch.kv_indices.size else [0]),
                        merge_groups=self._i32(host.merge_groups if host.merge_groups.size else np.zeros((1, 4))))
+        ptr = {name: t.data_ptr() for name, t in buffers.items()}
         launches = []
         for launch in host.launches:
             if launch.kind == "merge":
-                args = _ArgBlock([(_PTR, buffers["merge_groups"].data_ptr() + 16 * launch.start),
-                                  (_PTR, buffers["part_o"].data_ptr()), (_PTR, buffers["part_lse"].data_ptr()),
-                                  (_PTR, 0), (_I32, self.spec.group_size), (_I64, 0), (_I64, 0)])
+                args = _arg_block(MergeArgs, ptr["merge_groups"] + 16 * launch.start, ptr["part_o"], ptr["part_lse"],
+                                  0, self.spec.group_size, 0, 0)
                 launches.append(_Launch("merge", launch.size, args, self.module.functions["pkv_merge"].ptr,
                                         self.module.threads, 0))
             elif launch.size:
-                launches.append(self._decode_launch(launch.kind, launch.size, buffers, 0, launch.start))
+                launches.append(self._decode_launch(launch.kind, launch.size, ptr["kv_indices"], ptr["items"], 0,
+                                                    ptr["part_o"], ptr["part_lse"], ptr["counters"], launch.start))
         return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps)
 
     def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
-        require(batch.batch_size <= GPU_PLAN_MAX_ROWS,
-                f"batch size {batch.batch_size} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; use route workqueue_host")
-        spec = self.spec
-        max_items = planner.max_workqueue_items(batch.batch_size, spec.num_kv_heads, target_items)
-        # One upload of everything the planner and the kernels read: seq_lens | indptr | indices.
-        packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
-        dev = self._i32(packed)
-        B = batch.batch_size
-        buffers = self._workspace(max_items, B)
-        buffers.update(packed=dev, kv_indices=dev[2 * B + 1:] if batch.kv_indices.size else dev[:1],
-                       items=self.torch.empty((max_items, 8), dtype=self.torch.int32, device=self.device),
-                       num_items=self.torch.zeros((1,), dtype=self.torch.int32, device=self.device))
-        plan_args = _ArgBlock([(_PTR, dev.data_ptr()), (_PTR, dev.data_ptr() + 4 * B), (_I32, B),
-                               (_I32, spec.num_kv_heads), (_I32, target_items), (_I32, min_chunk),
-                               (_I32, planner.CHUNK_RULES.index(chunk_rule)), (_I32, max_items),
-                               (_PTR, buffers["items"].data_ptr()), (_PTR, buffers["num_items"].data_ptr())])
-        launches = [_Launch("plan", 1, plan_args, self.module.functions["pkv_plan"].ptr, PLAN_THREADS, 0),
-                    self._decode_launch("fused", max_items, buffers, buffers["num_items"].data_ptr(), 0)]
-        plan = DevicePlan("workqueue", spec, B, launches, buffers, None, warps=self.warps, _host_equivalent=
-                          lambda: planner.plan_workqueue(batch, target_items=target_items, min_chunk_tiles=min_chunk,
-                                                         chunk_rule=chunk_rule))
-        self._launch(plan.launches[0], self._stream())
+        """The GPU-planned queue. Its host work is what a serving loop pays before each step's
+        first launch, so it makes two device allocations (int32 parts, float32 states), one
+        asynchronous copy from pinned memory (torch's caching host allocator keeps the staging
+        block until the copy is done), no fill kernel and no tensor views, then launches the
+        planner. int32 layout, each part 16-byte aligned (items are read as int4):
+            seq_lens | indptr | indices (one 0 when empty) | counters (zeros) || num_items | items
+        everything before || uploaded in that one copy; the planner writes num_items and items."""
+        B, nnz, spec, torch = batch.batch_size, int(batch.kv_indices.size), self.spec, self.torch
+        if B > GPU_PLAN_MAX_ROWS:
+            raise PKVError(f"batch size {B} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; "
+                           f"use route workqueue_host")
+        max_items = planner.max_workqueue_items(B, spec.num_kv_heads, target_items)
+        n_packed = 2 * B + 1 + nnz
+        o_counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
+        n_counters = B * spec.num_kv_heads
+        o_num = (o_counters + n_counters + 3) & ~3
+        o_items = o_num + 4
+        staging = torch.empty((o_num,), dtype=torch.int32, pin_memory=True)
+        host = staging.numpy()
+        host[:B] = batch.seq_lens
+        host[B:2 * B + 1] = batch.kv_indptr
+        host[2 * B + 1:n_packed] = batch.kv_indices
+        host[n_packed:] = 0
+        dev = torch.empty((o_items + 8 * max_items,), dtype=torch.int32, device=self.device)
+        upload = dev[:o_num]
+        upload.copy_(staging, non_blocking=True)
+        G, D = spec.group_size, spec.head_dim
+        states = torch.empty((max_items * G * (D + 1),), dtype=torch.float32, device=self.device)
+        base, sbase = dev.data_ptr(), states.data_ptr()
+        items, num_items = base + 4 * o_items, base + 4 * o_num
+        part_o, part_lse = sbase, sbase + 4 * max_items * G * D
+        plan_args = _arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk,
+                               planner.CHUNK_RULES.index(chunk_rule), max_items, items, num_items)
+        launches = [_Launch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
+                    self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, part_o,
+                                        part_lse, base + 4 * o_counters, 0)]
+        regions = {"packed": ("i32", 0, n_packed, (n_packed,)),
+                   "kv_indices": ("i32", 2 * B + 1, max(nnz, 1), (max(nnz, 1),)),
+                   "counters": ("i32", o_counters, n_counters, (n_counters,)),
+                   "num_items": ("i32", o_num, 1, (1,)), "items": ("i32", o_items, 8 * max_items, (max_items, 8)),
+                   "part_o": ("states", 0, max_items * G * D, (max_items, G, D)),
+                   "part_lse": ("states", max_items * G * D, max_items * G, (max_items, G))}
+        plan = DevicePlan("workqueue", spec, B, launches, {"i32": dev, "states": states, "upload": upload}, None,
+                          warps=self.warps, regions=regions, _host_equivalent=lambda: planner.plan_workqueue(
+                              batch, target_items=target_items, min_chunk_tiles=min_chunk, chunk_rule=chunk_rule))
+        self._launch(launches[0], self._stream())
         return plan
 
     def cluster_size_for(self, batch_size: int, cluster_size: int | None = None) -> int:
@@ -563,15 +627,11 @@ class DecodeEngine:
         smem = self._cluster_smem(function, smem_bytes)
         packed = np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]).astype(np.int32)
         dev = self._i32(packed)
-        buffers = {"packed": dev, "kv_indices": dev[2 * B + 1:] if batch.kv_indices.size else dev[:1]}
-        args = _ArgBlock([(_PTR, 0), (_PTR, 0), (_PTR, 0), (_PTR, 0),
-                          (_PTR, buffers["kv_indices"].data_ptr()), (_PTR, dev.data_ptr()),
-                          (_PTR, dev.data_ptr() + 4 * B),
-                          (_I32, spec.num_kv_heads), (_I32, spec.group_size), (_I32, int(math.log2(spec.page_size))),
-                          (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0), (_I64, 0),
-                          (_F32, float(self.scale_log2))])
-        launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem,
-                         CLUSTER_STRIDES)
+        buffers = {"packed": dev, "upload": dev, "kv_indices": dev[2 * B + 1:] if batch.kv_indices.size else dev[:1]}
+        base = dev.data_ptr()
+        args = _arg_block(ClusterArgs, 0, 0, 0, 0, buffers["kv_indices"].data_ptr(), base, base + 4 * B,
+                          spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0, self.scale_log2)
+        launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem)
         return DevicePlan("cluster", spec, B, [launch], buffers, None,
                           lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps)
 
@@ -640,26 +700,16 @@ class DecodeEngine:
             kind = launch.kind
             if kind == "plan":
                 continue
-            slots = launch.args.slots
+            args = launch.args
+            args.out = o_ptr
             if kind == "merge":
-                slots[MERGE_OUT].value = o_ptr
-                slots[MERGE_STRIDES].value = os_[0]
-                slots[MERGE_STRIDES + 1].value = os_[1]
+                args.o_sb, args.o_sh = os_[0], os_[1]
             else:
-                slots[DECODE_Q].value = q_ptr
-                slots[DECODE_K].value = k_ptr
-                slots[DECODE_V].value = v_ptr
-                slots[DECODE_OUT].value = o_ptr
-                first = launch.strides
-                slots[first].value = ks[0]
-                slots[first + 1].value = ks[1]
-                slots[first + 2].value = qs[0]
-                slots[first + 3].value = qs[1]
-                slots[first + 4].value = os_[0]
-                slots[first + 5].value = os_[1]
+                args.q, args.k, args.v = q_ptr, k_ptr, v_ptr
+                args.kv_sp, args.kv_st, args.q_sb, args.q_sh, args.o_sb, args.o_sh = ks[0], ks[1], qs[0], qs[1], os_[0], os_[1]
                 if launch.pdl is not None:
-                    slots[DECODE_EARLY].value = int(plan.early_ok)
-                    self._launch(launch, stream)
+                    args.early = plan.early_ok
+                    launch.pdl(stream)
                     plan.early_ok = True
                     continue
             self._launch(launch, stream)
@@ -668,8 +718,8 @@ class DecodeEngine:
         """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""
         require(plan.route != "cluster", "a cluster plan has no item buffer (its kernel computes the ranges of "
                                          "plan.plan_cluster); use plan.counters() or plan.plan_cluster")
-        items = plan.buffers["items"].cpu().numpy()
-        n = int(plan.buffers["num_items"].item()) if "num_items" in plan.buffers else plan.host_plan.num_items
+        items = plan.view("items").cpu().numpy()
+        n = plan.host_plan.num_items if plan.host_plan is not None else int(plan.view("num_items").item())
         return items[:n, :4]
 
 

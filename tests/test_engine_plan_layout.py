@@ -1,0 +1,170 @@
+"""The GPU plan's host side without a GPU: its one upload, its two device allocations and the
+addresses its launches get (DecodeEngine._plan_device with a NumPy stand-in for torch).
+
+The kernels read these addresses blind, so a wrong offset would be a silent wrong answer on the
+GPU; here every pointer in the planner's and the decode kernel's parameter blocks is checked
+against the named views of the plan, and the uploaded bytes against the batch."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from persistentkv import plan as planner
+from persistentkv.cache import make_batch
+from persistentkv.spec import AttentionSpec
+
+from test_cluster_plan import cpu_engine
+
+
+class FakeTensor:
+    """The few torch.Tensor methods _plan_device and DevicePlan.view use, over a NumPy array."""
+
+    def __init__(self, array: np.ndarray, log: list):
+        self.a, self.log = array, log
+
+    def numpy(self):
+        return self.a
+
+    def data_ptr(self) -> int:
+        return self.a.ctypes.data
+
+    def numel(self) -> int:
+        return self.a.size
+
+    def __getitem__(self, index):
+        return FakeTensor(self.a[index], self.log)
+
+    def view(self, shape):
+        return FakeTensor(self.a.reshape(shape), self.log)
+
+    def copy_(self, src, non_blocking=False):
+        self.log.append(("copy", src.data_ptr(), self.data_ptr(), src.numel(), non_blocking))
+        self.a[...] = src.a
+        return self
+
+
+class FakeTorch:
+    int32, float32 = np.int32, np.float32
+
+    def __init__(self):
+        self.log = []
+
+    def empty(self, shape, dtype, device=None, pin_memory=False):
+        self.log.append(("pinned" if pin_memory else "device", dtype, shape))
+        fill = -7 if dtype == np.int32 else np.nan  # garbage: anything the plan relies on is written
+        return FakeTensor(np.full(shape, fill, dtype=dtype), self.log)
+
+
+def fake_engine(warps=4):
+    engine = cpu_engine(warps=warps)
+    engine.torch = FakeTorch()
+    engine.device = SimpleNamespace(index=0)
+    engine.pdl = False
+    engine.module.functions = {name: SimpleNamespace(ptr=i + 1) for i, name in
+                               enumerate(("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan"))}
+    engine._plan_function = 4
+    engine._raw_stream = lambda index: 0
+    launched = []
+    engine._launch = lambda launch, stream: launched.append(launch)
+    return engine, launched
+
+
+def args_of(block) -> dict:
+    return {name: getattr(block, name) for name, _ in block._fields_ if name != "_params"}
+
+
+@pytest.mark.parametrize("lengths,hole_fraction", [([8200], 0.0), ([4096] * 8, 0.5), ([1, 17, 16, 300, 2049], 0.3)])
+def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hole_fraction):
+    engine, launched = fake_engine()
+    batch = make_batch(engine.spec, lengths, hole_fraction=hole_fraction, seed=3)
+    B, nnz, spec = batch.batch_size, batch.kv_indices.size, engine.spec
+    plan = engine.plan(batch, "workqueue")
+    log = engine.torch.log
+
+    # one pinned staging block, two device allocations, one asynchronous copy, nothing else
+    assert [entry[0] for entry in log] == ["pinned", "device", "copy", "device"]
+    copy = log[2]
+    assert copy[4] is True and copy[2] == plan.buffers["i32"].data_ptr()
+    assert copy[3] == plan.buffers["upload"].numel()
+    max_items = planner.max_workqueue_items(B, spec.num_kv_heads, engine.target_items)
+    assert log[3][2] == (max_items * spec.group_size * (spec.head_dim + 1),)
+
+    # what was uploaded: lengths, indptr and block table, then zeros (index pad, counters)
+    packed = plan.view("packed").numpy()
+    assert packed.tolist() == [*batch.seq_lens, *batch.kv_indptr, *batch.kv_indices]
+    assert plan.view("kv_indices").numpy().tolist() == batch.kv_indices.tolist()
+    assert (plan.view("counters").numpy() == 0).all() and plan.view("counters").numel() == B * spec.num_kv_heads
+    upload = plan.buffers["upload"].numpy()
+    assert (upload[packed.size:] == 0).all()
+    assert plan.counters()["h2d_bytes"] == upload.size * 4
+
+    # the planner's launch (made by plan(), before any run) writes items and num_items
+    assert launched == [plan.launches[0]] and plan.launches[0].kind == "plan" and not plan.early_ok
+    p = args_of(plan.launches[0].args)
+    assert p["seq_lens"] == plan.view("packed").data_ptr()
+    assert p["kv_indptr"] == plan.view("packed").data_ptr() + 4 * B
+    assert (p["batch"], p["num_kv_heads"], p["max_items"]) == (B, spec.num_kv_heads, max_items)
+    assert (p["target_items"], p["min_chunk_tiles"]) == (engine.target_items, engine.min_chunk_tiles)
+    assert p["items"] == plan.view("items").data_ptr() and p["num_items"] == plan.view("num_items").data_ptr()
+    assert plan.view("items").numpy().shape == (max_items, 8)
+
+    # the fused decode launch reads the same views
+    (decode,) = [l for l in plan.launches if l.kind == "fused"]
+    d = args_of(decode.args)
+    assert decode.grid == max_items
+    for name in ("kv_indices", "items", "num_items", "part_o", "part_lse", "counters"):
+        assert d[name] == plan.view(name).data_ptr(), name
+    assert (d["slot_offset"], d["num_kv_heads"], d["group_size"], d["log2_page"]) == \
+        (0, spec.num_kv_heads, spec.group_size, 4)
+
+    # alignment the kernel assumes (items read as int4) and no overlap between the parts
+    base = plan.buffers["i32"].data_ptr()
+    assert (d["items"] - base) % 16 == 0 and (d["counters"] - base) % 16 == 0
+    spans = sorted((plan.view(n).data_ptr(), plan.view(n).data_ptr() + 4 * plan.view(n).numel())
+                   for n in ("packed", "counters", "num_items", "items"))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= base + 4 * plan.buffers["i32"].numel()
+    assert plan.view("part_o").numpy().shape == (max_items, spec.group_size, spec.head_dim)
+    assert plan.view("part_lse").data_ptr() == plan.view("part_o").data_ptr() + plan.view("part_o").numel() * 4
+
+    # the parameter block's pointer array points at its own values
+    block = decode.args
+    pointers = list(block._params)
+    assert pointers[0] == ctypes.addressof(block) and block.address == ctypes.addressof(block._params)
+    assert ctypes.c_int32.from_address(pointers[10]).value == 0 and \
+        ctypes.c_int32.from_address(pointers[11]).value == spec.num_kv_heads
+
+
+def test_run_writes_the_call_values_into_the_plans_blocks():
+    engine, launched = fake_engine()
+    plan = engine.plan(make_batch(engine.spec, [4096], seed=1), "workqueue")
+    launched.clear()
+    tensor = SimpleNamespace(data_ptr=lambda: 0x1000, stride=lambda: (4096, 128, 1))
+    cache = SimpleNamespace(data_ptr=lambda: 0x20000, stride=lambda: (16384, 1024, 128, 1))
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    (decode,) = launched
+    d = args_of(decode.args)
+    assert (d["q"], d["k"], d["v"], d["out"]) == (0x1000, 0x20000, 0x20000, 0x1000)
+    assert (d["kv_sp"], d["kv_st"], d["q_sb"], d["q_sh"], d["o_sb"], d["o_sh"]) == (16384, 1024, 4096, 128, 4096, 128)
+
+
+def test_view_names_what_a_plan_has():
+    from persistentkv.errors import PKVError
+
+    engine, _ = fake_engine()
+    plan = engine.plan(make_batch(engine.spec, [100], seed=1), "workqueue")
+    with pytest.raises(PKVError, match="has no buffer 'merge_groups'; it has .*items.*part_o"):
+        plan.view("merge_groups")
+
+
+def test_engine_spec_is_the_one_planned():
+    engine, _ = fake_engine()
+    other = make_batch(AttentionSpec(32, 8, 64, 16, "float16"), [100])
+    from persistentkv.errors import PKVError
+
+    with pytest.raises(PKVError, match="batch spec .* != engine spec"):
+        engine.plan(other, "workqueue")
