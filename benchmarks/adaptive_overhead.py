@@ -4,6 +4,7 @@ optionally beside a reference copy of the package from another commit, in one pr
     python benchmarks/adaptive_overhead.py [--policy results/nvidia-h200/policy.json] [--repeats 40]
         [--ref build/dev/ref]            # time persistentkv_ref (an exported commit) beside this tree
         [--pieces]                       # also time the torch calls a plan is made of
+        [--profile]                      # and cProfile 300 plans of each backend (top functions)
     python benchmarks/adaptive_overhead.py --export-ref COMMIT build/dev/ref   # here, with git
 
 The published run had adaptive ~4 % behind pkv-workqueue on bucketed_b1 step rows (plan once +
@@ -114,6 +115,29 @@ def pieces(torch, batch, repeats: int) -> list[dict]:
     return rows
 
 
+def profile_plans(backends: dict, batch, calls: int = 300, top: int = 18) -> None:
+    """cProfile ``calls`` plans of each backend (a synchronisation between plans, outside the
+    profile) and print the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    for name, backend in backends.items():
+        profiler = cProfile.Profile()
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            profiler.enable()
+            backend.plan(batch)
+            profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+        lines = [line for line in text.getvalue().splitlines() if line.strip()]
+        print(f"  profile of {calls} plans, {name}:")
+        print("\n".join("    " + line for line in lines[2:]))
+
+
 def main() -> int:
     import pandas as pd
 
@@ -123,6 +147,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--ref", default=None, help="folder holding persistentkv_ref (see --export-ref)")
     parser.add_argument("--pieces", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--export-ref", nargs=2, metavar=("COMMIT", "DEST"))
     args = parser.parse_args()
     if args.export_ref:
@@ -178,6 +203,8 @@ def main() -> int:
         for a, b in pairs:
             diff = med.loc[a] - med.loc[b]
             print(f"  {a} - {b}: " + ", ".join(f"{k} {v:+.1f}" for k, v in diff.items()), flush=True)
+        if args.profile:
+            profile_plans(backends, batch)
         if args.pieces:
             for row in pieces(torch, batch, args.repeats * 5):
                 piece_rows.append({"case": label, **row})

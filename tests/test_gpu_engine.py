@@ -144,7 +144,7 @@ def test_cuda_graph_replay_and_whole_step_capture():
         engine.replan_device(plan)
         for layer in range(layers):
             engine.run(q, (ks[layer % 2], v), plan, outs[layer])
-    seq = plan.buffers["packed"][: batch.batch_size]
+    seq = plan.view("packed")[: batch.batch_size]
     seq.copy_(torch.tensor(lengths, dtype=torch.int32, device="cuda"))
     for o in outs:
         o.fill_(float("nan"))

@@ -17,7 +17,7 @@ captured in a CUDA graph. Routes:
 * ``cluster`` (sm_90+): exactly C splits per (row, kv head), one thread-block cluster of C CTAs
   each, which merges on chip through distributed shared memory: one launch, no items, no
   counters, no partial states in global memory. The kernel reads the lengths and page table from
-  one uploaded tensor (``plan.buffers['packed']`` = seq_lens | kv_indptr | kv_indices) and
+  one uploaded tensor (``plan.view('packed')`` = seq_lens | kv_indptr | kv_indices) and
   computes its own ranges, and its grid (B * Hkv * C) depends only on B: lengths may be changed
   on the device between replays of a captured graph, within the pages of the table.
 
@@ -641,7 +641,7 @@ class DecodeEngine:
 
     def replan_device(self, plan: DevicePlan) -> None:
         """Re-run the GPU planner of a ``workqueue`` plan (after the caller updated its lengths in
-        ``plan.buffers['packed']`` on the device): no host work, graph-capturable. A ``cluster``
+        ``plan.view('packed')`` on the device): no host work, graph-capturable. A ``cluster``
         plan needs none (its kernel reads the lengths at launch): a no-op."""
         require(plan.route in ("workqueue", "cluster"),
                 "only GPU-planned (workqueue) and cluster plans follow lengths changed on the device")
