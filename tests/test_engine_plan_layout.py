@@ -38,8 +38,10 @@ class FakeTensor:
     def __getitem__(self, index):
         return FakeTensor(self.a[index], self.log)
 
-    def view(self, shape):
-        return FakeTensor(self.a.reshape(shape), self.log)
+    def view(self, shape_or_dtype):
+        if isinstance(shape_or_dtype, type):  # a dtype: reinterpret the bytes, as torch does
+            return FakeTensor(self.a.view(shape_or_dtype), self.log)
+        return FakeTensor(self.a.reshape(shape_or_dtype), self.log)
 
     def copy_(self, src, non_blocking=False):
         self.log.append(("copy", src.data_ptr(), self.data_ptr(), src.numel(), non_blocking))
@@ -85,13 +87,13 @@ def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hol
     plan = engine.plan(batch, "workqueue")
     log = engine.torch.log
 
-    # one pinned staging block, two device allocations, one asynchronous copy, nothing else
-    assert [entry[0] for entry in log] == ["pinned", "device", "copy", "device"]
+    # one pinned staging block, one device allocation, one asynchronous copy, nothing else
+    assert [entry[0] for entry in log] == ["pinned", "device", "copy"]
     copy = log[2]
-    assert copy[4] is True and copy[2] == plan.buffers["i32"].data_ptr()
+    workspace = plan.buffers["workspace"]
+    assert copy[4] is True and copy[2] == workspace.data_ptr()
     assert copy[3] == plan.buffers["upload"].numel()
     max_items = planner.max_workqueue_items(B, spec.num_kv_heads, engine.target_items)
-    assert log[3][2] == (max_items * spec.group_size * (spec.head_dim + 1),)
 
     # what was uploaded: lengths, indptr and block table, then zeros (index pad, counters)
     packed = plan.view("packed").numpy()
@@ -122,14 +124,18 @@ def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hol
         (0, spec.num_kv_heads, spec.group_size, 4)
 
     # alignment the kernel assumes (items read as int4) and no overlap between the parts
-    base = plan.buffers["i32"].data_ptr()
-    assert (d["items"] - base) % 16 == 0 and (d["counters"] - base) % 16 == 0
-    spans = sorted((plan.view(n).data_ptr(), plan.view(n).data_ptr() + 4 * plan.view(n).numel())
-                   for n in ("packed", "counters", "num_items", "items"))
+    base = workspace.data_ptr()
+    for name in ("items", "counters", "part_o", "part_lse"):
+        assert (d[name] - base) % 16 == 0, name
+    parts = ("packed", "counters", "num_items", "items", "part_o", "part_lse")
+    spans = sorted((plan.view(n).data_ptr(), plan.view(n).data_ptr() + 4 * plan.view(n).numel()) for n in parts)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= base + 4 * plan.buffers["i32"].numel()
+    assert spans[-1][1] == base + 4 * workspace.numel()  # the states end the workspace, nothing unused after
     assert plan.view("part_o").numpy().shape == (max_items, spec.group_size, spec.head_dim)
+    assert plan.view("part_o").numpy().dtype == np.float32 and plan.view("part_lse").numpy().shape == \
+        (max_items, spec.group_size)
     assert plan.view("part_lse").data_ptr() == plan.view("part_o").data_ptr() + plan.view("part_o").numel() * 4
+    assert plan.engine is engine
 
     # the parameter block's pointer array points at its own values
     block = decode.args
@@ -143,6 +149,7 @@ def test_run_writes_the_call_values_into_the_plans_blocks():
     engine, launched = fake_engine()
     plan = engine.plan(make_batch(engine.spec, [4096], seed=1), "workqueue")
     launched.clear()
+    engine._last_check = None
     tensor = SimpleNamespace(data_ptr=lambda: 0x1000, stride=lambda: (4096, 128, 1))
     cache = SimpleNamespace(data_ptr=lambda: 0x20000, stride=lambda: (16384, 1024, 128, 1))
     engine.run(tensor, (cache, cache), plan, tensor, check=False)

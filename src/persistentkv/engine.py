@@ -375,12 +375,12 @@ class DevicePlan:
     counters:    int32 [B * Hkv], zero between launches (fused merge)
     packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
 
-    ``view(name)`` returns any of these. A GPU-planned plan keeps its int32 parts in one device
-    tensor and its states in another (two allocations on the host path of a step; the views are
-    made when asked for, since each costs microseconds of host time); ``buffers`` holds those
-    tensors, ``packed`` and, GPU-planned, ``upload`` (what one pinned copy uploaded: ``packed``
-    and the counters' zeros). Route ``cluster`` holds only ``packed`` (= ``upload``); its host
-    equivalent is plan.plan_cluster.
+    ``view(name)`` returns any of these. A GPU-planned plan keeps them all in one device tensor,
+    ``buffers['workspace']`` (one allocation on the host path of a step; the views are made when
+    asked for, since each costs microseconds of host time), beside ``upload`` (what one pinned
+    copy uploaded: ``packed`` and the counters' zeros). Route ``cluster`` holds only ``packed``
+    (= ``upload``); its host equivalent is plan.plan_cluster. ``engine`` is the DecodeEngine that
+    planned it, whose module its launches run on.
     """
 
     route: str
@@ -397,8 +397,10 @@ class DevicePlan:
     early_ok: bool = False
     #: warps per CTA of the module that planned it (its launches run only on that module)
     warps: int = DEFAULT_WARPS
-    #: name -> (tensor in buffers, first element, element count, shape) of the views made on demand
+    #: name -> (first int32 element of buffers['workspace'], element count, shape, dtype or None for
+    #: int32) of the views made on demand
     regions: dict = field(default_factory=dict)
+    engine: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_launches(self) -> int:
@@ -411,8 +413,9 @@ class DevicePlan:
             return self.buffers[name]
         require(name in self.regions, f"a {self.route} plan has no buffer {name!r}; it has "
                                       f"{', '.join(sorted({*self.buffers, *self.regions}))}")
-        base, start, count, shape = self.regions[name]
-        return self.buffers[base][start:start + count].view(shape)
+        start, count, shape, dtype = self.regions[name]
+        flat = self.buffers["workspace"][start:start + count]
+        return (flat if dtype is None else flat.view(dtype)).view(shape)
 
     def counters(self) -> dict:
         """Workload counters (plan.StepCounters) of this step; computed on demand on the host."""
@@ -547,53 +550,54 @@ class DecodeEngine:
             elif launch.size:
                 launches.append(self._decode_launch(launch.kind, launch.size, ptr["kv_indices"], ptr["items"], 0,
                                                     ptr["part_o"], ptr["part_lse"], ptr["counters"], launch.start))
-        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps)
+        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps, engine=self)
 
     def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
         """The GPU-planned queue. Its host work is what a serving loop pays before each step's
-        first launch, so it makes two device allocations (int32 parts, float32 states), one
-        asynchronous copy from pinned memory (torch's caching host allocator keeps the staging
-        block until the copy is done), no fill kernel and no tensor views, then launches the
-        planner. int32 layout, each part 16-byte aligned (items are read as int4):
-            seq_lens | indptr | indices (one 0 when empty) | counters (zeros) || num_items | items
-        everything before || uploaded in that one copy; the planner writes num_items and items."""
+        first launch, so it makes one device allocation, one asynchronous copy from pinned memory
+        (torch's caching host allocator keeps the staging block until the copy is done), no fill
+        kernel and no tensor views, then launches the planner. Layout of the workspace, in int32
+        elements, each part 16-byte aligned (items are read as int4, states as float4):
+            seq_lens | indptr | indices (one 0 when empty) | counters (zeros) || num_items | items | states
+        everything before || uploaded in that one copy; the planner writes num_items and items,
+        the decode kernel the float32 states (part_o [max_items, G, D], then part_lse [max_items, G])."""
         B, nnz, spec, torch = batch.batch_size, int(batch.kv_indices.size), self.spec, self.torch
         if B > GPU_PLAN_MAX_ROWS:
             raise PKVError(f"batch size {B} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; "
                            f"use route workqueue_host")
         max_items = planner.max_workqueue_items(B, spec.num_kv_heads, target_items)
+        G, D = spec.group_size, spec.head_dim
         n_packed = 2 * B + 1 + nnz
         o_counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
         n_counters = B * spec.num_kv_heads
         o_num = (o_counters + n_counters + 3) & ~3
         o_items = o_num + 4
+        o_states = o_items + 8 * max_items
+        n_part_o = max_items * G * D
         staging = torch.empty((o_num,), dtype=torch.int32, pin_memory=True)
         host = staging.numpy()
-        host[:B] = batch.seq_lens
-        host[B:2 * B + 1] = batch.kv_indptr
-        host[2 * B + 1:n_packed] = batch.kv_indices
+        np.concatenate((batch.seq_lens, batch.kv_indptr, batch.kv_indices), out=host[:n_packed])
         host[n_packed:] = 0
-        dev = torch.empty((o_items + 8 * max_items,), dtype=torch.int32, device=self.device)
-        upload = dev[:o_num]
+        workspace = torch.empty((o_states + n_part_o + max_items * G,), dtype=torch.int32, device=self.device)
+        upload = workspace[:o_num]
         upload.copy_(staging, non_blocking=True)
-        G, D = spec.group_size, spec.head_dim
-        states = torch.empty((max_items * G * (D + 1),), dtype=torch.float32, device=self.device)
-        base, sbase = dev.data_ptr(), states.data_ptr()
-        items, num_items = base + 4 * o_items, base + 4 * o_num
-        part_o, part_lse = sbase, sbase + 4 * max_items * G * D
+        base = workspace.data_ptr()
+        items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
         plan_args = _arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk,
                                planner.CHUNK_RULES.index(chunk_rule), max_items, items, num_items)
         launches = [_Launch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
-                    self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, part_o,
-                                        part_lse, base + 4 * o_counters, 0)]
-        regions = {"packed": ("i32", 0, n_packed, (n_packed,)),
-                   "kv_indices": ("i32", 2 * B + 1, max(nnz, 1), (max(nnz, 1),)),
-                   "counters": ("i32", o_counters, n_counters, (n_counters,)),
-                   "num_items": ("i32", o_num, 1, (1,)), "items": ("i32", o_items, 8 * max_items, (max_items, 8)),
-                   "part_o": ("states", 0, max_items * G * D, (max_items, G, D)),
-                   "part_lse": ("states", max_items * G * D, max_items * G, (max_items, G))}
-        plan = DevicePlan("workqueue", spec, B, launches, {"i32": dev, "states": states, "upload": upload}, None,
-                          warps=self.warps, regions=regions, _host_equivalent=lambda: planner.plan_workqueue(
+                    self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
+                                        states + 4 * n_part_o, base + 4 * o_counters, 0)]
+        f32 = torch.float32
+        regions = {"packed": (0, n_packed, (n_packed,), None),
+                   "kv_indices": (2 * B + 1, max(nnz, 1), (max(nnz, 1),), None),
+                   "counters": (o_counters, n_counters, (n_counters,), None),
+                   "num_items": (o_num, 1, (1,), None), "items": (o_items, 8 * max_items, (max_items, 8), None),
+                   "part_o": (o_states, n_part_o, (max_items, G, D), f32),
+                   "part_lse": (o_states + n_part_o, max_items * G, (max_items, G), f32)}
+        plan = DevicePlan("workqueue", spec, B, launches, {"workspace": workspace, "upload": upload}, None,
+                          warps=self.warps, regions=regions, engine=self,
+                          _host_equivalent=lambda: planner.plan_workqueue(
                               batch, target_items=target_items, min_chunk_tiles=min_chunk, chunk_rule=chunk_rule))
         self._launch(launches[0], self._stream())
         return plan
@@ -633,7 +637,7 @@ class DecodeEngine:
                           spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0, self.scale_log2)
         launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem)
         return DevicePlan("cluster", spec, B, [launch], buffers, None,
-                          lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps)
+                          lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps, engine=self)
 
     def occupancy(self, launch: _Launch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory (clusters aside)."""

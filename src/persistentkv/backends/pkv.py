@@ -45,7 +45,7 @@ class _PKVBackend:
         return self.engine(batch.spec).plan(batch, self.route, **self.options)
 
     def run(self, q, cache, plan, out) -> None:
-        self._engine.run(q, cache, plan, out)
+        plan.engine.run(q, cache, plan, out)  # the engine (module) that planned it
 
 
 #: pkv-workqueue's warps choices: "auto" (per step, plan.choose_warps) or a fixed module.
@@ -95,12 +95,6 @@ class PKVWorkqueue(_PKVBackend):
                 self._warps8_error = str(exc)
                 return engine, self.options
         return w8, {}
-
-    def run(self, q, cache, plan, out) -> None:
-        if plan.warps == 8 and self.warps == "auto":
-            self._engines[plan.spec].run(q, cache, plan, out)
-        else:
-            self._engine.run(q, cache, plan, out)
 
     def plan(self, batch: Batch):
         engine, options = self._engine_for_step(batch)
