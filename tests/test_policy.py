@@ -665,6 +665,27 @@ def test_step_signature_bins():
     assert step_signature(make_batch(SPEC, [9000, 300]), bins_per_octave=1) != base
 
 
+def test_step_signature_of_one_row_is_the_general_formula():
+    """B = 1 takes a one-logarithm shortcut; it gives the (total, longest, shortest) key."""
+    import math
+
+    from persistentkv.policy import MEMO_BINS_PER_OCTAVE as q
+
+    for n in [1, 2, 3, 17, 1000, 9000, 9001, 65535, 1 << 20, 3 * (1 << 19) + 7]:
+        b = round(math.log2(n) * q)
+        assert step_signature(make_batch(SPEC, [n])) == (SPEC, 1, b, b, b)
+        assert step_signature(make_batch(SPEC, [n]), bins_per_octave=5)[2] == round(math.log2(n) * 5)
+
+
+def test_adaptive_plan_is_read_only():
+    from persistentkv.backends.adaptive import AdaptivePlan
+
+    plan = AdaptivePlan("pkv-workqueue", None, None, 7)
+    assert (plan.route, plan.inner) == ("pkv-workqueue", 7) and plan.counters() is None
+    with pytest.raises(AttributeError, match="read-only"):
+        plan.inner = 8
+
+
 @pytest.mark.parametrize("start", [[9000], [40000] * 4, [700, 20000, 33, 5000, 64000, 1200, 300, 9000],
                                    [1] * 16])
 def test_memo_through_decode_steps_matches_the_full_decision(policy_file, start):

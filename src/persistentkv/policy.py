@@ -494,6 +494,9 @@ def step_signature(batch: Batch, bins_per_octave: int = MEMO_BINS_PER_OCTAVE) ->
     (a 9000-token row keeps one for ~200 steps)."""
     lens = batch.seq_lens.tolist()
     q = bins_per_octave
+    if len(lens) == 1:  # total = longest = shortest: one logarithm (this runs on every step's host path)
+        b = round(math.log2(lens[0]) * q)
+        return (batch.spec, 1, b, b, b)
     return (batch.spec, len(lens), round(math.log2(sum(lens)) * q), round(math.log2(max(lens)) * q),
             round(math.log2(min(lens)) * q))
 

@@ -9,7 +9,6 @@ whenever the delegate's run() is.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +23,32 @@ from ..spec import AttentionSpec
 MAX_DECISIONS_HELD = 4096
 
 
-@dataclass(frozen=True)
 class AdaptivePlan:
-    """One step's decision and the chosen delegate's own plan.
+    """One step's decision and the chosen delegate's own plan (read-only).
 
     route:    the delegate's backend name (what the timing rows record as ``route``)
     decision: the policy's Decision (backend, options, one-line reason)
     delegate: the backend object that plans and runs this step
     inner:    ``delegate.plan(batch)``, passed back to ``delegate.run`` unchanged
+
+    A slotted class rather than a frozen dataclass: one is made on every step's host path, and a
+    frozen dataclass's constructor costs three times as much.
     """
 
-    route: str
-    decision: Decision
-    delegate: Any
-    inner: Any
+    __slots__ = ("route", "decision", "delegate", "inner")
+
+    def __init__(self, route: str, decision: Decision, delegate: Any, inner: Any):
+        set_ = object.__setattr__
+        set_(self, "route", route)
+        set_(self, "decision", decision)
+        set_(self, "delegate", delegate)
+        set_(self, "inner", inner)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"AdaptivePlan is read-only (tried to set {name})")
+
+    def __repr__(self) -> str:
+        return f"AdaptivePlan(route={self.route!r}, decision={self.decision!r})"
 
     def counters(self):
         """The delegate plan's workload counters when it has them (our routes), else None."""
@@ -74,6 +85,10 @@ class AdaptiveBackend:
         self._memos: dict[tuple[str, ...], DecisionMemo] = {}
         #: spec -> (usable candidates, their memo or None): one lookup per step
         self._per_spec: dict[AttentionSpec, tuple] = {}
+        #: the spec of the last step and its _for_spec entry (a serving loop's batches share one spec
+        #: object, so most steps skip hashing it)
+        self._last_spec: Any = None
+        self._last_entry: tuple = ()
         #: id(decision) -> (decision, delegate): a memo hit returns the same Decision object, so
         #: its delegate is found without rebuilding the options key (the entry holds the decision,
         #: so its id cannot be reused while the entry lives)
@@ -159,7 +174,11 @@ class AdaptiveBackend:
         return delegate
 
     def plan(self, batch: Batch) -> AdaptivePlan:
-        usable, memo = self._for_spec(batch.spec)
+        spec = batch.spec
+        if spec is not self._last_spec:
+            self._last_entry = self._for_spec(spec)
+            self._last_spec = spec
+        usable, memo = self._last_entry
         if memo is not None:
             decision = memo.decide(batch)
             delegate = self._delegate_for(decision)
