@@ -742,6 +742,7 @@ def test_adaptive_memo_plans_every_step_and_decides_rarely(policy_file):
     assert backend.memo and backend.unavailable(SPEC) == []
     for step in range(100):
         plan = backend.plan(make_batch(SPEC, [30000 + step, 2000 + step]))
+    backend.run(None, None, plan, np.zeros((2, 32, 128)))  # the last step's decision, after its launch
     stats = backend.memo_stats()
     assert stats["hits"] + stats["misses"] == 100 and stats["misses"] <= 3
     assert sum(d.planned for d in backend._delegates.values()) == 100
@@ -751,13 +752,56 @@ def test_adaptive_memo_plans_every_step_and_decides_rarely(policy_file):
     assert not AdaptiveBackend(policy_file, registry=FakeRegistry(), policy="paper").memo
 
 
+def test_adaptive_defers_each_steps_decision_until_its_first_launch(policy_file):
+    """defer: a step runs on the previous step's choice and decides during its first run(); the
+    route lags by at most one step and every recorded route is the one that ran."""
+    registry = FakeRegistry()
+    exact = AdaptiveBackend(policy_file, registry=FakeRegistry(), memo=False)
+    backend = AdaptiveBackend(policy_file, registry=registry)
+    assert backend.defer and backend.unavailable(SPEC) == []
+    steps = [[500], [500], [70000] * 8, [70000] * 8, [70000] * 8, [5000, 90000], [600]]
+    want = [exact.plan(make_batch(SPEC, lengths)).route for lengths in steps]
+    assert len(set(want)) >= 2, want  # the steps need different routes for the lag to show
+    out = np.zeros((8, 32, 128))
+    ran = []
+    for i, lengths in enumerate(steps):
+        batch = make_batch(SPEC, lengths)
+        decisions_before = backend.memo_stats()
+        plan = backend.plan(batch)
+        ran.append(plan.route)
+        assert plan.route == backend.last_decision.backend == plan.decision.backend
+        if i:  # planned on the previous step's choice, this step not yet decided
+            assert backend.memo_stats() == decisions_before and backend._undecided is batch
+        backend.run(None, None, plan, out[:len(lengths)])
+        assert backend._undecided is None and (out[:len(lengths)] == len(plan.route)).all()
+        for _ in range(3):  # later layers of the step neither decide nor switch
+            backend.run(None, None, plan, out[:len(lengths)])
+        assert backend._chosen[2] is backend._delegate_for(backend._chosen[1])
+        assert backend._chosen[1].backend == want[i]
+    assert ran == [want[0]] + want[:-1]  # the first step decides up front, every later one lags by one
+
+    # planned twice without a run: the pending decision is settled before the second plan
+    again = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    again.plan(make_batch(SPEC, [500]))
+    again.plan(make_batch(SPEC, [70000] * 8))
+    third = again.plan(make_batch(SPEC, [70000] * 8))
+    assert third.route == want[2]
+    # without defer, or under a rule policy, every step runs on its own decision
+    for other in (AdaptiveBackend(policy_file, registry=FakeRegistry(), defer=False),
+                  AdaptiveBackend(policy_file, registry=FakeRegistry(), policy="thresholds")):
+        assert not other.defer
+        assert [other.plan(make_batch(SPEC, lengths)).route for lengths in steps] == \
+            [AdaptiveBackend(policy_file, registry=FakeRegistry(), policy=other.kind, memo=False)
+             .plan(make_batch(SPEC, lengths)).route for lengths in steps]
+
+
 def test_adaptive_finds_a_memo_decisions_delegate_by_identity(policy_file, monkeypatch):
     """A memo hit reuses its Decision object, and the adaptive backend finds that decision's delegate
     without rebuilding the options key; a decision it has not seen (or whose id was reused by
     another object) goes through the full lookup, and the cache is bounded."""
     from persistentkv.backends import adaptive as adaptive_module
 
-    backend = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry(), defer=False)
     assert backend.unavailable(SPEC) == []   # creates every candidate once, before the count
     lookups = []
     full = backend._delegate

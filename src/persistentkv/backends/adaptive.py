@@ -67,15 +67,29 @@ class AdaptiveBackend:
     the model once every few hundred steps instead of every step; ``memo_stats()`` counts hits and
     misses. The rule policies are exact functions of the step (the paper's rules count distinct
     lengths) and are always evaluated.
+
+    ``defer`` (memoised cost model only, default on): a step runs on the delegate chosen for the
+    previous step of its spec, and its own decision is made right after its first run() has
+    launched, so the decision's host time overlaps the GPU instead of delaying the step's first
+    launch. The result is the same either way (every delegate computes the same attention); only
+    the route can lag by one step, and consecutive decode steps share a memo signature for
+    hundreds of steps. A plan made while the previous one is still undecided settles that
+    decision first; the first step of a spec decides before it plans. ``plan.decision``,
+    ``plan.route`` and ``last_decision`` name the delegate the step actually runs on.
     """
 
     def __init__(self, policy_path: str | Path, registry: Any = None, name: str = "adaptive",
-                 policy: str = "cost_model", memo: bool = True):
+                 policy: str = "cost_model", memo: bool = True, defer: bool = True):
         require(policy in POLICIES, f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.name = name
         self.policy_path = Path(policy_path)
         self.kind = policy
         self.memo = bool(memo) and policy == "cost_model"
+        self.defer = bool(defer) and self.memo
+        #: (spec, decision, delegate) the next step of that spec runs on (defer)
+        self._chosen: tuple | None = None
+        #: the batch planned on the previous choice, whose own decision is still to be made (defer)
+        self._undecided: Batch | None = None
         self.last_decision: Decision | None = None
         self._last_delegate: Any = None
         self._registry = registry
@@ -179,16 +193,31 @@ class AdaptiveBackend:
             self._last_entry = self._for_spec(spec)
             self._last_spec = spec
         usable, memo = self._last_entry
-        if memo is not None:
-            decision = memo.decide(batch)
-            delegate = self._delegate_for(decision)
-        else:  # the rule policies decide every step anew
+        if memo is None:  # the rule policies decide every step anew
             decision = self._load().decide(batch, self.kind, usable)
             delegate = self._delegate(decision.backend, decision.options)
+        else:
+            if self._undecided is not None:  # planned again before a run: settle that decision first
+                self._settle()
+            chosen = self._chosen
+            if chosen is not None and chosen[0] is spec:
+                decision, delegate = chosen[1], chosen[2]
+                self._undecided = batch
+            else:
+                decision = memo.decide(batch)
+                delegate = self._delegate_for(decision)
+                if self.defer:
+                    self._chosen = (spec, decision, delegate)
         inner = delegate.plan(batch)
         self.last_decision = decision
         self._last_delegate = delegate
         return AdaptivePlan(decision.backend, decision, delegate, inner)
+
+    def _settle(self) -> None:
+        """Decide the undecided batch; the next step of its spec runs on that choice."""
+        batch, self._undecided = self._undecided, None
+        decision = self._for_spec(batch.spec)[1].decide(batch)
+        self._chosen = (batch.spec, decision, self._delegate_for(decision))
 
     def memo_stats(self) -> dict:
         """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
@@ -202,3 +231,5 @@ class AdaptiveBackend:
 
     def run(self, q, cache, plan: AdaptivePlan, out) -> None:
         plan.delegate.run(q, cache, plan.inner, out)
+        if self._undecided is not None:  # defer: decide while the GPU runs this launch
+            self._settle()
