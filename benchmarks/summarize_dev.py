@@ -61,6 +61,11 @@ def main() -> int:
         print(f"\n{path.stem} (us, medians; benchmarks/adaptive_overhead.py: plan_host / runs_host = host time of "
               f"plan() / of the 32 run() calls, step = plan + 32 layers synchronised, layers = 32 layers alone)")
         print(med.round(1).to_string())
+    for path in sorted(DEV.glob("plan_pieces_*.parquet")):
+        df = pd.read_parquet(path)
+        print(f"\n{path.stem} (us, median host time of each torch call a GPU plan is made of; "
+              f"benchmarks/adaptive_overhead.py --pieces)")
+        print(df.pivot_table(index="piece", columns="case", values="host_us", sort=False).round(1).to_string())
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
     if alone:
         df = pd.concat(alone)
