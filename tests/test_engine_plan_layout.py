@@ -15,6 +15,7 @@ import pytest
 
 from persistentkv import plan as planner
 from persistentkv.cache import make_batch
+from persistentkv.errors import PKVError
 from persistentkv.spec import AttentionSpec
 
 from test_cluster_plan import cpu_engine
@@ -160,8 +161,6 @@ def test_run_writes_the_call_values_into_the_plans_blocks():
 
 
 def test_view_names_what_a_plan_has():
-    from persistentkv.errors import PKVError
-
     engine, _ = fake_engine()
     plan = engine.plan(make_batch(engine.spec, [100], seed=1), "workqueue")
     with pytest.raises(PKVError, match="has no buffer 'merge_groups'; it has .*items.*part_o"):
@@ -171,7 +170,54 @@ def test_view_names_what_a_plan_has():
 def test_engine_spec_is_the_one_planned():
     engine, _ = fake_engine()
     other = make_batch(AttentionSpec(32, 8, 64, 16, "float16"), [100])
-    from persistentkv.errors import PKVError
-
     with pytest.raises(PKVError, match="batch spec .* != engine spec"):
         engine.plan(other, "workqueue")
+
+
+def torch_engine(lengths=(300, 17)):
+    """A fake engine with torch CPU tensors as the caller's q, cache and out (launches recorded)."""
+    torch = pytest.importorskip("torch")
+    engine, launched = fake_engine()
+    engine.torch_dtype = torch.float16
+    engine.device = torch.device("cpu")
+    engine._last_check = None
+    batch = make_batch(engine.spec, list(lengths), seed=2)
+    plan = engine.plan(batch, "workqueue")
+    spec = engine.spec
+    q = torch.zeros((batch.batch_size, spec.num_qo_heads, spec.head_dim), dtype=torch.float16)
+    k = torch.zeros((batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim), dtype=torch.float16)
+    return torch, engine, launched, plan, q, k, torch.zeros_like(k), torch.zeros_like(q)
+
+
+def test_run_refuses_what_the_kernels_cannot_run():
+    torch, engine, launched, plan, q, k, v, out = torch_engine()
+    launched.clear()
+    engine.run(q, (k, v), plan, out)
+    assert len(launched) == 1
+    cases = {
+        "has dtype torch.float32": (q.float(), k, v, out),
+        r"q has shape \(2, 32, 64\)": (q[:, :, :64], k, v, out),
+        "k_cache has 3 pages; the plan's block table addresses page ids up to": (q, k[:3], v[:3], out),
+        "v_cache must have k_cache's shape": (q, k, v[:-1], out),
+        "k_cache strides .* unsupported": (q, *(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)), out),
+    }
+    for message, (qq, kk, vv, oo) in cases.items():
+        with pytest.raises(PKVError, match=message):
+            engine.run(qq, (kk, vv), plan, oo)
+    assert len(launched) == 1  # nothing launched for a refused call
+
+
+def test_run_rechecks_a_misaligned_view_of_the_same_shape():
+    """The full checks are skipped while nothing they look at changes; a view with the same shape
+    and strides but a pointer off the kernels' alignment is a change."""
+    torch, engine, launched, plan, q, k, v, out = torch_engine()
+    engine.run(q, (k, v), plan, out)
+    flat = torch.zeros(k.numel() + 8, dtype=torch.float16)
+    shifted = flat[1:1 + k.numel()].view(k.shape)  # 2 bytes off a 16-byte boundary, same strides
+    assert shifted.stride() == k.stride() and shifted.data_ptr() % 16 != 0
+    with pytest.raises(PKVError, match="k/v 16-byte aligned"):
+        engine.run(q, (shifted, v), plan, out)
+    q_flat = torch.zeros(q.numel() + 2, dtype=torch.float16)
+    with pytest.raises(PKVError, match="q and out must be 4-byte"):
+        engine.run(q, (k, v), plan, q_flat[1:1 + q.numel()].view(q.shape))
+    engine.run(q, (k, v), plan, out)  # and the good call still runs

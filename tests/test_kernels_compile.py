@@ -224,12 +224,15 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
         if warps == 8 and refuse8:
             raise PKVError("no 192 KB of shared memory here")
 
+        engine = SimpleNamespace(spec=spec, capability=(9, 0), num_sms=132,
+                                 run=lambda q, cache, p, out: calls.append((warps, "run")))
+
         def plan(batch, route, **options):
             calls.append((warps, route, options))
-            return SimpleNamespace(warps=warps, spec=spec)
+            return SimpleNamespace(warps=warps, spec=spec, engine=engine)  # a plan runs on its engine
 
-        return SimpleNamespace(spec=spec, capability=(9, 0), num_sms=132, plan=plan,
-                               run=lambda q, cache, p, out: calls.append((warps, "run")))
+        engine.plan = plan
+        return engine
 
     monkeypatch.setattr(engine_module, "engine_for", engine_for)
     spec = AttentionSpec()

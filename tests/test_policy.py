@@ -795,6 +795,43 @@ def test_adaptive_defers_each_steps_decision_until_its_first_launch(policy_file)
              .plan(make_batch(SPEC, lengths)).route for lengths in steps]
 
 
+def test_adaptive_runs_our_plans_on_their_engine(policy_file):
+    """A delegate whose plans carry their engine (plan_runs_on_engine, the pkv backends) is run
+    through that engine directly; any other through its own run()."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class EngineBackend(FakeBackend):
+        plan_runs_on_engine = True
+
+        def plan(self, batch):
+            engine = SimpleNamespace(run=lambda q, cache, plan, out: calls.append(("engine", plan.tag)))
+            return SimpleNamespace(engine=engine, tag=(self.name, batch.batch_size))
+
+        def run(self, q, cache, plan, out):
+            calls.append(("delegate", plan.tag))
+
+    def factory(name, **options):
+        return (EngineBackend if name.startswith("pkv") else FakeBackend)(name, **options)
+
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry(factory=factory))
+    assert backend.unavailable(SPEC) == []
+    routes = set()
+    for lengths in ([40000], [1000] * 3, [70000] * 8, [5000, 90000], [600], [500], [500]):
+        calls.clear()
+        plan = backend.plan(make_batch(SPEC, lengths))
+        routes.add(plan.route)
+        out = np.zeros((len(lengths), 32, 128))
+        backend.run(None, None, plan, out)
+        if plan.route.startswith("pkv"):
+            assert calls == [("engine", (plan.route, len(lengths)))]
+        else:
+            assert calls == [] and (out == len(plan.route)).all()
+    # both kinds of delegate ran (the steps were chosen for it)
+    assert any(r.startswith("pkv") for r in routes) and any(not r.startswith("pkv") for r in routes), routes
+
+
 def test_adaptive_finds_a_memo_decisions_delegate_by_identity(policy_file, monkeypatch):
     """A memo hit reuses its Decision object, and the adaptive backend finds that decision's delegate
     without rebuilding the options key; a decision it has not seen (or whose id was reused by

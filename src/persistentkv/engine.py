@@ -401,6 +401,8 @@ class DevicePlan:
     #: int32) of the views made on demand
     regions: dict = field(default_factory=dict)
     engine: Any = field(default=None, repr=False, compare=False)
+    #: pages the block table addresses (Batch.num_pages): the cache passed to run() must hold them
+    num_pages: int = 0
 
     @property
     def num_launches(self) -> int:
@@ -550,7 +552,8 @@ class DecodeEngine:
             elif launch.size:
                 launches.append(self._decode_launch(launch.kind, launch.size, ptr["kv_indices"], ptr["items"], 0,
                                                     ptr["part_o"], ptr["part_lse"], ptr["counters"], launch.start))
-        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps, engine=self)
+        return DevicePlan(route, self.spec, batch.batch_size, launches, buffers, host, warps=self.warps, engine=self,
+                          num_pages=batch.num_pages)
 
     def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, chunk_rule: str = "min") -> DevicePlan:
         """The GPU-planned queue. Its host work is what a serving loop pays before each step's
@@ -596,7 +599,7 @@ class DecodeEngine:
                    "part_o": (o_states, n_part_o, (max_items, G, D), f32),
                    "part_lse": (o_states + n_part_o, max_items * G, (max_items, G), f32)}
         plan = DevicePlan("workqueue", spec, B, launches, {"workspace": workspace, "upload": upload}, None,
-                          warps=self.warps, regions=regions, engine=self,
+                          warps=self.warps, regions=regions, engine=self, num_pages=batch.num_pages,
                           _host_equivalent=lambda: planner.plan_workqueue(
                               batch, target_items=target_items, min_chunk_tiles=min_chunk, chunk_rule=chunk_rule))
         self._launch(launches[0], self._stream())
@@ -637,7 +640,8 @@ class DecodeEngine:
                           spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0, self.scale_log2)
         launch = _Launch("cluster", B * spec.num_kv_heads * C, args, function, self.module.threads, smem)
         return DevicePlan("cluster", spec, B, [launch], buffers, None,
-                          lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps, engine=self)
+                          lambda: planner.plan_cluster(batch, C, self.module.tile), warps=self.warps, engine=self,
+                          num_pages=batch.num_pages)
 
     def occupancy(self, launch: _Launch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory (clusters aside)."""
@@ -667,11 +671,8 @@ class DecodeEngine:
         return self._raw_stream(self.device.index)
 
     def _check(self, q, k, v, out, plan: DevicePlan) -> None:
+        """Refuse what the kernels cannot run right (run() calls it when its key changes)."""
         spec = self.spec
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), k.dtype,
-               v.dtype, out.shape, out.stride(), out.dtype, plan.batch_size)
-        if key == self._last_check:
-            return
         expect_q = (plan.batch_size, spec.num_qo_heads, spec.head_dim)
         require(tuple(q.shape) == expect_q, f"q has shape {tuple(q.shape)}, expected {expect_q}")
         require(tuple(out.shape) == expect_q, f"out has shape {tuple(out.shape)}, expected {expect_q}")
@@ -683,23 +684,30 @@ class DecodeEngine:
                 f"k_cache has shape {tuple(k.shape)}, expected [num_pages, {', '.join(map(str, kv_shape))}]")
         require(tuple(v.shape) == tuple(k.shape) and v.stride() == k.stride(),
                 "v_cache must have k_cache's shape and strides")
+        require(k.shape[0] >= plan.num_pages,
+                f"k_cache has {k.shape[0]} pages; the plan's block table addresses page ids up to "
+                f"{plan.num_pages - 1} (the batch's num_pages is {plan.num_pages})")
         require(k.stride(3) == 1 and k.stride(2) == spec.head_dim and k.stride(1) % 8 == 0 and k.stride(0) % 8 == 0,
                 f"k_cache strides {k.stride()} unsupported: need [*, 8k, head_dim, 1]")
         for name, t in (("q", q), ("out", out)):
             require(t.stride(2) == 1 and t.stride(1) % 2 == 0 and t.stride(0) % 2 == 0,
                     f"{name} strides {t.stride()} unsupported: need an even-strided [B, H, D] with contiguous D")
-        require(q.data_ptr() % 4 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0,
-                "q must be 4-byte and k/v 16-byte aligned")
-        self._last_check = key
+        require(q.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 and k.data_ptr() % 16 == 0
+                and v.data_ptr() % 16 == 0, "q and out must be 4-byte and k/v 16-byte aligned")
 
     def run(self, q, cache, plan: DevicePlan, out, check: bool = True) -> None:
         """out[B, Hq, D] = decode attention of q[B, Hq, D] over cache = (K, V), each [pages, P, Hkv, D]."""
         k, v = cache
-        if check:
-            self._check(q, k, v, out, plan)
-        stream = self._raw_stream(self.device.index)
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         qs, os_, ks = q.stride(), out.stride(), k.stride()
+        if check:  # full checks only when anything they look at differs from the last call's
+            key = (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
+                   v.device, out.shape, os_, out.dtype, out.device, plan.batch_size, plan.num_pages,
+                   (q_ptr | o_ptr) & 3, (k_ptr | v_ptr) & 15)
+            if key != self._last_check:
+                self._check(q, k, v, out, plan)
+                self._last_check = key
+        stream = self._raw_stream(self.device.index)
         for launch in plan.launches:
             kind = launch.kind
             if kind == "plan":

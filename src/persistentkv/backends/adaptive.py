@@ -30,19 +30,23 @@ class AdaptivePlan:
     decision: the policy's Decision (backend, options, one-line reason)
     delegate: the backend object that plans and runs this step
     inner:    ``delegate.plan(batch)``, passed back to ``delegate.run`` unchanged
+    run:      what runs it: ``delegate.run``, or for a delegate whose plans carry the engine that
+              made them (``plan_runs_on_engine``, our pkv backends) that engine's run, one Python
+              call fewer per layer
 
     A slotted class rather than a frozen dataclass: one is made on every step's host path, and a
     frozen dataclass's constructor costs three times as much.
     """
 
-    __slots__ = ("route", "decision", "delegate", "inner")
+    __slots__ = ("route", "decision", "delegate", "inner", "run")
 
-    def __init__(self, route: str, decision: Decision, delegate: Any, inner: Any):
+    def __init__(self, route: str, decision: Decision, delegate: Any, inner: Any, run: Any = None):
         set_ = object.__setattr__
         set_(self, "route", route)
         set_(self, "decision", decision)
         set_(self, "delegate", delegate)
         set_(self, "inner", inner)
+        set_(self, "run", run if run is not None else getattr(delegate, "run", None))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"AdaptivePlan is read-only (tried to set {name})")
@@ -211,13 +215,22 @@ class AdaptiveBackend:
         inner = delegate.plan(batch)
         self.last_decision = decision
         self._last_delegate = delegate
-        return AdaptivePlan(decision.backend, decision, delegate, inner)
+        # A step of a few hundred microseconds can be host-bound (each run() call's host time near
+        # the kernel's), so the adaptive's own calls per layer count: run our plans on their engine.
+        engine = getattr(inner, "engine", None) if getattr(delegate, "plan_runs_on_engine", False) else None
+        return AdaptivePlan(decision.backend, decision, delegate, inner,
+                            engine.run if engine is not None else delegate.run)
 
     def _settle(self) -> None:
-        """Decide the undecided batch; the next step of its spec runs on that choice."""
+        """Decide the undecided batch; the next step of its spec runs on that choice. (Inside a
+        step's first run(): the memo hit is looked up with as few calls as it takes.)"""
         batch, self._undecided = self._undecided, None
-        decision = self._for_spec(batch.spec)[1].decide(batch)
-        self._chosen = (batch.spec, decision, self._delegate_for(decision))
+        spec = batch.spec
+        memo = self._last_entry[1] if spec is self._last_spec else self._for_spec(spec)[1]
+        decision = memo.decide(batch)
+        hit = self._by_decision.get(id(decision))
+        self._chosen = (spec, decision, hit[1] if hit is not None and hit[0] is decision
+                        else self._delegate_for(decision))
 
     def memo_stats(self) -> dict:
         """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
@@ -230,6 +243,6 @@ class AdaptiveBackend:
         return bool(getattr(self._last_delegate, "graph_safe", True))
 
     def run(self, q, cache, plan: AdaptivePlan, out) -> None:
-        plan.delegate.run(q, cache, plan.inner, out)
+        plan.run(q, cache, plan.inner, out)
         if self._undecided is not None:  # defer: decide while the GPU runs this launch
             self._settle()

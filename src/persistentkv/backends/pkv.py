@@ -21,6 +21,8 @@ from ..spec import AttentionSpec
 class _PKVBackend:
     route = "workqueue"
     graph_safe = True
+    #: run(plan) is plan.engine.run(plan): a wrapper (adaptive) may call the engine directly
+    plan_runs_on_engine = True
     #: DecodeEngine options (the module's shape), as opposed to the per-step plan options
     engine_options: dict = {}
 
