@@ -1,8 +1,9 @@
 """The ``adaptive`` backend: a frozen policy picks a delegate backend for each decode step.
 
-plan(batch) decides (persistentkv.policy) and returns the delegate's plan wrapped with the
-decision, so the harness can record what ran (``plan.route``, also ``last_decision``);
-run() hands the wrapped plan to the delegate untouched, so it stays graph-capturable
+plan(batch) decides (persistentkv.policy; with the memoised cost model, one step late: see
+``defer``) and returns the delegate's plan wrapped with the decision, so the harness can record
+what ran (``plan.route``, also ``last_decision``); run() hands the inner plan untouched to the
+delegate's run (for our routes, to the engine that made the plan), so it stays graph-capturable
 whenever the delegate's run() is.
 """
 
