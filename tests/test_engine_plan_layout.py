@@ -84,7 +84,7 @@ def args_of(block) -> dict:
 def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hole_fraction):
     engine, launched = fake_engine()
     batch = make_batch(engine.spec, lengths, hole_fraction=hole_fraction, seed=3)
-    B, nnz, spec = batch.batch_size, batch.kv_indices.size, engine.spec
+    B, spec = batch.batch_size, engine.spec
     plan = engine.plan(batch, "workqueue")
     log = engine.torch.log
 

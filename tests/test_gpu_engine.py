@@ -109,6 +109,50 @@ def test_gpu_planner_equals_cpu_planner():
                                               err_msg=f"B={len(lengths)} target={target} rule={rule}")
 
 
+def test_plans_made_while_the_stream_is_busy_keep_their_own_uploads():
+    """Each GPU plan uploads through a pinned staging block that torch's caching host allocator
+    recycles once the copy is done. Plans made back to back while the stream is still busy (so
+    their copies are queued, not done) must each keep their own lengths and block table: every
+    plan's packed upload, counters and items are checked after the stream drains, and a plan's
+    output against float64."""
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engine = engine_for(spec)
+    rng = np.random.default_rng(11)
+    batches = [make_batch(spec, rng.integers(1, 20000, size=B), hole_fraction=0.3, seed=i)
+               for i, B in enumerate((1, 5, 1, 17, 3, 64, 2, 9) * 3)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy below
+    plans = [engine.plan(batch, "workqueue") for batch in batches]
+    torch.cuda.synchronize()
+    for i, (batch, plan) in enumerate(zip(batches, plans)):
+        packed = plan.view("packed").cpu().numpy()
+        np.testing.assert_array_equal(packed, np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]),
+                                      err_msg=f"plan {i}")
+        assert (plan.view("counters").cpu().numpy() == 0).all(), f"plan {i}"
+        cpu = planner.plan_workqueue(batch, target_items=engine.target_items, min_chunk_tiles=engine.min_chunk_tiles)
+        np.testing.assert_array_equal(engine.device_items(plan), cpu.items, err_msg=f"plan {i}")
+    batch, q, k, v = device_case(spec, batches[5].seq_lens, 0.3, 5)
+    plan = engine.plan(batch, "workqueue")
+    out = torch.full_like(q, float("nan"))
+    engine.run(q, (k, v), plan, out)
+    torch.cuda.synchronize()
+    assert rel_err(out, reference_torch64(batch, q, k, v)) <= TOLERANCE["float16"]
+
+
+def test_run_refuses_a_cache_smaller_than_the_block_table():
+    from persistentkv.errors import PKVError
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    err, out, plan, engine, (batch, q, k, v) = run_case(spec, [3000, 900], "workqueue")
+    assert err <= TOLERANCE["float16"]
+    with pytest.raises(PKVError, match="pages; the plan's block table addresses page ids up to"):
+        engine.run(q, (k[:-1], v[:-1]), plan, out)
+
+
 def test_repeated_fused_launches_reset_their_counters():
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, out, plan, engine, (batch, q, k, v) = run_case(spec, [3000, 9000], "workqueue")
