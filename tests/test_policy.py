@@ -795,6 +795,30 @@ def test_adaptive_defers_each_steps_decision_until_its_first_launch(policy_file)
              .plan(make_batch(SPEC, lengths)).route for lengths in steps]
 
 
+def test_adaptive_defer_with_two_specs_never_runs_one_on_the_others_choice(policy_file):
+    """The deferred choice belongs to one spec: a step of another spec decides up front, and a
+    pending decision is settled on its own spec's memo."""
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8)
+    exact = AdaptiveBackend(policy_file, registry=FakeRegistry(), memo=False)
+
+    def want(spec, lengths):
+        return exact.plan(make_batch(spec, lengths)).route
+
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    steps = [(SPEC, [500]), (other, [70000] * 8), (SPEC, [70000] * 8)]
+    for spec, lengths in steps:  # alternating specs: every step decided up front, no lag
+        assert backend.plan(make_batch(spec, lengths)).route == want(spec, lengths)
+        assert backend._undecided is None
+    pending = make_batch(SPEC, [500])
+    lagged = backend.plan(pending)  # same spec as the last step: runs on its choice
+    assert lagged.route == want(SPEC, [70000] * 8) and backend._undecided is pending
+    switched = backend.plan(make_batch(other, [500]))  # settles SPEC's pending step, then decides
+    assert backend._undecided is None and switched.route == want(other, [500])
+    assert backend.plan(make_batch(other, [500])).route == want(other, [500])
+    stats = backend.memo_stats()
+    assert stats["hits"] + stats["misses"] == 5  # every batch but the last decided exactly once
+
+
 def test_adaptive_runs_our_plans_on_their_engine(policy_file):
     """A delegate whose plans carry their engine (plan_runs_on_engine, the pkv backends) is run
     through that engine directly; any other through its own run()."""
