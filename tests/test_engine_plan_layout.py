@@ -61,6 +61,10 @@ class FakeTorch:
         fill = -7 if dtype == np.int32 else np.nan  # garbage: anything the plan relies on is written
         return FakeTensor(np.full(shape, fill, dtype=dtype), self.log)
 
+    def zeros(self, shape, dtype, device=None):
+        self.log.append(("zeros", dtype, shape))
+        return FakeTensor(np.zeros(shape, dtype=dtype), self.log)
+
 
 def fake_engine(warps=4):
     engine = cpu_engine(warps=warps)
@@ -221,3 +225,31 @@ def test_run_rechecks_a_misaligned_view_of_the_same_shape():
     with pytest.raises(PKVError, match="q and out must be 4-byte"):
         engine.run(q, (k, v), plan, q_flat[1:1 + q.numel()].view(q.shape))
     engine.run(q, (k, v), plan, out)  # and the good call still runs
+
+
+@pytest.mark.parametrize("route", ["buckets", "split", "workqueue_host"])
+def test_host_routes_upload_through_pinned_memory_without_a_sync(route):
+    """The host-planned routes' three int32 uploads (items, block table, merge groups) each go
+    pinned staging -> device through one non-blocking copy (no pageable .to(), which waits for
+    the stream), and carry the host plan's bytes; the launches point at them."""
+    engine, launched = fake_engine()
+    batch = make_batch(engine.spec, [1, 17, 16, 300, 2049, 8200], hole_fraction=0.3, seed=5)
+    plan = engine.plan(batch, route)
+    host = plan.host_plan
+    log = engine.torch.log
+    uploads = [i for i, entry in enumerate(log) if entry[0] == "pinned"]
+    assert len(uploads) == 3
+    for i in uploads:  # pinned staging, then its device tensor, then the asynchronous copy
+        assert log[i + 1][0] == "device" and log[i + 2][0] == "copy" and log[i + 2][4] is True
+        assert log[i][1:] == log[i + 1][1:]
+    items = plan.buffers["items"].numpy()
+    assert items[:host.num_items, :4].tolist() == host.items.tolist()
+    assert items[:host.num_items, 4].tolist() == batch.kv_indptr[host.items[:, 0] & 0xFFFF].tolist()
+    assert plan.buffers["kv_indices"].numpy().tolist() == batch.kv_indices.tolist()
+    groups = plan.buffers["merge_groups"].numpy()
+    if host.merge_groups.size:
+        assert groups.tolist() == host.merge_groups.tolist()
+    decodes = [l for l in plan.launches if l.kind in ("decode", "fused")]
+    assert decodes and all(args_of(l.args)["items"] == plan.buffers["items"].data_ptr() for l in decodes)
+    assert all(args_of(l.args)["kv_indices"] == plan.buffers["kv_indices"].data_ptr() for l in decodes)
+    assert launched == []  # host plans launch nothing before run()

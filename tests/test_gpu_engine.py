@@ -143,6 +143,44 @@ def test_plans_made_while_the_stream_is_busy_keep_their_own_uploads():
     assert rel_err(out, reference_torch64(batch, q, k, v)) <= TOLERANCE["float16"]
 
 
+@pytest.mark.parametrize("route", ["buckets", "split", "workqueue_host", "cluster"])
+def test_host_route_plans_made_while_the_stream_is_busy_keep_their_own_uploads(route):
+    """The host-planned routes and the cluster route upload through DecodeEngine._i32: pinned
+    staging, an asynchronous copy, no synchronisation. Plans made back to back behind a busy
+    stream must each keep their own items, block table and merge groups (checked against the
+    host planner after the drain), and each must compute its own batch's attention."""
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engine = engine_for(spec)
+    if route == "cluster" and engine.capability[0] < 9:
+        pytest.skip("route cluster needs sm_90")
+    rng = np.random.default_rng(12)
+    cases = [device_case(spec, rng.integers(1, 9000, size=B), 0.3, 20 + i) for i, B in enumerate((1, 5, 2, 9, 3))]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every copy below
+    plans = [engine.plan(batch, route) for batch, *_ in cases]
+    outs = []
+    for (batch, q, k, v), plan in zip(cases, plans):
+        outs.append(torch.full_like(q, float("nan")))
+        engine.run(q, (k, v), plan, outs[-1])
+    torch.cuda.synchronize()
+    for i, ((batch, q, k, v), plan, out) in enumerate(zip(cases, plans, outs)):
+        if route == "cluster":
+            packed = plan.buffers["packed"].cpu().numpy()
+            np.testing.assert_array_equal(packed, np.concatenate([batch.seq_lens, batch.kv_indptr, batch.kv_indices]),
+                                          err_msg=f"plan {i}")
+        else:
+            host = plan.host_plan
+            np.testing.assert_array_equal(plan.buffers["items"].cpu().numpy()[:host.num_items, :4], host.items,
+                                          err_msg=f"plan {i}")
+            np.testing.assert_array_equal(plan.buffers["kv_indices"].cpu().numpy()[:batch.kv_indices.size],
+                                          batch.kv_indices, err_msg=f"plan {i}")
+        assert rel_err(out, reference_torch64(batch, q, k, v)) <= TOLERANCE["float16"], f"plan {i}"
+
+
 def test_run_refuses_a_cache_smaller_than_the_block_table():
     from persistentkv.errors import PKVError
 

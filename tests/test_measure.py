@@ -378,6 +378,33 @@ def test_harness_rows_per_protocol_and_repeat():
     assert (frame["kv_bytes"] == case.batch.kv_bytes).all()
 
 
+def test_step_repeats_add_rounds_of_step_rows_only():
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    case = case_with(["flashinfer-tc", "pkv-workqueue"])
+    settings_ = Settings(layers=2, repeats=3, warmup=1, calls_per_graph=2, step_repeats=7)
+    assert settings_.rounds == 7 and settings_.repeats_of("step") == 7 and settings_.repeats_of("kernel") == 3
+    rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    frame = raw_frame(rows)
+    assert (frame["status"] == "ok").all()
+    for (backend, protocol), group in frame.groupby(["backend", "protocol"]):
+        assert sorted(group["repeat"]) == list(range(7 if protocol == "step" else 3)), (backend, protocol)
+    # the extra rounds run step instances only: 1 warm-up + 7 recorded step plans per backend
+    step_plans = [e for e in log.events if e[0] == "plan" and e[2] == "step"]
+    assert len(step_plans) == 2 * (1 + 1 + 7)
+    assert Settings(repeats=3, protocols=("kernel", "eager")).rounds == 3
+    assert Settings(repeats=3, step_repeats=2).rounds == 3
+    with pytest.raises(PKVError, match="step_repeats must be >= 1"):
+        Settings(step_repeats=0)
+
+
+def test_step_repeats_come_from_config_and_quick_drops_them(config):
+    assert Settings.from_config(config).step_repeats == config["measure"]["step_repeats"]
+    assert Settings.from_config(config, quick=True).step_repeats is None
+    trimmed = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "step_repeats"}}
+    assert Settings.from_config(trimmed).repeats_of("step") == config["measure"]["repeats"]
+
+
 def test_harness_interleaves_every_backend_once_per_round():
     log = Log()
     device = FakeDevice(l2_bytes=0)

@@ -52,14 +52,33 @@ class Settings:
     protocols: tuple[str, ...] = PROTOCOLS
     seed: int = 0
     max_copies: int = 64   # graphs per backend = copies; only sub-3 MB cases want more
+    #: recorded rounds of the step protocol (None: ``repeats``). Step rows are eager host loops, the
+    #: noisiest rows, and cheap (one plan + the layers); the extra rounds time step rows only.
+    step_repeats: int | None = None
+
+    def __post_init__(self):
+        require(self.repeats >= 1, f"repeats must be >= 1, got {self.repeats}")
+        require(self.step_repeats is None or self.step_repeats >= 1,
+                f"step_repeats must be >= 1, got {self.step_repeats}")
+
+    def repeats_of(self, protocol: str) -> int:
+        """Recorded repeats of ``protocol``."""
+        return self.step_repeats if protocol == "step" and self.step_repeats is not None else self.repeats
+
+    @property
+    def rounds(self) -> int:
+        """Recorded rounds of a case: the most any of its protocols records."""
+        return max(self.repeats_of(p) for p in self.protocols) if self.protocols else self.repeats
 
     @classmethod
     def from_config(cls, config: dict, protocols=PROTOCOLS, quick: bool = False, seed: int = 0) -> "Settings":
         m = config["measure"]
+        step = m.get("step_repeats")
         return cls(layers=int(m["layers"]), repeats=2 if quick else int(m["repeats"]),
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
-                   protocols=tuple(protocols), seed=seed)
+                   protocols=tuple(protocols), seed=seed,
+                   step_repeats=None if quick or step is None else int(step))
 
 
 def experiment_protocols(config: dict, experiment: str) -> tuple[str, ...]:
@@ -287,11 +306,11 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
         bound.append(b)
 
     # 4. interleaved rounds
-    for rnd in rounds(len(bound), settings.repeats, settings.warmup, settings.seed, case_index):
+    for rnd in rounds(len(bound), settings.rounds, settings.warmup, settings.seed, case_index):
         for i in rnd.order:
             b = bound[i]
             for protocol in settings.protocols:
-                if protocol in b.skip:
+                if protocol in b.skip or rnd.repeat >= settings.repeats_of(protocol):
                     continue
                 try:
                     fields = _measure(protocol, b, case, device, settings, cursor, copies, q, gather_index)

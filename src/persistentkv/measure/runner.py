@@ -60,7 +60,8 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     settings = Settings.from_config(config, protocols=experiment_protocols(config, experiment), quick=quick,
                                     seed=int(config["seeds"]["calibration"]))
     log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
-        f"{settings.repeats} repeats after {settings.warmup} warm-up rounds")
+        f"{settings.repeats} repeats ({settings.repeats_of('step')} of step rows) after {settings.warmup} "
+        f"warm-up rounds")
     ctx = RunContext(run_id, ceiling, log=log)
     rows += run_cases(cases, device, BackendFactory(), settings, ctx)
     frame = raw_frame(rows)

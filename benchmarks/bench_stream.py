@@ -1,0 +1,194 @@
+"""How fast can one kernel call stream a decode step's bytes? Read patterns against our queue.
+
+    python benchmarks/bench_stream.py [--out DIR] [--repeats 15] [--calls 10] [--sizes-mb 16.8,134]
+
+NOTES v9 found the 8-warp queue within ~1.5 us of the plain read (kernels/ceiling.cu) of the same
+bytes at 134 MB, and that plain read slower than the engine issue's mid-range target. But that
+read ran without programmatic dependent launch (PDL), which the queue uses, and it is one
+pattern among several. This bench times, in CUDA graphs of --calls calls over rotated cold
+buffers (as bench_common.PlainRead), every pattern of benchmarks/stream_patterns.cu at each size,
+interleaved with the 8-warp queue at B=1 over the same number of KV bytes:
+
+  grid            ceiling.cu's pattern (8 x 256-thread CTAs per SM), no PDL: bench_warps' `read`
+  grid-pdl        the same with PDL
+  chunk8-{1,2}    a contiguous chunk per CTA, 8 loads of 16 B in flight per thread, 1 CTA of 1024
+                  threads / 2 of 512 per SM (128 KB in flight per SM), PDL
+  chunk8-l2-1     chunk8-1 with ld.global.nc.L1::no_allocate.L2::256B
+  bulk-SxK-n      cp.async.bulk into S shared buffers of K KB per CTA, n CTAs per SM, PDL
+  wq8             pkv-workqueue's 8-warp queue, B=1 at N = bytes / 4 KB tokens (Hq 32, Hkv 8, D 128,
+                  fp16, page 16; its bytes are N x 4 KB), PDL
+
+Each read variant is first checked: the XOR of every 32-bit word it folds must equal the
+buffer's (so it read each word an odd number of times: once). The table gives us per call,
+GB/s and the fraction of the read ceiling measured at 1 GB in this run; writes
+bench_stream_HHMMSS.parquet to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
+
+from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
+
+SIZES_MB = (16.78, 33.55, 67.11, 134.2, 268.4, 536.9)  # B=1 at 4K, 8K, 16K, 32K, 64K, 128K tokens
+KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2                     # K and V, Hkv 8, D 128, fp16
+
+
+def args_() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--sizes-mb", default=",".join(str(s) for s in SIZES_MB))
+    return p.parse_args()
+
+
+class Read:
+    """One read pattern over rotated buffers of ``nbytes``, launched with cuLaunchKernelEx (PDL
+    attribute when pdl); called as run(index)."""
+
+    def __init__(self, function, grid, threads, smem, pdl, extra=()):
+        from persistentkv import engine as eng
+
+        self.function, self.grid, self.threads, self.smem, self.pdl = function, grid, threads, smem, pdl
+        self.extra = extra
+        self.launch_ex = eng._launch_kernel_ex()
+        self.attr = eng._LaunchAttribute(id=eng.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.blocks = {}
+
+    def bind(self, src_ptr: int, n: int, sink_ptr: int):
+        """The parameter block for one buffer (kept alive here)."""
+        vals = [ctypes.c_void_p(src_ptr), ctypes.c_uint64(n), ctypes.c_void_p(sink_ptr), ctypes.c_int(int(self.pdl))]
+        vals += [ctypes.c_int(v) for v in self.extra]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        self.blocks[src_ptr] = (vals, params)
+        return params
+
+    def launch(self, src_ptr: int, stream: int):
+        from persistentkv import engine as eng
+
+        _, params = self.blocks[src_ptr]
+        cfg = eng._LaunchConfig(self.grid, 1, 1, self.threads, 1, 1, self.smem, stream,
+                                ctypes.pointer(self.attr) if self.pdl else None, 1 if self.pdl else 0)
+        status = self.launch_ex(ctypes.byref(cfg), ctypes.c_void_p(self.function), params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx returned {status}")
+
+
+def main() -> int:
+    import cupy
+    import numpy as np
+    import torch
+
+    from bench_common import first_line, read_ceiling_gbps
+    from persistentkv import engine as eng
+    from persistentkv.cache import make_batch
+    from persistentkv.engine import engine_for
+    from persistentkv.measure.rotation import cold_copies
+    from persistentkv.spec import AttentionSpec
+
+    args = args_()
+    t_start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    sms, l2 = props.multi_processor_count, props.L2_cache_size
+    with cupy.cuda.Device(0):
+        module = cupy.RawModule(code=(ROOT / "benchmarks" / "stream_patterns.cu").read_text(),
+                                options=("-std=c++17",))
+        fn = {name: module.get_function(name) for name in ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk")}
+    bulk_smem_max = 0
+    variants = {
+        "grid": Read(fn["st_grid"].ptr, sms * 8, 256, 0, False),
+        "grid-pdl": Read(fn["st_grid"].ptr, sms * 8, 256, 0, True),
+        "chunk8-1": Read(fn["st_chunk8"].ptr, sms, 1024, 0, True),
+        "chunk8-2": Read(fn["st_chunk8"].ptr, sms * 2, 512, 0, True),
+        "chunk8-l2-1": Read(fn["st_chunk8_l2"].ptr, sms, 1024, 0, True),
+    }
+    for stages, kb, per_sm in ((6, 32, 1), (4, 48, 1), (12, 16, 1), (3, 32, 2), (6, 16, 2)):
+        smem = stages * kb * 1024
+        bulk_smem_max = max(bulk_smem_max, smem)
+        variants[f"bulk-{stages}x{kb}-{per_sm}"] = Read(fn["st_bulk"].ptr, sms * per_sm, 256, smem, True,
+                                                        (stages, kb * 1024))
+    eng._set_function_attribute(fn["st_bulk"].ptr, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bulk_smem_max)
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    wq8 = engine_for(spec, warps=8)
+    ceiling = read_ceiling_gbps()
+    print(f"{props.name}: {sms} SMs, L2 {l2 / 2**20:.0f} MiB, read ceiling {ceiling:.0f} GB/s (1 GB, ceiling.cu)")
+    rows, table = [], []
+    for mb in (float(s) for s in args.sizes_mb.split(",")):
+        tokens = max(16, int(round(mb * 1e6 / KV_BYTES_PER_TOKEN / 16)) * 16)
+        nbytes = tokens * KV_BYTES_PER_TOKEN
+        count = max(2, min(64, cold_copies(nbytes, l2, 3.0)))
+        gen = torch.Generator(device="cuda").manual_seed(int(mb * 100))
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda", generator=gen)
+                for _ in range(count)]
+        expect = int(np.bitwise_xor.reduce(bufs[0].cpu().numpy().view(np.uint32)))
+        sinks = torch.zeros(len(variants), dtype=torch.int32, device="cuda")
+        floor = nbytes / (ceiling * 1e3)
+        print(f"{nbytes / 1e6:.1f} MB (B=1 x {tokens} tokens): floor {floor:.2f} us at the 1 GB ceiling, {count} buffers",
+              flush=True)
+        graphs = {}
+        stream = torch.cuda.current_stream().cuda_stream
+        for vi, (name, read) in enumerate(variants.items()):
+            sink = sinks[vi:vi + 1]
+            n = nbytes if name.startswith("bulk") else nbytes // 16
+            for b in bufs:
+                read.bind(b.data_ptr(), n, sink.data_ptr())
+            try:
+                sink.zero_()
+                read.launch(bufs[0].data_ptr(), stream)
+                torch.cuda.synchronize()
+                got = int(sink.item()) & 0xFFFFFFFF
+                if got != expect:
+                    print(f"  {name}: XOR {got:#010x} != buffer's {expect:#010x}: WRONG, left out")
+                    continue
+                views = [(b, None) for b in bufs]
+                graphs[name] = capture(lambda kv, r=read: r.launch(kv[0].data_ptr(),
+                                                                    torch.cuda.current_stream().cuda_stream),
+                                       views, args.calls)
+            except Exception as exc:
+                print(f"  {name}: failed ({first_line(exc)})")
+                torch.cuda.synchronize()
+        copies = None
+        try:
+            batch = make_batch(spec, [tokens], seed=1)
+            copies, q = rotated_copies(spec, batch, l2)
+            plan = wq8.plan(batch, "workqueue")
+            out = torch.empty_like(q)
+            graphs["wq8"] = capture(lambda kv: wq8.run(q, kv, plan, out), copies, args.calls)
+        except Exception as exc:
+            print(f"  wq8: failed ({first_line(exc)})")
+        times = time_replays(graphs, args.repeats, args.calls)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, ts in times.items():
+            rows += [{"mb": nbytes / 1e6, "tokens": tokens, "variant": name, "repeat": i, "time_us": t,
+                      "floor_us": floor, "read_ceiling_gbps": ceiling, "gpu": props.name} for i, t in enumerate(ts)]
+        table.append((nbytes, floor, med))
+        graphs.clear()
+        del bufs, copies
+        torch.cuda.empty_cache()
+        import pandas as pd
+
+        path = Path(args.out) / f"bench_stream_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
+        pd.DataFrame(rows).to_parquet(path, index=False)
+    names = list(table[0][2]) if table else []
+    print("\nus per call (median of --repeats graph replays), and % of the 1 GB read ceiling")
+    print(f"{'MB':>7} {'floor':>6}  " + "  ".join(f"{n:>13}" for n in names))
+    for nbytes, floor, med in table:
+        print(f"{nbytes / 1e6:7.1f} {floor:6.2f}  " + "  ".join(
+            f"{med[n]:6.1f} ({100 * floor / med[n]:3.0f}%)" if n in med else f"{'-':>13}" for n in names))
+    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
