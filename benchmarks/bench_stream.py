@@ -104,7 +104,7 @@ def main() -> int:
     with cupy.cuda.Device(0):
         module = cupy.RawModule(code=(ROOT / "benchmarks" / "stream_patterns.cu").read_text(),
                                 options=("-std=c++17",))
-        fn = {name: module.get_function(name) for name in ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk")}
+        fn = {name: module.get_function(name).kernel for name in ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk")}
     bulk_smem_max = 0
     variants = {
         "grid": Read(fn["st_grid"].ptr, sms * 8, 256, 0, False),
