@@ -732,6 +732,9 @@ def test_memo_limits(policy_file):
     for n in (1000, 4000, 16000, 64000):
         memo.decide(make_batch(SPEC, [n]))
     assert memo.misses == 4 and len(memo._decisions) <= 2
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8, head_dim=64, page_size=16, dtype="float16")
+    a, b = memo.decide(make_batch(SPEC, [3000])), memo.decide(make_batch(other, [3000]))  # same lengths, two specs
+    assert memo.misses == 6 and memo.decide(make_batch(SPEC, [3000])) is a and memo.decide(make_batch(other, [3000])) is b
     memo = DecisionMemo(policy, available=["vllm-fa3"])
     assert memo.decide(make_batch(SPEC, [5000])).backend == "vllm-fa3"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -492,12 +492,15 @@ def step_signature(batch: Batch, bins_per_octave: int = MEMO_BINS_PER_OCTAVE) ->
     below the models' own error (their median relative residual is 2-10 %). A decode step grows
     every row by one token, so consecutive steps share a signature for about 1/45 of their length
     (a 9000-token row keeps one for ~200 steps)."""
-    lens = batch.seq_lens.tolist()
-    q = bins_per_octave
+    return (batch.spec,) + _length_bins(batch.seq_lens.tolist(), bins_per_octave)
+
+
+def _length_bins(lens: list, q: int) -> tuple:
+    """step_signature without the spec: (B, total, longest, shortest bins) of the row lengths."""
     if len(lens) == 1:  # total = longest = shortest: one logarithm (this runs on every step's host path)
         b = round(math.log2(lens[0]) * q)
-        return (batch.spec, 1, b, b, b)
-    return (batch.spec, len(lens), round(math.log2(sum(lens)) * q), round(math.log2(max(lens)) * q),
+        return (1, b, b, b)
+    return (len(lens), round(math.log2(sum(lens)) * q), round(math.log2(max(lens)) * q),
             round(math.log2(min(lens)) * q))
 
 
@@ -522,10 +525,19 @@ class DecisionMemo:
         self.max_entries = int(max_entries)
         self.hits = 0
         self.misses = 0
+        #: (spec number, B, total, longest, shortest bins) -> decision: step_signature with the
+        #: spec replaced by a small number, so a hit hashes five ints, not the spec dataclass
         self._decisions: dict[tuple, Decision] = {}
+        self._spec_numbers: dict = {}
+        self._last_spec: Any = None
+        self._last_number = -1
 
     def decide(self, batch: Batch) -> Decision:
-        key = step_signature(batch, self.bins_per_octave)
+        spec = batch.spec
+        if spec is not self._last_spec:  # a serving loop's batches share one spec object
+            self._last_number = self._spec_numbers.setdefault(spec, len(self._spec_numbers))
+            self._last_spec = spec
+        key = (self._last_number,) + _length_bins(batch.seq_lens.tolist(), self.bins_per_octave)
         decision = self._decisions.get(key)
         if decision is not None:
             self.hits += 1
