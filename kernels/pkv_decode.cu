@@ -48,6 +48,9 @@
 #endif
 // Development instrumentation (benchmarks/trace_cta.py), 0 in every module the engine ships: each
 // CTA of pkv_decode / pkv_decode_fused appends one record of timestamps to pkv_trace.
+#ifndef PKV_TMA
+#define PKV_TMA 0  // 1 (development, sm_90, head_dim 128, page >= 16): K/V tiles by TMA, see decode_item
+#endif
 #ifndef PKV_TRACE
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
@@ -92,7 +95,12 @@ static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping"
 // cross-warp combine (WARPS x 16 rows x OBUF_STRIDE floats + small row arrays).
 constexpr int PIPE_BYTES = (Q_ELEMS + STAGES * 2 * STAGE_ELEMS) * 2;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
-constexpr int SMEM_BYTES = PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES;
+// PKV_TMA: 1024 bytes more, so the kernel can align the pipeline to the 1024-byte period of
+// the 128-byte TMA swizzle.
+constexpr int SMEM_BYTES = (PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES) + (PKV_TMA ? 1024 : 0);
+#if PKV_TMA
+static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per token row)");
+#endif
 // Cluster route: each CTA publishes its normalised state, o [16][D] and lse [16] (fp32, rows >= G
 // unused), in its own shared memory past the combine buffers, so the combine's last reads and the
 // publication never overlap; the cluster's CTAs read it through distributed shared memory.
@@ -202,6 +210,41 @@ __device__ __forceinline__ void grid_launch_dependents() {
 }
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
+// The same for stages filled by TMA with the 128-byte swizzle: a stage is two halves of D (64
+// elements, 128 bytes per token row), each TILE rows; 16-byte chunk c8 of row t sits at c8 ^ (t & 7),
+// which is what the hardware writes when each half starts at a multiple of 1024 bytes.
+__device__ __forceinline__ int swz_tma(int t, int c) {
+  return (c >> 3) * (TILE * 64) + t * 64 + (((c & 7) ^ (t & 7)) << 3);
+}
+
+#if PKV_TMA
+// A CUtensorMap (cuda.h) by value: 128 opaque bytes, 128-byte aligned (as cuda.h 13 declares it).
+struct __align__(128) TMap {
+  unsigned long long v[16];
+};
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
+      ::"r"(bar), "r"(parity) : "memory");
+}
+// One box of the 4-d map (D, Hkv, page_size, pages) at (c0, c1, c2, c3) into shared memory at dst,
+// completing on the mbarrier at bar.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const void* map, int c0, int c1, int c2, int c3,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+#endif
 
 // PKV_TRACE: thread 0 stamps %globaltimer (ns, one clock for the whole GPU) and clock64 (this SM's
 // cycles) at each phase of a CTA into shared memory (no registers held across the loop), and the
@@ -252,6 +295,8 @@ struct Params {
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
   int early;             // 1: read the item and page ids before the preceding grid completes (PDL)
+  const void* tmk;       // PKV_TMA: the K and V tensor maps (kernel parameters), else nullptr
+  const void* tmv;
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -401,6 +446,51 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   const kv_t* vbase = p.v + (long long)head * D;
   const int* pages = p.kv_indices + it.page_base;
 
+  // PKV_TMA (decode launches; the cluster route keeps cp.async): warp 0 loads each tile with one
+  // TMA box per lane, a (16-token slice of one page, half of D, K or V) box of 2 KB landing
+  // swizzled (swz_tma), all of a stage completing on its mbarrier. The boxes read whole 16-token
+  // slices, so a tile's V rows past hi (and rows of slices past hi, not loaded) are zeroed after
+  // it lands: masked scores weigh them 0, and 0 x stale bits could be NaN.
+  constexpr bool TMA = PKV_TMA && MODE != CLUSTER;
+  auto SW = [](int t, int c) { return TMA ? swz_tma(t, c) : swz(t, c); };
+#if PKV_TMA
+  __shared__ __align__(8) unsigned long long tma_bar[STAGES];
+  constexpr int TMA_SLICES = TILE / 16;
+  constexpr int TMA_OPS = TMA_SLICES * 4;
+  static_assert(TMA_OPS <= 32, "one TMA box per lane of warp 0");
+  const int op_i = lane >> 2, op_h = (lane >> 1) & 1, op_v = lane & 1;
+  auto tma_page = [&](int tile) -> int {
+    const int tok = lo + tile * TILE + op_i * 16;
+    return lane < TMA_OPS && tok < hi ? __ldg(pages + (tok >> p.log2_page)) : -1;
+  };
+  auto tma_issue = [&](int tile, int pg) {  // warp 0
+    const int stage = tile % STAGES;
+    const int t0 = lo + tile * TILE;
+    const int slices = min(TMA_SLICES, (hi - t0 + 15) >> 4);
+    const unsigned bar = smem_u32(&tma_bar[stage]);
+    if (lane == 0) mbar_expect_tx(bar, slices * 4 * 16 * 128);
+    __syncwarp();
+    if (pg >= 0) {
+      fence_proxy_async();  // this stage's earlier generic reads before the async refill
+      const kv_t* st = (op_v ? sV : sK) + stage * STAGE_ELEMS + op_h * (TILE * 64) + op_i * 16 * 64;
+      tma_load_4d(smem_u32(st), op_v ? p.tmv : p.tmk, op_h * 64, head, (t0 + op_i * 16) & P_mask, pg, bar);
+    }
+  };
+  int tpg[STAGES - 1], tpg_next = -1;
+  if constexpr (TMA) {
+    if (tid == 0) {
+      for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(&tma_bar[s]), 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    if (warp == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) tpg[s] = tma_page(s);
+      tpg_next = tma_page(STAGES - 1);
+    }
+    __syncthreads();
+  }
+#endif
+
   // This thread's load slots: chunk c of token rows r0 + ROWS_PER_PASS * i.
   const int lc = tid % CHUNKS;
   const int lr = tid / CHUNKS;
@@ -442,9 +532,11 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.)
   int pg_next[LOADS];
   int pg[STAGES - 1][LOADS];
+  if constexpr (!TMA) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
-  fetch_pages(STAGES - 1, pg_next);
+    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
+    fetch_pages(STAGES - 1, pg_next);
+  }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
   stamp(1);
@@ -470,17 +562,51 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       qf[kk][3] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + 8 + c)) : 0u;
     }
   }
+#if PKV_TMA
+  if constexpr (TMA) {
+    if (warp == 0) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) issue(s, pg[s]);
-    cp_async_commit();
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s < ntiles) tma_issue(s, tpg[s]);
+    }
+  } else
+#endif
+  {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) issue(s, pg[s]);
+      cp_async_commit();
+    }
   }
 
   for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
-    if (PKV_TRACE && t == 0) stamp(2);
+#if PKV_TMA
+    if constexpr (TMA) {
+      const int stage = t % STAGES;
+      mbar_wait(smem_u32(&tma_bar[stage]), (t / STAGES) & 1);
+      const int first = hi - (lo + t * TILE);  // >= 1
+      if (first < TILE) {
+        kv_t* v_st = sV + stage * STAGE_ELEMS;
+        for (int idx = tid; idx < (TILE - first) * CHUNKS; idx += THREADS) {
+          const int r = first + idx / CHUNKS, c = idx % CHUNKS;
+          *reinterpret_cast<uint4*>(v_st + swz_tma(r, c)) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      __syncthreads();  // tile t landed (and its tail zeroed); stage (t-1) % STAGES is free again
+      if (PKV_TRACE && t == 0) stamp(2);
+      if (warp == 0) {
+        const int nt = t + STAGES - 1;
+        if (nt < ntiles) {
+          tma_issue(nt, tpg_next);
+          if (nt + 1 < ntiles) tpg_next = tma_page(nt + 1);
+        }
+      }
+    } else
+#endif
     {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
+      if (PKV_TRACE && t == 0) stamp(2);
       const int nt = t + STAGES - 1;
       if (nt < ntiles) {
         issue(nt, pg_next);
@@ -501,7 +627,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       for (int kk = 0; kk < D / 16; ++kk) {
         const int tk = warp * 16 + (mi >> 1) * 8 + r;
         unsigned b0, b1, b2, b3;
-        ldsm_x4(smem_u32(k_st + swz(tk, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        ldsm_x4(smem_u32(k_st + SW(tk, 2 * kk + (mi & 1))), b0, b1, b2, b3);
         if constexpr (Q_SMEM) {
           unsigned a[4];
           ldsm_x4(smem_u32(sQ + swz((mi & 1) * 8 + r, 2 * kk + (mi >> 1))), a[0], a[1], a[2], a[3]);
@@ -562,7 +688,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       for (int dp = 0; dp < D / 16; ++dp) {
         const int tv = warp * 16 + (mi & 1) * 8 + r;
         unsigned b0, b1, b2, b3;
-        ldsm_x4_t(smem_u32(v_st + swz(tv, 2 * dp + (mi >> 1))), b0, b1, b2, b3);
+        ldsm_x4_t(smem_u32(v_st + SW(tv, 2 * dp + (mi >> 1))), b0, b1, b2, b3);
         mma16816(o[2 * dp], pa, b0, b1);
         mma16816(o[2 * dp + 1], pa, b2, b3);
       }
@@ -719,15 +845,30 @@ __device__ __forceinline__ void trace_end(int slot, const Item& it) {
 #define PKV_TRACE_END(slot, it)
 #endif
 
+#if PKV_TMA
+// The tensor maps of K and V (cuTensorMapEncodeTiled on the host, 128-byte swizzle), passed by
+// value as grid constants: TMA reads them from parameter memory.
+#define PKV_TMA_ARGS , const __grid_constant__ pkv::TMap tmk, const __grid_constant__ pkv::TMap tmv
+#define PKV_TMA_FILL , &tmk, &tmv
+// The pipeline starts at the next multiple of 1024 bytes (the swizzle's period); SMEM_BYTES has room.
+#define PKV_SMEM_BASE(raw) (raw + ((1024u - (pkv::smem_u32(raw) & 1023u)) & 1023u))
+#else
+#define PKV_TMA_ARGS
+#define PKV_TMA_FILL
+#define PKV_SMEM_BASE(raw) (raw)
+#endif
+
 #define PKV_DECODE_ARGS                                                                              \
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
       const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
-      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2, int early
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2, int early   \
+      PKV_TMA_ARGS
 
 #define PKV_FILL_PARAMS                                                                             \
   Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,   \
-           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early}
+           num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early \
+           PKV_TMA_FILL}
 
 extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode(PKV_DECODE_ARGS) {
   PKV_FILL_PARAMS;
@@ -737,7 +878,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
   const pkv::Item it = pkv::load_item(items, slot);
-  pkv::decode_item<pkv::PARTIAL>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));
+  pkv::decode_item<pkv::PARTIAL>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
   PKV_TRACE_END(slot, it);
 }
 
@@ -749,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_
   if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
   const int slot = slot_offset + blockIdx.x;
   const pkv::Item it = pkv::load_item(items, slot);
-  pkv::decode_item<pkv::FUSED>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));
+  pkv::decode_item<pkv::FUSED>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
   PKV_TRACE_END(slot, it);
 }
 

@@ -175,6 +175,7 @@ def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS, warps=
     occupancy = 2 if warps == 4 else 1
     engine.target_items = occupancy * num_sms
     engine.warps = warps
+    engine.tma = False
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0

@@ -103,6 +103,26 @@ def test_the_trace_build_compiles_without_spills(tmp_path, arch):
         assert rows[name]["static_shared_bytes"] >= 16 * 8  # the CTA's trace record
 
 
+@needs_nvcc
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_tma_build_compiles_for_hopper_without_spills(tmp_path, warps):
+    """PKV_TMA=1 (development: K/V by tensor-map boxes) compiles for sm_90 without spilling, and
+    its decode kernels take the two tensor maps after the shipped parameters (DecodeArgsTMA)."""
+    from persistentkv.engine import DecodeArgs, DecodeArgsTMA
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
+           *compile_options(spec, warps, ("PKV_TMA=1",)), str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
+    for name in ("pkv_decode", "pkv_decode_fused"):
+        assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
+    names = [n for n, _ in DecodeArgsTMA._fields_ if n != "_params"]
+    assert names == [n for n, _ in DecodeArgs._fields_ if n != "_params"] + ["tmk", "tmv"]
+    assert DecodeArgsTMA.tmk.size == 128 == DecodeArgsTMA.tmv.size and DecodeArgsTMA.tmv.offset == DecodeArgsTMA.tmk.offset + 128
+
+
 @pytest.mark.parametrize("head_dim, warps, message", [
     (256, 8, "warps=8 needs head_dim <= 128"),
     (128, 6, "warps must be one of 4, 8, got 6"),

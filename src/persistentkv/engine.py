@@ -201,6 +201,12 @@ DecodeArgs = _arg_layout("DecodeArgs", [
     *_DECODE_COMMON, ("items", _PTR), ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR),
     ("counters", _PTR), ("slot_offset", _I32), ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32),
     *_STRIDES, ("scale_log2", _F32), ("early", _I32)])
+_TMAP = ctypes.c_uint64 * 16  # a CUtensorMap: 128 opaque bytes
+#: the same with PKV_TMA=1 (development): the K and V tensor maps after them, by value
+DecodeArgsTMA = _arg_layout("DecodeArgsTMA", [
+    *_DECODE_COMMON, ("items", _PTR), ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR),
+    ("counters", _PTR), ("slot_offset", _I32), ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32),
+    *_STRIDES, ("scale_log2", _F32), ("early", _I32), ("tmk", _TMAP), ("tmv", _TMAP)])
 #: pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): the same per-call names as DecodeArgs
 ClusterArgs = _arg_layout("ClusterArgs", [
     *_DECODE_COMMON, ("seq_lens", _PTR), ("kv_indptr", _PTR), ("num_kv_heads", _I32), ("group_size", _I32),
@@ -227,6 +233,45 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
 
 
 NO_LAUNCH_EX = "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)"
+
+# cuda.h enums of cuTensorMapEncodeTiled (PKV_TMA, development)
+_TMAP_DTYPE = {"float16": 6, "bfloat16": 9}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_TMAP_SWIZZLE_128B, _TMAP_L2_PROMOTION_256B = 3, 3
+
+
+@lru_cache(maxsize=None)
+def _encode_tiled():
+    """libcuda's cuTensorMapEncodeTiled with its argument types (None where the driver lacks it)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def kv_tensor_map(ptr: int, dtype: str, head_dim: int, num_kv_heads: int, page_size: int, num_pages: int,
+                  page_stride: int, token_stride: int) -> Any:
+    """The 4-d tensor map (head_dim, Hkv, page_size, pages) of one K or V cache whose strides are
+    given in elements, with 64-element x 1 x 16-token x 1 boxes and the 128-byte swizzle that
+    kernels/pkv_decode.cu's PKV_TMA path reads (swz_tma). Returns the 128 bytes as a ctypes array."""
+    fn = _encode_tiled()
+    require(fn is not None, "PKV_TMA needs cuTensorMapEncodeTiled, which this CUDA driver lacks")
+    esize = 2
+    raw = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(raw) + 63) & ~63  # the map must be 64-byte aligned
+    dims = (ctypes.c_uint64 * 4)(head_dim, num_kv_heads, page_size, num_pages)
+    strides = (ctypes.c_uint64 * 3)(head_dim * esize, token_stride * esize, page_stride * esize)
+    box = (ctypes.c_uint32 * 4)(64, 1, 16, 1)
+    ones = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    status = fn(at, _TMAP_DTYPE[dtype], 4, ptr, dims, strides, box, ones, 0, _TMAP_SWIZZLE_128B,
+                _TMAP_L2_PROMOTION_256B, 0)
+    require(status == 0, f"cuTensorMapEncodeTiled returned CUresult {status} (dims {list(dims)}, strides "
+                         f"{list(strides)} bytes)")
+    return _TMAP.from_buffer_copy(ctypes.string_at(at, 128))
 
 
 @lru_cache(maxsize=None)
@@ -449,6 +494,11 @@ class DecodeEngine:
         self.defines = defines
         self.module = _load_module(spec.dtype, spec.head_dim, warps, self.device.index, defines)
         props = torch.cuda.get_device_properties(self.device)
+        #: PKV_TMA=1 (development): decode launches load K/V by TMA through per-cache tensor maps
+        self.tma = any(d.split("=")[0] == "PKV_TMA" and d != "PKV_TMA=0" for d in defines)
+        require(not self.tma or (props.major >= 9 and spec.head_dim == 128 and spec.page_size >= 16),
+                "PKV_TMA needs sm_90+, head_dim 128 and page_size >= 16")
+        self._tmaps: dict = {}
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
         require(not pdl or props.major >= PDL_MIN_MAJOR,
@@ -537,7 +587,8 @@ class DecodeEngine:
                        part_lse: int, counters: int, slot_offset: int) -> _Launch:
         """A decode launch over the given device addresses (its q/k/v/out and strides are run()'s)."""
         spec, mod = self.spec, self.module
-        args = _arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
+        args = _arg_block(DecodeArgsTMA if self.tma else DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items,
+                          part_o, part_lse, counters,
                           slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
                           self.scale_log2, 0)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
@@ -718,6 +769,7 @@ class DecodeEngine:
                 self._check(q, k, v, out, plan)
                 self._last_check = key
         stream = self._raw_stream(self.device.index)
+        maps = self._kv_maps(k, v, k_ptr, v_ptr, ks) if self.tma else None
         for launch in plan.launches:
             kind = launch.kind
             if kind == "plan":
@@ -729,12 +781,27 @@ class DecodeEngine:
             else:
                 args.q, args.k, args.v = q_ptr, k_ptr, v_ptr
                 args.kv_sp, args.kv_st, args.q_sb, args.q_sh, args.o_sb, args.o_sh = ks[0], ks[1], qs[0], qs[1], os_[0], os_[1]
+                if maps is not None and kind != "cluster":
+                    args.tmk, args.tmv = maps
                 if launch.pdl is not None:
                     args.early = plan.early_ok
                     launch.pdl(stream)
                     plan.early_ok = True
                     continue
             self._launch(launch, stream)
+
+    def _kv_maps(self, k, v, k_ptr: int, v_ptr: int, ks) -> tuple:
+        """(K map, V map) of this cache (PKV_TMA), made once per (pointers, pages, strides)."""
+        key = (k_ptr, v_ptr, k.shape[0], ks[0], ks[1])
+        maps = self._tmaps.get(key)
+        if maps is None:
+            spec = self.spec
+            if len(self._tmaps) >= 4096:
+                self._tmaps.clear()
+            maps = self._tmaps[key] = tuple(
+                kv_tensor_map(ptr, spec.dtype, spec.head_dim, spec.num_kv_heads, spec.page_size, k.shape[0], ks[0],
+                              ks[1]) for ptr in (k_ptr, v_ptr))
+        return maps
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""

@@ -1,0 +1,90 @@
+"""K/V tiles by TMA (development define PKV_TMA=1) against the cp.async kernel and the baselines,
+under graph replay.
+
+    python benchmarks/bench_tma.py [--out DIR] [--cases B=1x4096,B=4x8192] [--repeats 15]
+
+bench_stream (NOTES v10) found that bulk copies into shared memory stream a 16-134 MB step
+1.5-3.7 us faster than the plain loads the queue's cp.async pattern resembles. PKV_TMA loads each
+tile with one tensor-map box per lane of warp 0 (16 tokens x 64 dims of one page and head, 2 KB,
+128-byte swizzle). Same cases, harness and table as bench_warps.py (bench_common.py): every
+variant checked against float64, then CUDA graphs over rotated cold copies, all interleaved:
+  wq, wq8           the GPU-planned queue, 4 and 8 warps, cp.async (the shipped kernel)
+  wq-tma, wq8-tma   the same queues with PKV_TMA=1
+  flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines, where they run here
+  read              the read-ceiling kernel over the case's bytes (not attention)
+Writes bench_tma_HHMMSS.parquet to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args, fastest,  # noqa: E402
+                          first_line, load_baselines, read_ceiling_gbps, timed_cases, write_rows)
+from persistentkv.spec import AttentionSpec  # noqa: E402
+
+
+def main() -> int:
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    args = bench_args()
+    t_start = time.time()
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engines = {}
+    for warps in (4, 8):
+        for tma in (False, True):
+            name = ("wq" if warps == 4 else "wq8") + ("-tma" if tma else "")
+            try:
+                engines[name] = engine_for(spec, warps=warps, defines=("PKV_TMA=1",) if tma else ())
+            except Exception as exc:
+                print(f"{name}: no engine ({first_line(exc)})")
+    ceiling = read_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s")
+    for name, e in engines.items():
+        m = e.module
+        print(f"  {name}: {m.threads} threads, {m.tile}-token stages x {m.stages}, smem {m.smem_bytes} B, "
+              f"{m.occupancy} CTA/SM, target_items {e.target_items}")
+    baselines = load_baselines(spec)
+
+    def variants_for(batch):
+        runs = {}
+
+        def add(name, make_plan, run):
+            try:
+                runs[name] = (make_plan(), run)
+            except Exception as exc:
+                print(f"  {name}: not planned ({first_line(exc)})")
+
+        for name, engine in engines.items():
+            add(name, lambda e=engine: e.plan(batch, "workqueue"),
+                lambda q, e=engine: (lambda kv, p, o: e.run(q, kv, p, o)))
+        add_baselines(add, batch, baselines)
+        add_plain_read(add, batch)
+        return runs
+
+    rows, table = [], []
+    any_engine = next(iter(engines.values()))
+    for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, "bench_tma",
+                                                t_start):
+        ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
+        table.append((label, floor, med, fastest(ok, lambda n: n in BASELINES),
+                      fastest(ok, lambda n: n in ("wq", "wq8")), fastest(ok, lambda n: n.endswith("-tma"))))
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best cp.async   best TMA   TMA gain   "
+          f"TMA vs baseline   %ceiling(TMA)")
+    for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
+        cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
+        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
+              f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
+    write_rows(rows, args.out, "bench_tma", t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
