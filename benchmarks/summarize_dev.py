@@ -28,7 +28,8 @@ def main() -> int:
         cols = [c for c in med.columns if c.startswith(("wq264", "wq132", "wq-gpu", "split"))]
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2)")
         print(med[cols].round(1).to_string())
-    for path in sorted(DEV.glob("bench_cluster_*.parquet")) + sorted(DEV.glob("bench_warps_*.parquet")):
+    for path in sorted(DEV.glob("bench_cluster_*.parquet")) + sorted(DEV.glob("bench_warps_*.parquet")) + \
+            sorted(DEV.glob("bench_tma_*.parquet")):
         df = pd.read_parquet(path)
         med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
         floor = df.groupby("case", sort=False)["floor_us"].first()
@@ -39,10 +40,21 @@ def main() -> int:
         table["best baseline"] = med[base].min(axis=1)
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2; clN = cluster route with C=N, "
               f"-1cta = one CTA per SM, w8/wq8 = 8-warp CTAs, -closed = closed-form chunk, -pdl / -nopdl = with / without "
-              f"programmatic dependent launch, -np = no L2 prefetch, read = a plain read of the case's bytes, not "
+              f"programmatic dependent launch, -np = no L2 prefetch, -tma = K/V by TMA boxes (PKV_TMA=1), read = a plain read of the case's bytes, not "
               f"attention (variant names per file: benchmarks/NOTES.md); blank = variant not run for that case)")
         print(table.round(1).to_string())
         print(f"max rel err vs float64 over all variants: {df['rel_err'].max():.1e}")
+    for path in sorted(DEV.glob("bench_stream_*.parquet")):
+        df = pd.read_parquet(path)
+        med = df.groupby(["mb", "variant"], sort=False)["time_us"].median().unstack()
+        floor = df.groupby("mb", sort=False)["floor_us"].first()
+        frac = (100 / med).mul(floor, axis=0).round(0)
+        med.index = floor.index = med.index.round(1)
+        frac.index = med.index
+        print(f"\n{path.stem} (benchmarks/bench_stream.py: median us per call to stream the MB, CUDA-graph replay, "
+              f"cold buffers; wq8 = the 8-warp queue at B=1 over the same KV bytes; then % of the 1 GB read ceiling)")
+        print(pd.concat([floor.rename("floor"), med], axis=1).round(1).to_string())
+        print(frac.astype(int).to_string())
     for path in sorted(DEV.glob("trace_cta_*.parquet")):
         df = pd.read_parquet(path)
         if "variant" not in df:  # the first trace run had one module per warp count
