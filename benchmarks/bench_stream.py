@@ -18,6 +18,15 @@ interleaved with the 8-warp queue at B=1 over the same number of KV bytes:
   wq8             pkv-workqueue's 8-warp queue, B=1 at N = bytes / 4 KB tokens (Hq 32, Hkv 8, D 128,
                   fp16, page 16; its bytes are N x 4 KB), PDL
 
+--paged (B=1 rows of the same sizes over a paged cache [pages, 16, 8, 128] fp16, pages scattered by
+a random block table; a page's K, or V, for all kv heads is one contiguous 32 KB slab):
+  pages-bulk-n    one cp.async.bulk per slab into 32 KB shared buffers (6 per CTA at n = 1 CTA/SM,
+                  3 at n = 2), a contiguous range of the row's pages per CTA, PDL
+  pages-tma-n     the same with two 16 KB tensor-map boxes per slab, the map's dims ordered (dim,
+                  token, head, page) so a box lands as [head][token][64 dims] with the 128-byte
+                  swizzle: the layout a kernel that owns all kv heads of its tokens would read
+  pages-loads-1   per-thread 16-byte loads over the slabs, 8 in flight, 1024 threads, 1 CTA/SM
+  wq8, wq8-tma    the 8-warp queue (cp.async; PKV_TMA=1) over the same cache and block table
 Each read variant is first checked: the XOR of every 32-bit word it folds must equal the
 buffer's (so it read each word an odd number of times: once). The table gives us per call,
 GB/s and the fraction of the read ceiling measured at 1 GB in this run; writes
@@ -49,6 +58,7 @@ def args_() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--sizes-mb", default=",".join(str(s) for s in SIZES_MB))
+    p.add_argument("--paged", action="store_true", help="the paged variants instead of the flat ones")
     return p.parse_args()
 
 
@@ -85,6 +95,156 @@ class Read:
             raise RuntimeError(f"cuLaunchKernelEx returned {status}")
 
 
+class Launcher:
+    """cuLaunchKernelEx of one function with a fixed shape (PDL attribute when pdl); parameter
+    blocks bound per key (a cache copy), kept alive here."""
+
+    def __init__(self, function, grid, threads, smem, pdl):
+        from persistentkv import engine as eng
+
+        self.function, self.grid, self.threads, self.smem, self.pdl = function, grid, threads, smem, pdl
+        self.launch_ex = eng._launch_kernel_ex()
+        self.attr = eng._LaunchAttribute(id=eng.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.blocks = {}
+
+    def bind(self, key, values: list):
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self.blocks[key] = (values, params)
+
+    def launch(self, key, stream: int):
+        from persistentkv import engine as eng
+
+        cfg = eng._LaunchConfig(self.grid, 1, 1, self.threads, 1, 1, self.smem, stream,
+                                ctypes.pointer(self.attr) if self.pdl else None, 1 if self.pdl else 0)
+        status = self.launch_ex(ctypes.byref(cfg), ctypes.c_void_p(self.function), self.blocks[key][1], None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx returned {status}")
+
+
+def slab_map(ptr: int, num_pages: int):
+    """A (dim 128, token 16, head 8, page) map of one fp16 cache, box 64 x 16 x 8 x 1, 128-byte
+    swizzle (the strides are given out of order on purpose: token 2 KB, head 256 B)."""
+    from persistentkv import engine as eng
+
+    fn = eng._encode_tiled()
+    raw = ctypes.create_string_buffer(256)
+    at = (ctypes.addressof(raw) + 127) & ~127
+    dims = (ctypes.c_uint64 * 4)(128, 16, 8, num_pages)
+    strides = (ctypes.c_uint64 * 3)(2048, 256, 32768)
+    box = (ctypes.c_uint32 * 4)(64, 16, 8, 1)
+    ones = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    status = fn(at, 6, 4, ptr, dims, strides, box, ones, 0, 3, 3, 0)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled refused the slab map (CUresult {status})")
+    return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(at, 128))
+
+
+def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: float) -> int:
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    from bench_common import first_line
+    from persistentkv import engine as eng
+    from persistentkv.cache import Batch
+    from persistentkv.engine import engine_for
+    from persistentkv.measure.rotation import cold_copies
+    from persistentkv.spec import AttentionSpec
+
+    slab = 32768
+    variants = {}
+    for name, fn, per_sm, stages in (("pages-bulk-1", "st_pages_bulk", 1, 6), ("pages-bulk-2", "st_pages_bulk", 2, 3),
+                                     ("pages-tma-1", "st_pages_tma", 1, 6), ("pages-tma-2", "st_pages_tma", 2, 3)):
+        variants[name] = (Launcher(module_fn[fn].ptr, sms * per_sm, 256, stages * slab + 1024, True), stages)
+    variants["pages-loads-1"] = (Launcher(module_fn["st_pages_loads"].ptr, sms, 1024, 0, True), None)
+    for fn in ("st_pages_bulk", "st_pages_tma"):
+        eng._set_function_attribute(module_fn[fn].ptr, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    6 * slab + 1024)
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engines = {"wq8": engine_for(spec, warps=8), "wq8-tma": engine_for(spec, warps=8, defines=("PKV_TMA=1",))}
+    rows, table = [], []
+    path = None
+    for mb in (float(x) for x in args.sizes_mb.split(",")):
+        npages = max(1, int(round(mb * 1e6 / (2 * slab))))
+        tokens = npages * 16
+        kv_bytes = 2 * npages * slab
+        count = max(2, min(64, cold_copies(kv_bytes, l2, 3.0)))
+        gen = torch.Generator(device="cuda").manual_seed(npages)
+        caches = [(torch.randn((npages, 16, 8, 128), generator=gen, device="cuda", dtype=torch.float16),
+                   torch.randn((npages, 16, 8, 128), generator=gen, device="cuda", dtype=torch.float16))
+                  for _ in range(count)]
+        perm = np.random.default_rng(npages).permutation(npages).astype(np.int32)
+        table_dev = torch.from_numpy(perm).cuda()
+        k0, v0 = caches[0]
+        expect = int(np.bitwise_xor.reduce(k0.view(torch.int32).cpu().numpy().ravel().view(np.uint32))
+                     ^ np.bitwise_xor.reduce(v0.view(torch.int32).cpu().numpy().ravel().view(np.uint32)))
+        sinks = torch.zeros(len(variants), dtype=torch.int32, device="cuda")
+        floor = kv_bytes / (ceiling * 1e3)
+        print(f"{kv_bytes / 1e6:.1f} MB (B=1 x {tokens} tokens, {npages} scattered pages): floor {floor:.2f} us, "
+              f"{count} caches", flush=True)
+        graphs = {}
+        stream = torch.cuda.current_stream().cuda_stream
+        for vi, (name, (launcher, stages)) in enumerate(variants.items()):
+            sink = sinks[vi:vi + 1]
+            try:
+                for kc, vc in caches:
+                    values = [ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()),
+                              ctypes.c_void_p(table_dev.data_ptr()), ctypes.c_int(npages),
+                              ctypes.c_void_p(sink.data_ptr()), ctypes.c_int(1)]
+                    if stages is not None:
+                        values.append(ctypes.c_int(stages))
+                    if name.startswith("pages-tma"):
+                        values += [slab_map(kc.data_ptr(), npages), slab_map(vc.data_ptr(), npages)]
+                    launcher.bind(kc.data_ptr(), values)
+                sink.zero_()
+                launcher.launch(k0.data_ptr(), stream)
+                torch.cuda.synchronize()
+                got = int(sink.item()) & 0xFFFFFFFF
+                if got != expect:
+                    print(f"  {name}: XOR {got:#010x} != the cache's {expect:#010x}: WRONG, left out")
+                    continue
+                graphs[name] = capture(lambda kv, r=launcher: r.launch(kv[0].data_ptr(),
+                                                                       torch.cuda.current_stream().cuda_stream),
+                                       caches, args.calls)
+            except Exception as exc:
+                print(f"  {name}: failed ({first_line(exc)})")
+                torch.cuda.synchronize()
+        batch = Batch(spec, np.array([tokens], dtype=np.int32), np.array([0, npages], dtype=np.int32), perm, npages)
+        q = torch.randn((1, 32, 128), generator=gen, device="cuda", dtype=torch.float16)
+        out = torch.empty_like(q)
+        for name, e in engines.items():
+            try:
+                plan = e.plan(batch, "workqueue")
+                graphs[name] = capture(lambda kv, e=e, plan=plan: e.run(q, kv, plan, out), caches, args.calls)
+            except Exception as exc:
+                print(f"  {name}: failed ({first_line(exc)})")
+        times = time_replays(graphs, args.repeats, args.calls)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, ts in times.items():
+            rows += [{"mb": kv_bytes / 1e6, "tokens": tokens, "variant": name, "repeat": i, "time_us": t,
+                      "floor_us": floor, "read_ceiling_gbps": ceiling, "paged": True}
+                     for i, t in enumerate(ts)]
+        table.append((kv_bytes, floor, med))
+        graphs.clear()
+        del caches
+        torch.cuda.empty_cache()
+        path = Path(args.out) / f"bench_stream_paged_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
+        pd.DataFrame(rows).to_parquet(path, index=False)
+    print_table(table)
+    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    return 0
+
+
+def print_table(table) -> None:
+    names = list(dict.fromkeys(n for *_, med in table for n in med))
+    print("\nus per call (median of --repeats graph replays), and % of the 1 GB read ceiling")
+    print(f"{'MB':>7} {'floor':>6}  " + "  ".join(f"{n:>13}" for n in names))
+    for nbytes, floor, med in table:
+        print(f"{nbytes / 1e6:7.1f} {floor:6.2f}  " + "  ".join(
+            f"{med[n]:6.1f} ({100 * floor / med[n]:3.0f}%)" if n in med else f"{'-':>13}" for n in names))
+
+
 def main() -> int:
     import cupy
     import numpy as np
@@ -104,7 +264,8 @@ def main() -> int:
     with cupy.cuda.Device(0):
         module = cupy.RawModule(code=(ROOT / "benchmarks" / "stream_patterns.cu").read_text(),
                                 options=("-std=c++17",))
-        fn = {name: module.get_function(name).kernel for name in ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk")}
+        fn = {name: module.get_function(name).kernel for name in
+              ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk", "st_pages_bulk", "st_pages_tma", "st_pages_loads")}
     bulk_smem_max = 0
     variants = {
         "grid": Read(fn["st_grid"].ptr, sms * 8, 256, 0, False),
@@ -123,6 +284,8 @@ def main() -> int:
     wq8 = engine_for(spec, warps=8)
     ceiling = read_ceiling_gbps()
     print(f"{props.name}: {sms} SMs, L2 {l2 / 2**20:.0f} MiB, read ceiling {ceiling:.0f} GB/s (1 GB, ceiling.cu)")
+    if args.paged:
+        return main_paged(args, fn, sms, l2, ceiling, t_start)
     rows, table = [], []
     for mb in (float(s) for s in args.sizes_mb.split(",")):
         tokens = max(16, int(round(mb * 1e6 / KV_BYTES_PER_TOKEN / 16)) * 16)
@@ -180,12 +343,7 @@ def main() -> int:
 
         path = Path(args.out) / f"bench_stream_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
         pd.DataFrame(rows).to_parquet(path, index=False)
-    names = list(table[0][2]) if table else []
-    print("\nus per call (median of --repeats graph replays), and % of the 1 GB read ceiling")
-    print(f"{'MB':>7} {'floor':>6}  " + "  ".join(f"{n:>13}" for n in names))
-    for nbytes, floor, med in table:
-        print(f"{nbytes / 1e6:7.1f} {floor:6.2f}  " + "  ".join(
-            f"{med[n]:6.1f} ({100 * floor / med[n]:3.0f}%)" if n in med else f"{'-':>13}" for n in names))
+    print_table(table)
     print(f"wrote {path} ({time.time() - t_start:.0f} s)")
     return 0
 

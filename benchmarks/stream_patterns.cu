@@ -155,3 +155,123 @@ extern "C" __global__ void __launch_bounds__(256) st_bulk(const unsigned char* _
   }
   publish(acc, sink);
 }
+
+// Paged variants: one row's pages of a K and a V cache [pages, 16, 8, 128] fp16 (32 KB per page),
+// in block-table order (scattered page ids). Each CTA streams a contiguous range of the row's
+// pages, K slab then V slab per page, through `stages` shared buffers of 32 KB.
+//   st_pages_bulk: one cp.async.bulk per slab (a page's K or V for all kv heads is contiguous)
+//   st_pages_tma:  two tensor-map boxes per slab (64 dims x 16 tokens x 8 heads = 16 KB each,
+//                  128-byte swizzle) of a map whose dims are (dim, token, head, page): the layout a
+//                  kernel that owns all kv heads of a token range would want ([head][token][64])
+struct __align__(128) TMap128 {
+  unsigned long long v[16];
+};
+
+__device__ __forceinline__ void slab_range(int npages, int& lo, int& hi) {
+  const int per = (npages + gridDim.x - 1) / gridDim.x;
+  lo = min(npages, static_cast<int>(blockIdx.x) * per);
+  hi = min(npages, lo + per);
+}
+
+__device__ __forceinline__ unsigned consume(const unsigned char* buf, unsigned bytes) {
+  unsigned acc = 0u;
+  const uint4* b = reinterpret_cast<const uint4*>(buf);
+  for (unsigned j = threadIdx.x; j < bytes / 16; j += blockDim.x) acc ^= fold4(b[j]);
+  return acc;
+}
+
+template <bool TMA>
+__device__ __forceinline__ void pages_body(const unsigned char* __restrict__ k, const unsigned char* __restrict__ v,
+                                           const int* __restrict__ pages, int npages, unsigned* __restrict__ sink,
+                                           int pdl, int stages, const void* tmk, const void* tmv) {
+  constexpr unsigned SLAB = 32768;
+  extern __shared__ __align__(1024) unsigned char buf[];
+  __shared__ __align__(8) u64 bars[MAX_STAGES];
+  unsigned char* base = buf + ((1024u - (smem_u32(buf) & 1023u)) & 1023u);
+  int lo, hi;
+  slab_range(npages, lo, hi);
+  const int n = 2 * (hi - lo);  // slabs: K, V of each page
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+#endif
+  __syncthreads();
+  pdl_begin(pdl);
+  auto issue = [&](int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int s = c % stages;
+    const int page = __ldg(pages + lo + c / 2);
+    const unsigned dst = smem_u32(base + static_cast<u64>(s) * SLAB), bar = smem_u32(&bars[s]);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if (!TMA) {
+      bulk_issue((c & 1 ? v : k) + static_cast<u64>(page) * SLAB, SLAB, dst, bar);
+    } else {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(SLAB) : "memory");
+      const void* map = c & 1 ? tmv : tmk;
+      for (int h = 0; h < 2; ++h)
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+            ::"r"(dst + h * (SLAB / 2)), "l"(map), "r"(h * 64), "r"(0), "r"(0), "r"(page), "r"(bar) : "memory");
+    }
+#endif
+  };
+  if (threadIdx.x == 0)
+    for (int c = 0; c < stages && c < n; ++c) issue(c);
+  unsigned acc = 0u;
+  for (int c = 0; c < n; ++c) {
+    const int s = c % stages;
+    bar_wait(smem_u32(&bars[s]), static_cast<unsigned>((c / stages) & 1));
+    acc ^= consume(base + static_cast<u64>(s) * SLAB, SLAB);
+    __syncthreads();
+    if (threadIdx.x == 0 && c + stages < n) issue(c + stages);
+  }
+  publish(acc, sink);
+}
+
+extern "C" __global__ void __launch_bounds__(256) st_pages_bulk(const unsigned char* __restrict__ k,
+                                                                const unsigned char* __restrict__ v,
+                                                                const int* __restrict__ pages, int npages,
+                                                                unsigned* __restrict__ sink, int pdl, int stages) {
+  pages_body<false>(k, v, pages, npages, sink, pdl, stages, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) st_pages_tma(const unsigned char* __restrict__ k,
+                                                               const unsigned char* __restrict__ v,
+                                                               const int* __restrict__ pages, int npages,
+                                                               unsigned* __restrict__ sink, int pdl, int stages,
+                                                               const __grid_constant__ TMap128 tmk,
+                                                               const __grid_constant__ TMap128 tmv) {
+  pages_body<true>(k, v, pages, npages, sink, pdl, stages, &tmk, &tmv);
+}
+
+// Per-thread 16-byte loads over the row's slabs (8 in flight per thread), CTA = page range.
+extern "C" __global__ void __launch_bounds__(1024) st_pages_loads(const uint4* __restrict__ k,
+                                                                  const uint4* __restrict__ v,
+                                                                  const int* __restrict__ pages, int npages,
+                                                                  unsigned* __restrict__ sink, int pdl) {
+  pdl_begin(pdl);
+  constexpr int VEC = 32768 / 16;  // uint4 per slab
+  int lo, hi;
+  slab_range(npages, lo, hi);
+  unsigned acc = 0u;
+  const int total = 2 * (hi - lo) * VEC;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 8 * blockDim.x) {
+    uint4 x[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total) {
+        const int slab = i / VEC, off = i - slab * VEC;
+        const int page = __ldg(pages + lo + slab / 2);
+        x[u] = __ldg((slab & 1 ? v : k) + static_cast<u64>(page) * VEC + off);
+      } else {
+        x[u] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= fold4(x[u]);
+  }
+  publish(acc, sink);
+}
