@@ -62,39 +62,6 @@ def args_() -> argparse.Namespace:
     return p.parse_args()
 
 
-class Read:
-    """One read pattern over rotated buffers of ``nbytes``, launched with cuLaunchKernelEx (PDL
-    attribute when pdl); called as run(index)."""
-
-    def __init__(self, function, grid, threads, smem, pdl, extra=()):
-        from persistentkv import engine as eng
-
-        self.function, self.grid, self.threads, self.smem, self.pdl = function, grid, threads, smem, pdl
-        self.extra = extra
-        self.launch_ex = eng._launch_kernel_ex()
-        self.attr = eng._LaunchAttribute(id=eng.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attr.value[0] = 1
-        self.blocks = {}
-
-    def bind(self, src_ptr: int, n: int, sink_ptr: int):
-        """The parameter block for one buffer (kept alive here)."""
-        vals = [ctypes.c_void_p(src_ptr), ctypes.c_uint64(n), ctypes.c_void_p(sink_ptr), ctypes.c_int(int(self.pdl))]
-        vals += [ctypes.c_int(v) for v in self.extra]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        self.blocks[src_ptr] = (vals, params)
-        return params
-
-    def launch(self, src_ptr: int, stream: int):
-        from persistentkv import engine as eng
-
-        _, params = self.blocks[src_ptr]
-        cfg = eng._LaunchConfig(self.grid, 1, 1, self.threads, 1, 1, self.smem, stream,
-                                ctypes.pointer(self.attr) if self.pdl else None, 1 if self.pdl else 0)
-        status = self.launch_ex(ctypes.byref(cfg), ctypes.c_void_p(self.function), params, None)
-        if status != 0:
-            raise RuntimeError(f"cuLaunchKernelEx returned {status}")
-
-
 class Launcher:
     """cuLaunchKernelEx of one function with a fixed shape (PDL attribute when pdl); parameter
     blocks bound per key (a cache copy), kept alive here."""
@@ -120,6 +87,19 @@ class Launcher:
         status = self.launch_ex(ctypes.byref(cfg), ctypes.c_void_p(self.function), self.blocks[key][1], None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernelEx returned {status}")
+
+
+class Read(Launcher):
+    """A flat read pattern over rotated buffers: parameters (src, n, sink, pdl, *extra ints)."""
+
+    def __init__(self, function, grid, threads, smem, pdl, extra=()):
+        super().__init__(function, grid, threads, smem, pdl)
+        self.extra = extra
+
+    def bind_buffer(self, src_ptr: int, n: int, sink_ptr: int):
+        """The parameter block for one buffer, keyed by its pointer."""
+        self.bind(src_ptr, [ctypes.c_void_p(src_ptr), ctypes.c_uint64(n), ctypes.c_void_p(sink_ptr),
+                            ctypes.c_int(int(self.pdl)), *(ctypes.c_int(v) for v in self.extra)])
 
 
 def slab_map(ptr: int, num_pages: int):
@@ -305,7 +285,7 @@ def main() -> int:
             sink = sinks[vi:vi + 1]
             n = nbytes if name.startswith("bulk") else nbytes // 16
             for b in bufs:
-                read.bind(b.data_ptr(), n, sink.data_ptr())
+                read.bind_buffer(b.data_ptr(), n, sink.data_ptr())
             try:
                 sink.zero_()
                 read.launch(bufs[0].data_ptr(), stream)
