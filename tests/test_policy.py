@@ -3,6 +3,8 @@ policy file, the adaptive backend (with an injected registry) and the calibrate 
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from persistentkv.errors import PKVError
 from persistentkv.io import atomic_write_json
 from persistentkv.policy import (
     COST_FEATURES, POLICIES, DecisionMemo, Policy, StepFeatures, calibrate, cost_features, fit_cost_model,
-    fit_threshold, step_signature, load_policy, nnls, paper_decision, paper_policy, threshold_decision, ThresholdRule,
+    fit_threshold, step_signature, length_bin_bounds, load_policy, nnls, paper_decision, paper_policy, threshold_decision, ThresholdRule,
 )
 from persistentkv.reference import reference_decode, relative_error
 from persistentkv.spec import AttentionSpec
@@ -667,8 +669,6 @@ def test_step_signature_bins():
 
 def test_step_signature_of_one_row_is_the_general_formula():
     """B = 1 takes a one-logarithm shortcut; it gives the (total, longest, shortest) key."""
-    import math
-
     from persistentkv.policy import MEMO_BINS_PER_OCTAVE as q
 
     for n in [1, 2, 3, 17, 1000, 9000, 9001, 65535, 1 << 20, 3 * (1 << 19) + 7]:
@@ -722,6 +722,35 @@ def test_memo_on_fresh_random_batches_has_bounded_regret(policy_file):
         worst = max(worst, policy.models[chosen.backend].predict(batch) / policy.models[exact.backend].predict(batch))
     assert memo.hits > 0
     assert worst <= 1.10                                 # 8 bins per octave: ~9 % per bin
+
+
+def test_length_bin_bounds_are_exact():
+    for q in (1, 5, 8, 32):
+        for b in range(-2, 18 * q):
+            lo, hi = length_bin_bounds(b, q)
+            for n in range(max(1, lo - 3), hi + 3):
+                assert (round(math.log2(n) * q) == b) == (lo <= n < hi), (q, b, n, lo, hi)
+
+
+def test_memo_single_row_fast_path_is_the_signature_decision(policy_file):
+    """One-row steps inside the last row's bin skip the signature; the decisions, hits and misses
+    are those of the signature path, across bin edges, a second spec and a cleared memo."""
+    policy = load_policy(policy_file)
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8, head_dim=64, page_size=16, dtype="float16")
+    fast, slow = DecisionMemo(policy, max_entries=3), DecisionMemo(policy, max_entries=3)
+    slow._row = None
+    rng = np.random.default_rng()
+    lengths = list(range(3990, 4130)) + list(rng.integers(1, 300_000, 60)) + [4096, 4095, 4097, 1, 2, 3]
+    for i, n in enumerate(lengths):
+        spec = other if i % 7 == 3 else SPEC
+        batch = make_batch(spec, [int(n)])
+        got = fast.decide(batch)
+        key = step_signature(batch, slow.bins_per_octave)
+        slow._row = None  # the signature path only
+        want = slow.decide(batch)
+        assert got.backend == want.backend and got.options == want.options, (n, key)
+        assert (fast.hits, fast.misses) == (slow.hits, slow.misses), n
+    assert fast.hits > 100
 
 
 def test_memo_limits(policy_file):

@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
@@ -504,6 +504,29 @@ def _length_bins(lens: list, q: int) -> tuple:
             round(math.log2(min(lens)) * q))
 
 
+@lru_cache(maxsize=4096)
+def length_bin_bounds(b: int, bins_per_octave: int = MEMO_BINS_PER_OCTAVE) -> tuple[int, int]:
+    """[lo, hi): every row length n >= 1 whose bin (round(log2(n) * bins_per_octave), as in
+    :func:`step_signature`) is ``b``; empty (lo == hi) when no integer falls in that bin. The bin is
+    monotonic in n, so the bounds come from the closed form, corrected by the formula itself."""
+    q = bins_per_octave
+
+    def bin_of(n: int) -> int:
+        return round(math.log2(n) * q)
+
+    lo = max(1, math.ceil(2 ** ((b - 0.5) / q)))
+    while lo > 1 and bin_of(lo - 1) >= b:
+        lo -= 1
+    while bin_of(lo) < b:
+        lo += 1
+    hi = max(lo, math.ceil(2 ** ((b + 0.5) / q)))
+    while hi > lo and bin_of(hi - 1) > b:
+        hi -= 1
+    while bin_of(hi) <= b:
+        hi += 1
+    return lo, hi
+
+
 class DecisionMemo:
     """The cost-model decision, reused for steps with the same :func:`step_signature`.
 
@@ -531,21 +554,32 @@ class DecisionMemo:
         self._spec_numbers: dict = {}
         self._last_spec: Any = None
         self._last_number = -1
+        #: (spec number, lo, hi, decision) of the last single-row signature: a one-row step whose
+        #: length lies in [lo, hi) has that signature, which two comparisons tell (no logarithm)
+        self._row: tuple | None = None
 
     def decide(self, batch: Batch) -> Decision:
         spec = batch.spec
         if spec is not self._last_spec:  # a serving loop's batches share one spec object
             self._last_number = self._spec_numbers.setdefault(spec, len(self._spec_numbers))
             self._last_spec = spec
-        key = (self._last_number,) + _length_bins(batch.seq_lens.tolist(), self.bins_per_octave)
+        lens = batch.seq_lens.tolist()
+        row = self._row
+        if row is not None and len(lens) == 1 and row[0] == self._last_number and row[1] <= lens[0] < row[2]:
+            self.hits += 1
+            return row[3]
+        key = (self._last_number,) + _length_bins(lens, self.bins_per_octave)
         decision = self._decisions.get(key)
         if decision is not None:
             self.hits += 1
-            return decision
-        self.misses += 1
-        if len(self._decisions) >= self.max_entries:
-            self._decisions.clear()
-        decision = self._decisions[key] = self.policy.decide(batch, "cost_model", self.available)
+        else:
+            self.misses += 1
+            if len(self._decisions) >= self.max_entries:
+                self._decisions.clear()
+                self._row = None
+            decision = self._decisions[key] = self.policy.decide(batch, "cost_model", self.available)
+        if len(lens) == 1:
+            self._row = (self._last_number, *length_bin_bounds(key[2], self.bins_per_octave), decision)
         return decision
 
 
