@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, add_baselines, bench_args, fastest, first_line, load_baselines,  # noqa: E402
-                          read_ceiling_gbps, timed_cases, write_rows)
+from bench_common import (BASELINES, add_baselines, bench_args, engine_run, fastest, load_baselines,  # noqa: E402
+                          planning_adder, read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
@@ -35,14 +35,8 @@ def variants_for(engine, batch, baselines: dict) -> dict:
     from persistentkv.plan import CLUSTER_SIZES
 
     runs = {}
-
-    def add(name, make_plan, run):
-        try:
-            runs[name] = (make_plan(), run)
-        except Exception as exc:
-            print(f"  {name}: not planned ({first_line(exc)})")
-
-    ours = lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))  # noqa: E731
+    add = planning_adder(runs)
+    ours = engine_run(engine)
     add("wq", lambda: engine.plan(batch, "workqueue"), ours)
     C = engine.cluster_size_for(batch.batch_size) if engine.capability[0] >= 9 else 1
     for c in sorted({C // 2, C, 2 * C} & set(CLUSTER_SIZES)):

@@ -99,6 +99,24 @@ class PlainRead:
             self.kernel((self.grid,), (self.block,), (src, np.uint64(self.nbytes // 16), sink))
 
 
+def planning_adder(runs: dict):
+    """add(name, make_plan, make_run) for the benches' variants_for: plans now and registers
+    runs[name] = (plan, make_run), or prints why the variant could not be planned and leaves it out."""
+
+    def add(name, make_plan, run):
+        try:
+            runs[name] = (make_plan(), run)
+        except Exception as exc:
+            print(f"  {name}: not planned ({first_line(exc)})")
+
+    return add
+
+
+def engine_run(engine):
+    """make_run of one of our engines: q -> run(kv, plan, out)."""
+    return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
+
+
 def add_plain_read(add, batch) -> None:
     """Register PlainRead over the case's KV bytes as the variant ``read`` (NOT_ATTENTION)."""
     add(NOT_ATTENTION[0], lambda: None, lambda q: PlainRead(batch.kv_bytes))

@@ -102,6 +102,34 @@ class Read(Launcher):
                             ctypes.c_int(int(self.pdl)), *(ctypes.c_int(v) for v in self.extra)])
 
 
+def checked_graph(name: str, launcher: Launcher, items: list, sink, expect: int, calls: int, what: str):
+    """Launch once over ``items[0]`` (parameter blocks keyed by ``item[0].data_ptr()``), check that
+    the sink's XOR equals ``expect`` (every word read once), then capture a graph of ``calls``
+    launches cycling over ``items``. None, with the reason printed, when the XOR is wrong."""
+    import torch
+
+    sink.zero_()
+    launcher.launch(items[0][0].data_ptr(), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    got = int(sink.item()) & 0xFFFFFFFF
+    if got != expect:
+        print(f"  {name}: XOR {got:#010x} != {what} {expect:#010x}: WRONG, left out")
+        return None
+    return capture(lambda kv: launcher.launch(kv[0].data_ptr(), torch.cuda.current_stream().cuda_stream),
+                   items, calls)
+
+
+def time_size(graphs: dict, args, rows: list, table: list, nbytes: int, tokens: int, floor: float, ceiling: float,
+              **extra) -> None:
+    """Replay ``graphs`` interleaved; add one row per (variant, repeat) and the size's medians."""
+    times = time_replays(graphs, args.repeats, args.calls)
+    for name, ts in times.items():
+        rows += [{"mb": nbytes / 1e6, "tokens": tokens, "variant": name, "repeat": i, "time_us": t,
+                  "floor_us": floor, "read_ceiling_gbps": ceiling, **extra} for i, t in enumerate(ts)]
+    table.append((nbytes, floor, {name: statistics.median(ts) for name, ts in times.items()}))
+    graphs.clear()
+
+
 def slab_map(ptr: int, num_pages: int):
     """A (dim 128, token 16, head 8, page) map of one fp16 cache, box 64 x 16 x 8 x 1, 128-byte
     swizzle (the strides are given out of order on purpose: token 2 KB, head 256 B)."""
@@ -164,7 +192,6 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
         print(f"{kv_bytes / 1e6:.1f} MB (B=1 x {tokens} tokens, {npages} scattered pages): floor {floor:.2f} us, "
               f"{count} caches", flush=True)
         graphs = {}
-        stream = torch.cuda.current_stream().cuda_stream
         for vi, (name, (launcher, stages)) in enumerate(variants.items()):
             sink = sinks[vi:vi + 1]
             try:
@@ -177,16 +204,9 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
                     if name.startswith("pages-tma"):
                         values += [slab_map(kc.data_ptr(), npages), slab_map(vc.data_ptr(), npages)]
                     launcher.bind(kc.data_ptr(), values)
-                sink.zero_()
-                launcher.launch(k0.data_ptr(), stream)
-                torch.cuda.synchronize()
-                got = int(sink.item()) & 0xFFFFFFFF
-                if got != expect:
-                    print(f"  {name}: XOR {got:#010x} != the cache's {expect:#010x}: WRONG, left out")
-                    continue
-                graphs[name] = capture(lambda kv, r=launcher: r.launch(kv[0].data_ptr(),
-                                                                       torch.cuda.current_stream().cuda_stream),
-                                       caches, args.calls)
+                graph = checked_graph(name, launcher, caches, sink, expect, args.calls, "the cache's")
+                if graph is not None:
+                    graphs[name] = graph
             except Exception as exc:
                 print(f"  {name}: failed ({first_line(exc)})")
                 torch.cuda.synchronize()
@@ -199,14 +219,7 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
                 graphs[name] = capture(lambda kv, e=e, plan=plan: e.run(q, kv, plan, out), caches, args.calls)
             except Exception as exc:
                 print(f"  {name}: failed ({first_line(exc)})")
-        times = time_replays(graphs, args.repeats, args.calls)
-        med = {name: statistics.median(ts) for name, ts in times.items()}
-        for name, ts in times.items():
-            rows += [{"mb": kv_bytes / 1e6, "tokens": tokens, "variant": name, "repeat": i, "time_us": t,
-                      "floor_us": floor, "read_ceiling_gbps": ceiling, "paged": True}
-                     for i, t in enumerate(ts)]
-        table.append((kv_bytes, floor, med))
-        graphs.clear()
+        time_size(graphs, args, rows, table, kv_bytes, tokens, floor, ceiling, paged=True)
         del caches
         torch.cuda.empty_cache()
         path = Path(args.out) / f"bench_stream_paged_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
@@ -280,24 +293,15 @@ def main() -> int:
         print(f"{nbytes / 1e6:.1f} MB (B=1 x {tokens} tokens): floor {floor:.2f} us at the 1 GB ceiling, {count} buffers",
               flush=True)
         graphs = {}
-        stream = torch.cuda.current_stream().cuda_stream
         for vi, (name, read) in enumerate(variants.items()):
             sink = sinks[vi:vi + 1]
             n = nbytes if name.startswith("bulk") else nbytes // 16
             for b in bufs:
                 read.bind_buffer(b.data_ptr(), n, sink.data_ptr())
             try:
-                sink.zero_()
-                read.launch(bufs[0].data_ptr(), stream)
-                torch.cuda.synchronize()
-                got = int(sink.item()) & 0xFFFFFFFF
-                if got != expect:
-                    print(f"  {name}: XOR {got:#010x} != buffer's {expect:#010x}: WRONG, left out")
-                    continue
-                views = [(b, None) for b in bufs]
-                graphs[name] = capture(lambda kv, r=read: r.launch(kv[0].data_ptr(),
-                                                                    torch.cuda.current_stream().cuda_stream),
-                                       views, args.calls)
+                graph = checked_graph(name, read, [(b, None) for b in bufs], sink, expect, args.calls, "buffer's")
+                if graph is not None:
+                    graphs[name] = graph
             except Exception as exc:
                 print(f"  {name}: failed ({first_line(exc)})")
                 torch.cuda.synchronize()
@@ -310,13 +314,7 @@ def main() -> int:
             graphs["wq8"] = capture(lambda kv: wq8.run(q, kv, plan, out), copies, args.calls)
         except Exception as exc:
             print(f"  wq8: failed ({first_line(exc)})")
-        times = time_replays(graphs, args.repeats, args.calls)
-        med = {name: statistics.median(ts) for name, ts in times.items()}
-        for name, ts in times.items():
-            rows += [{"mb": nbytes / 1e6, "tokens": tokens, "variant": name, "repeat": i, "time_us": t,
-                      "floor_us": floor, "read_ceiling_gbps": ceiling, "gpu": props.name} for i, t in enumerate(ts)]
-        table.append((nbytes, floor, med))
-        graphs.clear()
+        time_size(graphs, args, rows, table, nbytes, tokens, floor, ceiling, gpu=props.name)
         del bufs, copies
         torch.cuda.empty_cache()
         import pandas as pd

@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args, fastest,  # noqa: E402
-                          first_line, load_baselines, read_ceiling_gbps, timed_cases, write_rows)
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args,  # noqa: E402
+                          engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
+                          timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
@@ -55,16 +56,9 @@ def main() -> int:
 
     def variants_for(batch):
         runs = {}
-
-        def add(name, make_plan, run):
-            try:
-                runs[name] = (make_plan(), run)
-            except Exception as exc:
-                print(f"  {name}: not planned ({first_line(exc)})")
-
+        add = planning_adder(runs)
         for name, engine in engines.items():
-            add(name, lambda e=engine: e.plan(batch, "workqueue"),
-                lambda q, e=engine: (lambda kv, p, o: e.run(q, kv, p, o)))
+            add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
         return runs

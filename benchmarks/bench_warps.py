@@ -35,8 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args, fastest,  # noqa: E402
-                          first_line, load_baselines, read_ceiling_gbps, timed_cases, write_rows)
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args,  # noqa: E402
+                          engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
+                          timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CLUSTER_SIZES = (8, 16)
@@ -47,29 +48,20 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
     device has it) and ``plain_engines`` (warps -> DecodeEngine(pdl=False)); a variant that cannot
     be planned is reported and left out."""
     runs = {}
-
-    def add(name, make_plan, run):
-        try:
-            runs[name] = (make_plan(), run)
-        except Exception as exc:
-            print(f"  {name}: not planned ({first_line(exc)})")
-
-    def ours(engine):
-        return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
-
+    add = planning_adder(runs)
     for warps, engine in engines.items():
         name = "wq" if warps == 4 else f"wq{warps}"
-        add(name, lambda e=engine: e.plan(batch, "workqueue"), ours(engine))
+        add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
         if warps == 4:
-            add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), ours(engine))
+            add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), engine_run(engine))
     for warps, engine in (plain_engines or {}).items():
         add(("wq" if warps == 4 else f"wq{warps}") + "-nopdl", lambda e=engine: e.plan(batch, "workqueue"),
-            ours(engine))
+            engine_run(engine))
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
         for c in one_wave if engine.capability[0] >= 9 else ():
-            add(f"cl{c}{suffix}", lambda e=engine, c=c: e.plan(batch, "cluster", cluster_size=c), ours(engine))
+            add(f"cl{c}{suffix}", lambda e=engine, c=c: e.plan(batch, "cluster", cluster_size=c), engine_run(engine))
     add_baselines(add, batch, baselines)
     add_plain_read(add, batch)
     return runs

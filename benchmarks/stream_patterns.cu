@@ -111,6 +111,18 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
 #endif
 }
 
+// Thread 0 initialises `stages` mbarriers of one arrival each and makes them visible to the async
+// proxy; the CTA syncs.
+__device__ __forceinline__ void init_bars(u64* bars, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+#endif
+  __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(256) st_bulk(const unsigned char* __restrict__ src, u64 nbytes,
                                                           unsigned* __restrict__ sink, int pdl, int stages,
                                                           int chunk) {
@@ -120,13 +132,7 @@ extern "C" __global__ void __launch_bounds__(256) st_bulk(const unsigned char* _
   const u64 lo = static_cast<u64>(blockIdx.x) * per < nbytes ? static_cast<u64>(blockIdx.x) * per : nbytes;
   const u64 hi = lo + per < nbytes ? lo + per : nbytes;
   const int n_chunks = static_cast<int>((hi - lo + chunk - 1) / chunk);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-#endif
-  __syncthreads();
+  init_bars(bars, stages);
   pdl_begin(pdl);
   if (threadIdx.x == 0) {
     for (int c = 0; c < stages && c < n_chunks; ++c) {
@@ -185,19 +191,13 @@ __device__ __forceinline__ void pages_body(const unsigned char* __restrict__ k, 
                                            const int* __restrict__ pages, int npages, unsigned* __restrict__ sink,
                                            int pdl, int stages, const void* tmk, const void* tmv) {
   constexpr unsigned SLAB = 32768;
-  extern __shared__ __align__(1024) unsigned char buf[];
+  extern __shared__ __align__(1024) unsigned char slab_buf[];  // st_bulk's `buf` is declared 128-aligned
   __shared__ __align__(8) u64 bars[MAX_STAGES];
-  unsigned char* base = buf + ((1024u - (smem_u32(buf) & 1023u)) & 1023u);
+  unsigned char* base = slab_buf + ((1024u - (smem_u32(slab_buf) & 1023u)) & 1023u);
   int lo, hi;
   slab_range(npages, lo, hi);
   const int n = 2 * (hi - lo);  // slabs: K, V of each page
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-#endif
-  __syncthreads();
+  init_bars(bars, stages);
   pdl_begin(pdl);
   auto issue = [&](int c) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
