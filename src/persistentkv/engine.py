@@ -197,16 +197,14 @@ def _arg_block(layout: type, *values):
 _DECODE_COMMON = [("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("kv_indices", _PTR)]
 _STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh")]
 #: pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS)
-DecodeArgs = _arg_layout("DecodeArgs", [
+_DECODE_FIELDS = [
     *_DECODE_COMMON, ("items", _PTR), ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR),
     ("counters", _PTR), ("slot_offset", _I32), ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32),
-    *_STRIDES, ("scale_log2", _F32), ("early", _I32)])
+    *_STRIDES, ("scale_log2", _F32), ("early", _I32)]
+DecodeArgs = _arg_layout("DecodeArgs", _DECODE_FIELDS)
 _TMAP = ctypes.c_uint64 * 16  # a CUtensorMap: 128 opaque bytes
 #: the same with PKV_TMA=1 (development): the K and V tensor maps after them, by value
-DecodeArgsTMA = _arg_layout("DecodeArgsTMA", [
-    *_DECODE_COMMON, ("items", _PTR), ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR),
-    ("counters", _PTR), ("slot_offset", _I32), ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32),
-    *_STRIDES, ("scale_log2", _F32), ("early", _I32), ("tmk", _TMAP), ("tmv", _TMAP)])
+DecodeArgsTMA = _arg_layout("DecodeArgsTMA", [*_DECODE_FIELDS, ("tmk", _TMAP), ("tmv", _TMAP)])
 #: pkv_decode_cluster{C} (PKV_CLUSTER_ARGS): the same per-call names as DecodeArgs
 ClusterArgs = _arg_layout("ClusterArgs", [
     *_DECODE_COMMON, ("seq_lens", _PTR), ("kv_indptr", _PTR), ("num_kv_heads", _I32), ("group_size", _I32),
@@ -445,6 +443,9 @@ class DevicePlan:
     #: name -> (first int32 element of buffers['workspace'], element count, shape, dtype or None for
     #: int32) of the views made on demand
     regions: dict = field(default_factory=dict)
+    #: builds ``regions`` at the first view() (the table costs ~1 us, and a step's hot path never
+    #: asks for a view)
+    _make_regions: Any = field(default=None, repr=False, compare=False)
     engine: Any = field(default=None, repr=False, compare=False)
     #: pages the block table addresses (Batch.num_pages): the cache passed to run() must hold them
     num_pages: int = 0
@@ -458,6 +459,8 @@ class DevicePlan:
         ``packed``, ...) as a tensor on the device, or a PKVError naming those this plan has."""
         if name in self.buffers:
             return self.buffers[name]
+        if self._make_regions is not None:
+            self.regions, self._make_regions = self._make_regions(), None
         require(name in self.regions, f"a {self.route} plan has no buffer {name!r}; it has "
                                       f"{', '.join(sorted({*self.buffers, *self.regions}))}")
         start, count, shape, dtype = self.regions[name]
@@ -653,14 +656,17 @@ class DecodeEngine:
                     self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
                                         states + 4 * n_part_o, base + 4 * o_counters, 0)]
         f32 = torch.float32
-        regions = {"packed": (0, n_packed, (n_packed,), None),
-                   "kv_indices": (2 * B + 1, max(nnz, 1), (max(nnz, 1),), None),
-                   "counters": (o_counters, n_counters, (n_counters,), None),
-                   "num_items": (o_num, 1, (1,), None), "items": (o_items, 8 * max_items, (max_items, 8), None),
-                   "part_o": (o_states, n_part_o, (max_items, G, D), f32),
-                   "part_lse": (o_states + n_part_o, max_items * G, (max_items, G), f32)}
+
+        def regions() -> dict:
+            return {"packed": (0, n_packed, (n_packed,), None),
+                    "kv_indices": (2 * B + 1, max(nnz, 1), (max(nnz, 1),), None),
+                    "counters": (o_counters, n_counters, (n_counters,), None),
+                    "num_items": (o_num, 1, (1,), None), "items": (o_items, 8 * max_items, (max_items, 8), None),
+                    "part_o": (o_states, n_part_o, (max_items, G, D), f32),
+                    "part_lse": (o_states + n_part_o, max_items * G, (max_items, G), f32)}
+
         plan = DevicePlan("workqueue", spec, B, launches, {"workspace": workspace, "upload": upload}, None,
-                          warps=self.warps, regions=regions, engine=self, num_pages=batch.num_pages,
+                          warps=self.warps, _make_regions=regions, engine=self, num_pages=batch.num_pages,
                           _host_equivalent=lambda: planner.plan_workqueue(
                               batch, target_items=target_items, min_chunk_tiles=min_chunk, chunk_rule=chunk_rule))
         self._launch(launches[0], self._stream())
