@@ -197,10 +197,12 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
     return rows, med, info, floor
 
 
-def bench_args() -> argparse.Namespace:
+def bench_args(extra=None) -> argparse.Namespace:
     """The development benches' command line: --out (default $OUT, else .), --calls per graph,
-    --repeats of every graph, --cases (see parse_cases)."""
+    --repeats of every graph, --cases (see parse_cases); ``extra(parser)`` adds a bench's own."""
     parser = argparse.ArgumentParser()
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)

@@ -29,7 +29,7 @@ def main() -> int:
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2)")
         print(med[cols].round(1).to_string())
     for path in sorted(DEV.glob("bench_cluster_*.parquet")) + sorted(DEV.glob("bench_warps_*.parquet")) + \
-            sorted(DEV.glob("bench_tma_*.parquet")):
+            sorted(DEV.glob("bench_tma_*.parquet")) + sorted(DEV.glob("bench_early_*.parquet")):
         df = pd.read_parquet(path)
         med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
         floor = df.groupby("case", sort=False)["floor_us"].first()
@@ -40,7 +40,7 @@ def main() -> int:
         table["best baseline"] = med[base].min(axis=1)
         print(f"\n{path.stem} (median us per call, CUDA-graph replay, cold L2; clN = cluster route with C=N, "
               f"-1cta = one CTA per SM, w8/wq8 = 8-warp CTAs, -closed = closed-form chunk, -pdl / -nopdl = with / without "
-              f"programmatic dependent launch, -np = no L2 prefetch, -tma = K/V by TMA boxes (PKV_TMA=1), read = a plain read of the case's bytes, not "
+              f"programmatic dependent launch, -np = no L2 prefetch, -tma = K/V by TMA boxes (PKV_TMA=1), -early = first stages' K/V loaded before the PDL wait (PKV_EARLY=1), read = a plain read of the case's bytes, not "
               f"attention (variant names per file: benchmarks/NOTES.md); blank = variant not run for that case)")
         print(table.round(1).to_string())
         print(f"max rel err vs float64 over all variants: {df['rel_err'].max():.1e}")

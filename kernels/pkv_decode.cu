@@ -51,6 +51,12 @@
 #ifndef PKV_TMA
 #define PKV_TMA 0  // 1 (development, sm_90, head_dim 128, page >= 16): K/V tiles by TMA, see decode_item
 #endif
+#ifndef PKV_EARLY
+// 1 (development): under programmatic dependent launch with the item read early, the K/V loads of
+// the first STAGES - 1 tiles are issued before grid_wait for every page but the item's last (the
+// page a decode step's append writes into), see decode_item
+#define PKV_EARLY 0
+#endif
 #ifndef PKV_TRACE
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
@@ -502,7 +508,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       pg[i] = tok < hi ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
-  auto issue = [&](int tile, const int (&pg)[LOADS]) {
+  // part 0: the tile's loads; PKV_EARLY splits them in two: part 1 every page but the item's last
+  // (and the zero fill past hi), part 2 the item's last page.
+  const int last_page = (hi - 1) >> p.log2_page;
+  auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
     const int stage = tile % STAGES;
     const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
     const unsigned dV = smem_u32(sV + stage * STAGE_ELEMS);
@@ -511,6 +520,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       const int t = lr + ROWS_PER_PASS * i;
       const int tok = lo + tile * TILE + t;
       const bool valid = tok < hi;
+      if (PKV_EARLY && part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
       const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
       const unsigned so = swz(t, lc) * 2;
       cp_async16(dK + so, kbase + off, valid);
@@ -529,13 +539,22 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // programmatic dependent launch with p.early set, they (and the item) are read before
   // grid_wait, while the preceding kernel still runs. Then Q, and the K/V loads of the first
   // STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next. (An L2 prefetch of those K/V tiles
-  // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.)
+  // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.
+  // PKV_EARLY issues their loads into shared memory before the wait instead, but for the item's
+  // last page, which the preceding kernel of a decode step, the append, may be writing.)
   int pg_next[LOADS];
   int pg[STAGES - 1][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
     fetch_pages(STAGES - 1, pg_next);
+#if PKV_EARLY
+    // Uncommitted until the first commit below, so they join tile 0's group: waiting for a tile
+    // still waits for all of its loads.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < ntiles) issue(s, pg[s], 1);
+#endif
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
@@ -574,7 +593,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) issue(s, pg[s]);
+      if (s < ntiles) issue(s, pg[s], PKV_EARLY ? 2 : 0);
       cp_async_commit();
     }
   }
@@ -609,7 +628,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       if (PKV_TRACE && t == 0) stamp(2);
       const int nt = t + STAGES - 1;
       if (nt < ntiles) {
-        issue(nt, pg_next);
+        issue(nt, pg_next, 0);
         if (nt + 1 < ntiles) fetch_pages(nt + 1, pg_next);  // used one iteration later
       }
       cp_async_commit();

@@ -7,6 +7,11 @@ preceding kernel's output and every layer reuses the same partial-state and coun
 a read or write moved before the wait would see the previous layer's data. The outputs must be
 bit-identical to the same chain launched without PDL (same kernels, same arithmetic), eagerly
 and under CUDA-graph replay, and the first layer must match float64.
+
+The development define PKV_EARLY=1 moves more before the wait: the first stages' K/V loads of
+every page but each item's last. Its tests chain the same layers (bit-identical again) and write
+a new token into each row's last page right before every layer, as a decode step's append does:
+every layer must see its own append.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
 
 
-def _engines(spec, warps=4):
+EARLY = ("PKV_EARLY=1",)
+
+
+def _engines(spec, warps=4, defines=()):
     import torch
 
     from persistentkv.engine import engine_for
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    return engine_for(spec, warps=warps, pdl=False), engine_for(spec, warps=warps, pdl=True)
+    return engine_for(spec, warps=warps, pdl=False), engine_for(spec, warps=warps, pdl=True, defines=defines)
 
 
 def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = False):
@@ -69,11 +77,12 @@ def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = Fals
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("graph", [False, True])
-def test_chained_layers_match_the_plain_launch_bit_for_bit(route, graph):
+@pytest.mark.parametrize("defines", [(), EARLY], ids=["pdl", "early"])
+def test_chained_layers_match_the_plain_launch_bit_for_bit(route, graph, defines):
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    plain, pdl = _engines(spec)
+    plain, pdl = _engines(spec, defines=defines)
     batch, q, k, v = device_case(spec, [9000, 1, 300, 4100, 64, 20000], hole_fraction=0.3, seed=17)
     layers = 12
     ref = _chain(plain, plain.plan(batch, route), q, k, v, layers, graph)
@@ -98,3 +107,48 @@ def test_whole_step_with_replan_in_one_graph(warps):
     assert rel_err(results[1][0], reference_torch64(batch, q, k, v)) <= TOLERANCE["bfloat16"]
     for layer, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"warps={warps} layer {layer}"
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("graph", [False, True])
+def test_early_loads_see_the_append_into_the_last_page(warps, graph):
+    """PKV_EARLY: before each layer a torch kernel writes token n-1 of every row (the step's new
+    token, in the row's last page) with values of its own; each layer's output must equal float64
+    over the cache as that write left it, eagerly and under graph replay."""
+    import torch
+
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    _, early = _engines(spec, warps, EARLY)
+    lengths = [4096, 16, 17, 300, 9000, 2049]  # page-boundary lengths and long rows
+    batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=23 + warps)
+    layers = 6
+    page = torch.tensor([int(batch.kv_indices[batch.kv_indptr[i] + (n - 1) // spec.page_size])
+                         for i, n in enumerate(lengths)], device="cuda")
+    slot = torch.tensor([(n - 1) % spec.page_size for n in lengths], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    new_k = [torch.randn((len(lengths), spec.num_kv_heads, spec.head_dim), generator=gen, device="cuda").half()
+             for _ in range(layers)]
+    new_v = [torch.randn_like(t) for t in new_k]
+    outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
+    plan = early.plan(batch, "workqueue")
+
+    def step():
+        for layer in range(layers):
+            k[page, slot] = new_k[layer]
+            v[page, slot] = new_v[layer]
+            early.run(q, (k, v), plan, outs[layer])
+
+    step()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        k[page, slot] = new_k[layer]
+        v[page, slot] = new_v[layer]
+        ref = reference_torch64(batch, q, k, v)
+        assert rel_err(outs[layer], ref) <= TOLERANCE["float16"], f"layer {layer} missed its own append"

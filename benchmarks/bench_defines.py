@@ -1,18 +1,21 @@
-"""K/V tiles by TMA (development define PKV_TMA=1) against the cp.async kernel and the baselines,
+"""A development define of kernels/pkv_decode.cu against the shipped kernel and the baselines,
 under graph replay.
 
-    python benchmarks/bench_tma.py [--out DIR] [--cases B=1x4096,B=4x8192] [--repeats 15]
+    python benchmarks/bench_defines.py [--define PKV_TMA=1] [--out DIR] [--cases B=1x4096,B=4x8192]
+                                       [--repeats 15]
 
-bench_stream (NOTES v10) found that bulk copies into shared memory stream a 16-134 MB step
-1.5-3.7 us faster than the plain loads the queue's cp.async pattern resembles. PKV_TMA loads each
-tile with one tensor-map box per lane of warp 0 (16 tokens x 64 dims of one page and head, 2 KB,
-128-byte swizzle). Same cases, harness and table as bench_warps.py (bench_common.py): every
-variant checked against float64, then CUDA graphs over rotated cold copies, all interleaved:
-  wq, wq8           the GPU-planned queue, 4 and 8 warps, cp.async (the shipped kernel)
-  wq-tma, wq8-tma   the same queues with PKV_TMA=1
+The defines (benchmarks/NOTES.md):
+  PKV_TMA=1    (v10) K/V tiles by TMA, one tensor-map box per lane of warp 0 (16 tokens x 64 dims
+               of one page and head, 2 KB, 128-byte swizzle)
+  PKV_EARLY=1  the first stages' K/V loads of every page but each item's last issued before
+               griddepcontrol.wait, overlapping the preceding kernel's tail
+Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
+float64, then CUDA graphs over rotated cold copies, all interleaved:
+  wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
+  wq-TAG, wq8-TAG   the same queues built with the define (TAG: its name after PKV_, lower case)
   flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines, where they run here
   read              the read-ceiling kernel over the case's bytes (not attention)
-Writes bench_tma_HHMMSS.parquet to --out ($OUT).
+Writes bench_TAG_HHMMSS.parquet to --out ($OUT).
 """
 
 from __future__ import annotations
@@ -35,15 +38,18 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    args = bench_args()
+    args = bench_args(lambda parser: parser.add_argument(
+        "--define", default="PKV_TMA=1", help="the development define to compare (PKV_NAME[=VALUE])"))
+    define = args.define
+    tag = define.split("=")[0].removeprefix("PKV_").lower()
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
     for warps in (4, 8):
-        for tma in (False, True):
-            name = ("wq" if warps == 4 else "wq8") + ("-tma" if tma else "")
+        for with_define in (False, True):
+            name = ("wq" if warps == 4 else "wq8") + (f"-{tag}" if with_define else "")
             try:
-                engines[name] = engine_for(spec, warps=warps, defines=("PKV_TMA=1",) if tma else ())
+                engines[name] = engine_for(spec, warps=warps, defines=(define,) if with_define else ())
             except Exception as exc:
                 print(f"{name}: no engine ({first_line(exc)})")
     ceiling = read_ceiling_gbps()
@@ -65,18 +71,18 @@ def main() -> int:
 
     rows, table = [], []
     any_engine = next(iter(engines.values()))
-    for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, "bench_tma",
+    for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, f"bench_{tag}",
                                                 t_start):
         ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
         table.append((label, floor, med, fastest(ok, lambda n: n in BASELINES),
-                      fastest(ok, lambda n: n in ("wq", "wq8")), fastest(ok, lambda n: n.endswith("-tma"))))
-    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best cp.async   best TMA   TMA gain   "
-          f"TMA vs baseline   %ceiling(TMA)")
+                      fastest(ok, lambda n: n in ("wq", "wq8")), fastest(ok, lambda n: n.endswith(f"-{tag}"))))
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best shipped   best {tag}   {tag} gain   "
+          f"{tag} vs baseline   %ceiling({tag})")
     for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
         cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
         print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
               f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
-    write_rows(rows, args.out, "bench_tma", t_start)
+    write_rows(rows, args.out, f"bench_{tag}", t_start)
     return 0
 
 
