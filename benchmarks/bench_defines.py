@@ -7,7 +7,8 @@ under graph replay.
 The defines (benchmarks/NOTES.md):
   PKV_TMA=1    (v10) K/V tiles by TMA, one tensor-map box per lane of warp 0 (16 tokens x 64 dims
                of one page and head, 2 KB, 128-byte swizzle)
-  PKV_EARLY=1  the first stages' K/V loads of every page but each item's last issued before
+  PKV_EARLY=1  (v12, at commit 6b2f02b only: since then the engine's default, early_kv) the
+               first stages' K/V loads of every page but each item's last issued before
                griddepcontrol.wait, overlapping the preceding kernel's tail
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:

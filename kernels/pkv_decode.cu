@@ -51,12 +51,6 @@
 #ifndef PKV_TMA
 #define PKV_TMA 0  // 1 (development, sm_90, head_dim 128, page >= 16): K/V tiles by TMA, see decode_item
 #endif
-#ifndef PKV_EARLY
-// 1 (development): under programmatic dependent launch with the item read early, the K/V loads of
-// the first STAGES - 1 tiles are issued before grid_wait for every page but the item's last (the
-// page a decode step's append writes into), see decode_item
-#define PKV_EARLY 0
-#endif
 #ifndef PKV_TRACE
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
@@ -300,7 +294,8 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
-  int early;             // 1: read the item and page ids before the preceding grid completes (PDL)
+  int early;             // bit 0: read the item and page ids before the preceding grid completes (PDL);
+                         // bit 1 (with bit 0): also the first stages' K/V of all but the item's last page
   const void* tmk;       // PKV_TMA: the K and V tensor maps (kernel parameters), else nullptr
   const void* tmv;
 };
@@ -508,9 +503,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       pg[i] = tok < hi ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
-  // part 0: the tile's loads; PKV_EARLY splits them in two: part 1 every page but the item's last
-  // (and the zero fill past hi), part 2 the item's last page.
+  // part 0: the tile's loads; early K/V loads (p.early bit 1) split them in two: part 1 every page
+  // but the item's last (and the zero fill past hi), part 2 the item's last page.
   const int last_page = (hi - 1) >> p.log2_page;
+  const bool early_kv = !TMA && (p.early & 2);
   auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
     const int stage = tile % STAGES;
     const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
@@ -520,7 +516,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       const int t = lr + ROWS_PER_PASS * i;
       const int tok = lo + tile * TILE + t;
       const bool valid = tok < hi;
-      if (PKV_EARLY && part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
+      if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
       const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
       const unsigned so = swz(t, lc) * 2;
       cp_async16(dK + so, kbase + off, valid);
@@ -539,22 +535,23 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // programmatic dependent launch with p.early set, they (and the item) are read before
   // grid_wait, while the preceding kernel still runs. Then Q, and the K/V loads of the first
   // STAGES - 1 tiles; tile STAGES - 1's ids wait in pg_next. (An L2 prefetch of those K/V tiles
-  // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.
-  // PKV_EARLY issues their loads into shared memory before the wait instead, but for the item's
-  // last page, which the preceding kernel of a decode step, the append, may be writing.)
+  // before the wait was measured too, commit 24023d6: no faster anywhere, up to 0.6 us slower.)
+  // With p.early bit 1 (DecodeEngine early_kv), their loads into shared memory are issued before
+  // the wait too, but for the item's last page: the page that a decode step's append, the kernel
+  // before this one, may be writing.
   int pg_next[LOADS];
   int pg[STAGES - 1][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
     fetch_pages(STAGES - 1, pg_next);
-#if PKV_EARLY
-    // Uncommitted until the first commit below, so they join tile 0's group: waiting for a tile
-    // still waits for all of its loads.
+    // Early K/V: uncommitted until the first commit below, so they join tile 0's group (waiting
+    // for a tile still waits for all of its loads).
+    if (early_kv) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < ntiles) issue(s, pg[s], 1);
-#endif
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s < ntiles) issue(s, pg[s], 1);
+    }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
@@ -593,7 +590,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) issue(s, pg[s], PKV_EARLY ? 2 : 0);
+      if (s < ntiles) issue(s, pg[s], early_kv ? 2 : 0);
       cp_async_commit();
     }
   }

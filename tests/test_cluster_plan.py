@@ -176,6 +176,7 @@ def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS, warps=
     engine.target_items = occupancy * num_sms
     engine.warps = warps
     engine.tma = False
+    engine.early_kv, engine._early_bits = True, 3  # as DecodeEngine sets them under PDL
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
@@ -248,15 +249,20 @@ def test_backend_route_option():
 
 
 # --------------------------------------------------------------------------- PDL's early reads, without a GPU
-def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(early_kv):
     """DecodeEngine.run sets the decode kernels' `early` argument: 0 on the first decode launch
-    after plan / replan_device (the plan kernel or upload may be the preceding operation), 1 after
-    that; launches without PDL never set it."""
+    after plan / replan_device (the plan kernel or upload may be the preceding operation), after
+    that 3 (items and the first stages' K/V early) with early_kv, else 1 (items only); launches
+    without PDL never set it."""
     from types import SimpleNamespace
 
     from persistentkv.engine import DecodeArgs, DevicePlan, MergeArgs, PlanArgs, _arg_block, _Launch
 
     engine = cpu_engine()
+    if not early_kv:
+        engine.early_kv, engine._early_bits = False, 1
+    e = engine._early_bits
     engine.device = SimpleNamespace(index=0)
     engine._raw_stream = lambda index: 0
     seen = []
@@ -274,14 +280,14 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan():
     plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _arg_block(PlanArgs, *[0] * 10), 5), decode(1), merge,
                                                    decode(2)])
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, 0), (9, None), (2, 1)]
+    assert seen == [(1, 0), (9, None), (2, e)]
     seen.clear()
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, 1), (9, None), (2, 1)]
+    assert seen == [(1, e), (9, None), (2, e)]
     seen.clear()
     engine.replan_device(plan)  # the plan kernel precedes the next decode launch again
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(5, None), (1, 0), (9, None), (2, 1)]
+    assert seen == [(5, None), (1, 0), (9, None), (2, e)]
     plain = DevicePlan("workqueue_host", engine.spec, 1, [decode(3, pdl=False)])
     seen.clear()
     engine.run(fake, (fake, fake), plain, fake, check=False)

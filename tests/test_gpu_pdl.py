@@ -8,10 +8,10 @@ a read or write moved before the wait would see the previous layer's data. The o
 bit-identical to the same chain launched without PDL (same kernels, same arithmetic), eagerly
 and under CUDA-graph replay, and the first layer must match float64.
 
-The development define PKV_EARLY=1 moves more before the wait: the first stages' K/V loads of
-every page but each item's last. Its tests chain the same layers (bit-identical again) and write
-a new token into each row's last page right before every layer, as a decode step's append does:
-every layer must see its own append.
+With early_kv (the default) the first stages' K/V loads of every page but each item's last come
+before the wait too. The same chains run with and without it (bit-identical again), and a test
+writes a new token into each row's last page right before every layer, as a decode step's
+append does: every layer must see its own append.
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 ROUTES = ("workqueue", "workqueue_host", "buckets", "split")
 
 
-EARLY = ("PKV_EARLY=1",)
-
-
-def _engines(spec, warps=4, defines=()):
+def _engines(spec, warps=4, early_kv=True):
     import torch
 
     from persistentkv.engine import engine_for
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    return engine_for(spec, warps=warps, pdl=False), engine_for(spec, warps=warps, pdl=True, defines=defines)
+    return engine_for(spec, warps=warps, pdl=False), engine_for(spec, warps=warps, pdl=True, early_kv=early_kv)
 
 
 def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = False):
@@ -77,12 +74,12 @@ def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = Fals
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("defines", [(), EARLY], ids=["pdl", "early"])
-def test_chained_layers_match_the_plain_launch_bit_for_bit(route, graph, defines):
+@pytest.mark.parametrize("early_kv", [False, True], ids=["items-early", "kv-early"])
+def test_chained_layers_match_the_plain_launch_bit_for_bit(route, graph, early_kv):
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    plain, pdl = _engines(spec, defines=defines)
+    plain, pdl = _engines(spec, early_kv=early_kv)
     batch, q, k, v = device_case(spec, [9000, 1, 300, 4100, 64, 20000], hole_fraction=0.3, seed=17)
     layers = 12
     ref = _chain(plain, plain.plan(batch, route), q, k, v, layers, graph)
@@ -112,13 +109,14 @@ def test_whole_step_with_replan_in_one_graph(warps):
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("graph", [False, True])
 def test_early_loads_see_the_append_into_the_last_page(warps, graph):
-    """PKV_EARLY: before each layer a torch kernel writes token n-1 of every row (the step's new
+    """early_kv: before each layer a torch kernel writes token n-1 of every row (the step's new
     token, in the row's last page) with values of its own; each layer's output must equal float64
     over the cache as that write left it, eagerly and under graph replay."""
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    _, early = _engines(spec, warps, EARLY)
+    _, early = _engines(spec, warps, early_kv=True)
+    assert early.early_kv
     lengths = [4096, 16, 17, 300, 9000, 2049]  # page-boundary lengths and long rows
     batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=23 + warps)
     layers = 6

@@ -39,6 +39,13 @@ the first ``run`` after ``plan`` or ``replan_device`` waits first (``DevicePlan.
 The cluster route and the separate merge always launch without it. Default (``pdl=None``): on
 where the device (sm_90+) and the driver (cuLaunchKernelEx) have it, as FlashInfer's and
 TensorRT-LLM's decode kernels are launched there.
+
+``early_kv`` (default True; with PDL only): with the item read early, the K/V loads of the first
+pipeline stages are issued before the wait as well, for every page but the item's last, so they
+overlap the preceding kernel's tail (benchmarks/NOTES.md, v12: 2-5 % per call from B=1 x 4K to
+B=16 x 8K). The contract: the kernel before each run() on the stream may write the cache only in
+each row's last page, as a one-token decode step's append does; pass ``early_kv=False`` when
+another kernel (e.g. a page copy) writes pages that a plan reads right before its run().
 """
 
 from __future__ import annotations
@@ -481,8 +488,9 @@ class DecodeEngine:
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
                  min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None,
-                 defines=()):
+                 early_kv: bool = True, defines=()):
         defines = check_defines(defines)
+        require(isinstance(early_kv, bool), f"early_kv must be True or False, got {early_kv!r}")
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -511,6 +519,10 @@ class DecodeEngine:
         require(not pdl or has_api, NO_LAUNCH_EX)
         #: auto (None): on where both the device (sm_90+) and the driver (cuLaunchKernelEx) have it
         self.pdl = (props.major >= PDL_MIN_MAJOR and has_api) if pdl is None else pdl
+        #: under PDL, also load the first stages' K/V (all but each item's last page) before the wait
+        self.early_kv = early_kv and self.pdl
+        #: the decode launches' ``early`` word once a plan's items may be read early (kernel Params)
+        self._early_bits = 3 if self.early_kv else 1
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -790,7 +802,7 @@ class DecodeEngine:
                 if maps is not None and kind != "cluster":
                     args.tmk, args.tmv = maps
                 if launch.pdl is not None:
-                    args.early = plan.early_ok
+                    args.early = self._early_bits if plan.early_ok else 0
                     launch.pdl(stream)
                     plan.early_ok = True
                     continue
