@@ -398,6 +398,15 @@ def test_step_repeats_add_rounds_of_step_rows_only():
         Settings(step_repeats=0)
 
 
+def test_bench_repeats_apply_to_bench_kernels_settings_only(config):
+    m = config["measure"]
+    assert Settings.from_config(config, bench=True).repeats == m["bench_repeats"] != m["repeats"]
+    assert Settings.from_config(config).repeats == m["repeats"]
+    assert Settings.from_config(config, bench=True, quick=True).repeats == 2
+    trimmed = {**config, "measure": {k: v for k, v in m.items() if k != "bench_repeats"}}
+    assert Settings.from_config(trimmed, bench=True).repeats == m["repeats"]
+
+
 def test_step_repeats_come_from_config_and_quick_drops_them(config):
     assert Settings.from_config(config).step_repeats == config["measure"]["step_repeats"]
     assert Settings.from_config(config, quick=True).step_repeats is None

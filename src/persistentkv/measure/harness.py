@@ -71,10 +71,14 @@ class Settings:
         return max(self.repeats_of(p) for p in self.protocols) if self.protocols else self.repeats
 
     @classmethod
-    def from_config(cls, config: dict, protocols=PROTOCOLS, quick: bool = False, seed: int = 0) -> "Settings":
+    def from_config(cls, config: dict, protocols=PROTOCOLS, quick: bool = False, seed: int = 0,
+                    bench: bool = False) -> "Settings":
+        """``bench``: bench_kernels's settings, whose rows all take ``measure.bench_repeats`` rounds
+        (else ``repeats``)."""
         m = config["measure"]
         step = m.get("step_repeats")
-        return cls(layers=int(m["layers"]), repeats=2 if quick else int(m["repeats"]),
+        repeats = int(m.get("bench_repeats", m["repeats"]) if bench else m["repeats"])
+        return cls(layers=int(m["layers"]), repeats=2 if quick else repeats,
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
                    protocols=tuple(protocols), seed=seed,

@@ -90,7 +90,7 @@ def run_bench(config_path: str, out: str, policy: str | None, backends: list[str
     run_id = new_run_id("bench_kernels", started)
     rows, ceiling = _ceilings(device, run_id, "bench_kernels", quick)
     settings = Settings.from_config(config, protocols=("kernel", "eager"), quick=quick,
-                                    seed=int(config["seeds"]["calibration"]))
+                                    seed=int(config["seeds"]["calibration"]), bench=True)
     rows += run_cases(cases, device, BackendFactory(), settings, RunContext(run_id, ceiling, log=log))
     frame = raw_frame(rows)
     _write(out, frame, run_id, collect(config, [0], started, device))

@@ -167,6 +167,8 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
         add(f"pkv{name}", tex(measure.get(key)), f"config measure.{key}")
     add("pkvStepRepeats", tex(measure.get("step_repeats", measure.get("repeats"))),
         "config measure.step_repeats (else measure.repeats)")
+    add("pkvBenchRepeats", tex(measure.get("bench_repeats", measure.get("repeats"))),
+        "config measure.bench_repeats (else measure.repeats)")
     add("pkvNBoot", str(payload["n_boot"]), "bootstrap replicates")
     add("pkvConfidence", f"{payload['confidence'] * 100:g}", "interval coverage, percent")
     add("pkvBootSeed", str(payload["boot_seed"]), "bootstrap generator seed")
