@@ -682,8 +682,20 @@ def test_adaptive_plan_is_read_only():
 
     plan = AdaptivePlan("pkv-workqueue", None, None, 7)
     assert (plan.route, plan.inner) == ("pkv-workqueue", 7) and plan.counters() is None
-    with pytest.raises(AttributeError, match="read-only"):
-        plan.inner = 8
+    for name in ("route", "decision", "delegate", "inner", "run"):
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(plan, name, 8)
+    with pytest.raises(AttributeError):
+        plan.other = 8
+    assert (plan.route, plan.inner) == ("pkv-workqueue", 7)
+    # run: the delegate's run unless one is given
+    delegate = FakeBackend("vllm-fa3")
+    assert AdaptivePlan("vllm-fa3", None, delegate, 7).run == delegate.run
+
+    def given(q, cache, plan, out):
+        pass
+
+    assert AdaptivePlan("vllm-fa3", None, delegate, 7, given).run is given
 
 
 @pytest.mark.parametrize("start", [[9000], [40000] * 4, [700, 20000, 33, 5000, 64000, 1200, 300, 9000],
@@ -753,6 +765,55 @@ def test_memo_single_row_fast_path_is_the_signature_decision(policy_file):
     assert fast.hits > 100
 
 
+def test_memo_fast_decision_answers_exactly_the_fast_path_steps(policy_file):
+    """fast_decision answers a step (as decide would, counting a hit) exactly when it has one row
+    in the bin of the last one-row step decided, and otherwise counts and changes nothing: across
+    the bin edge where the one-row route changes, inside a bin the route changes in, after
+    multi-row steps, for a second spec and an equal spec object, and after the memo is emptied."""
+    policy = load_policy(policy_file)
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8, head_dim=64, page_size=16, dtype="float16")
+    same = AttentionSpec()  # equal to SPEC, another object
+    assert same == SPEC and same is not SPEC
+    fast, full = DecisionMemo(policy), DecisionMemo(policy)
+    assert fast.fast_decision(make_batch(SPEC, [4000])) is None and (fast.hits, fast.misses) == (0, 0)
+    edge, _ = length_bin_bounds(round(math.log2(4615) * 32))
+    inside = length_bin_bounds(round(math.log2(15286) * 32))
+    assert policy.decide(make_batch(SPEC, [edge - 1])).backend != policy.decide(make_batch(SPEC, [edge])).backend
+    assert policy.decide(make_batch(SPEC, [inside[0]])).backend != policy.decide(make_batch(SPEC, [inside[1] - 1])).backend
+    rng = np.random.default_rng(5)
+    steps = [(SPEC, [n]) for n in range(edge - 4, edge + 4)]
+    steps += [(SPEC, [edge, 900]), (SPEC, [edge + 5]), (other, [edge + 5]), (SPEC, [edge + 6]), (same, [edge + 7]),
+              (other, [edge + 8]), (other, [edge + 9, 5]), (other, [edge + 9]), (SPEC, [edge + 9]), (SPEC, [edge + 10])]
+    steps += [(SPEC, [n]) for n in (15400, 15200, inside[0], inside[1] - 1, inside[1], 15300)]
+    steps += [(SPEC if rng.random() < 0.8 else other,
+               [int(rng.integers(edge - 150, edge + 150))] * int(rng.choice([1, 1, 1, 2]))) for _ in range(200)]
+    last_row, answered = None, 0
+    for spec, lengths in steps:
+        batch = make_batch(spec, lengths)
+        signature = step_signature(batch)
+        before = (fast.hits, fast.misses)
+        got = fast.fast_decision(batch)
+        assert (got is not None) == (len(lengths) == 1 and signature == last_row), (spec, lengths)
+        if got is None:
+            assert (fast.hits, fast.misses) == before
+            got = fast.decide(batch)
+        else:
+            answered += 1
+            assert (fast.hits, fast.misses) == (before[0] + 1, before[1])
+        want = full.decide(batch)
+        assert (got.backend, got.options) == (want.backend, want.options), (spec, lengths)
+        assert (fast.hits, fast.misses) == (full.hits, full.misses)
+        last_row = signature if len(lengths) == 1 else last_row
+    assert answered > 30  # (the predicate held both ways on every step above)
+    # an emptied memo has no row until a one-row step is decided again
+    small = DecisionMemo(policy, max_entries=2)
+    small.decide(make_batch(SPEC, [1000]))
+    small.decide(make_batch(SPEC, [2000]))
+    assert small.fast_decision(make_batch(SPEC, [2001])) is not None
+    small.decide(make_batch(SPEC, [3000, 3000]))  # a miss at max_entries: emptied
+    assert small.fast_decision(make_batch(SPEC, [2001])) is None and small.hits == 1
+
+
 def test_memo_limits(policy_file):
     policy = load_policy(policy_file)
     with pytest.raises(PKVError, match="bins_per_octave"):
@@ -785,32 +846,47 @@ def test_adaptive_memo_plans_every_step_and_decides_rarely(policy_file):
 
 
 def test_adaptive_defers_each_steps_decision_until_its_first_launch(policy_file):
-    """defer: a step runs on the previous step's choice and decides during its first run(); the
-    route lags by at most one step and every recorded route is the one that ran."""
+    """defer: a step runs on the previous step's choice and decides during its first run(), unless
+    the memo answers it by its one-row fast path, which decides it in plan(); the route lags by at
+    most one step and every recorded route is the one that ran."""
     registry = FakeRegistry()
     exact = AdaptiveBackend(policy_file, registry=FakeRegistry(), memo=False)
     backend = AdaptiveBackend(policy_file, registry=registry)
     assert backend.defer and backend.unavailable(SPEC) == []
-    steps = [[500], [500], [70000] * 8, [70000] * 8, [70000] * 8, [5000, 90000], [600]]
+    edge = length_bin_bounds(round(math.log2(600) * 32))[1]  # the first length past 600's bin
+    steps = [[500], [500], [70000] * 8, [70000] * 8, [70000] * 8, [5000, 90000], [600], [601], [70000] * 8,
+             [602], [edge], [edge + 1]]
     want = [exact.plan(make_batch(SPEC, lengths)).route for lengths in steps]
     assert len(set(want)) >= 2, want  # the steps need different routes for the lag to show
+    # fast: one row in the bin of the last one-row step (by the signature, not the memo's fast path)
+    fast, last_row = [], None
+    for lengths in steps:
+        signature = step_signature(make_batch(SPEC, lengths))
+        fast.append(len(lengths) == 1 and signature == last_row)
+        last_row = signature if len(lengths) == 1 else last_row
+    assert fast == [False, True, False, False, False, False, False, True, False, True, False, True]
     out = np.zeros((8, 32, 128))
     ran = []
     for i, lengths in enumerate(steps):
         batch = make_batch(SPEC, lengths)
-        decisions_before = backend.memo_stats()
+        decided_before = sum(backend.memo_stats().values())
         plan = backend.plan(batch)
         ran.append(plan.route)
         assert plan.route == backend.last_decision.backend == plan.decision.backend
-        if i:  # planned on the previous step's choice, this step not yet decided
-            assert backend.memo_stats() == decisions_before and backend._undecided is batch
+        if i and not fast[i]:  # planned on the previous step's choice, this step not yet decided
+            assert sum(backend.memo_stats().values()) == decided_before and backend._undecided is batch
+        else:  # decided in plan(): nothing left for run()
+            assert sum(backend.memo_stats().values()) == decided_before + 1 and backend._undecided is None
         backend.run(None, None, plan, out[:len(lengths)])
         assert backend._undecided is None and (out[:len(lengths)] == len(plan.route)).all()
         for _ in range(3):  # later layers of the step neither decide nor switch
             backend.run(None, None, plan, out[:len(lengths)])
-        assert backend._chosen[2] is backend._delegate_for(backend._chosen[1])
+        assert backend._chosen[2] is backend._route_for(backend._chosen[1])[0]
         assert backend._chosen[1].backend == want[i]
-    assert ran == [want[0]] + want[:-1]  # the first step decides up front, every later one lags by one
+    # the first step and the fast ones run on their own decision, every other one lags by one
+    assert ran == [want[i] if i == 0 or fast[i] else want[i - 1] for i in range(len(steps))]
+    assert ran[9] != want[8]  # a fast step right after a step of another route: no lag
+    assert sum(backend.memo_stats().values()) == len(steps)
 
     # planned twice without a run: the pending decision is settled before the second plan
     again = AdaptiveBackend(policy_file, registry=FakeRegistry())
@@ -841,14 +917,82 @@ def test_adaptive_defer_with_two_specs_never_runs_one_on_the_others_choice(polic
     for spec, lengths in steps:  # alternating specs: every step decided up front, no lag
         assert backend.plan(make_batch(spec, lengths)).route == want(spec, lengths)
         assert backend._undecided is None
-    pending = make_batch(SPEC, [500])
+    pending = make_batch(SPEC, [600, 600])
     lagged = backend.plan(pending)  # same spec as the last step: runs on its choice
+    assert want(SPEC, [600, 600]) != want(SPEC, [70000] * 8)  # so that the lag shows
     assert lagged.route == want(SPEC, [70000] * 8) and backend._undecided is pending
     switched = backend.plan(make_batch(other, [500]))  # settles SPEC's pending step, then decides
     assert backend._undecided is None and switched.route == want(other, [500])
-    assert backend.plan(make_batch(other, [500])).route == want(other, [500])
+    assert backend._chosen[0] is other
+    # the same row again: the memo's one-row fast path, decided in plan()
+    assert backend.plan(make_batch(other, [500])).route == want(other, [500]) and backend._undecided is None
+    # SPEC's row of the same length: the shared memo's last row is other's, so decided in full,
+    # up front (the last choice is other's)
     stats = backend.memo_stats()
-    assert stats["hits"] + stats["misses"] == 5  # every batch but the last decided exactly once
+    assert backend.plan(make_batch(SPEC, [500])).route == want(SPEC, [500]) and backend._undecided is None
+    assert backend.memo_stats() == {"hits": stats["hits"] + 1, "misses": stats["misses"]}
+    assert backend._chosen[0] is SPEC
+    assert sum(backend.memo_stats().values()) == 7  # every batch decided exactly once
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_mixes_fast_path_and_deferred_steps(policy_file, seed):
+    """A one-row decode across the bin edges where its route changes, mixed with multi-row steps,
+    one-row jumps, a second spec and plans with no run in between: a fast-path step (one row in
+    the last one-row step's bin) is decided in plan() on its own decision with nothing left
+    pending; a step after a step of another spec is decided up front; any other runs on the
+    previous step's decision and is decided by its first run() (or the next plan). Every step is
+    decided exactly once, by the memo's signature path (a DecisionMemo without its fast path)."""
+    other = AttentionSpec(num_qo_heads=8, num_kv_heads=8)
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    assert backend.unavailable(SPEC) == [] and backend.unavailable(other) == []
+    assert backend._usable[SPEC] == backend._usable[other]  # so the two specs share one memo
+    reference = DecisionMemo(load_policy(policy_file), backend._usable[SPEC])
+    rng = np.random.default_rng(seed)
+    n, steps = 4560, []
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.7:  # the decode: crosses 4615, where the one-row route changes, and later edges
+            steps.append((SPEC, [n]))
+            n += int(rng.integers(0, 3))
+        elif r < 0.85:
+            steps.append((SPEC, [int(x) for x in rng.integers(500, 90000, int(rng.integers(2, 9)))]))
+        elif r < 0.95:
+            steps.append((other, [int(rng.integers(1000, 90000))]))
+        else:
+            steps.append((SPEC, [int(rng.integers(14000, 17000))]))
+    want, last_row, previous = [], None, None
+    counts = {"fast": 0, "deferred": 0, "up front": 0, "fast after another route": 0}
+    out = np.zeros((8, 32, 128))
+    for i, (spec, lengths) in enumerate(steps):
+        batch = make_batch(spec, lengths)
+        reference._row = None  # the signature path only
+        want.append(reference.decide(batch))
+        signature = step_signature(batch)
+        fast = len(lengths) == 1 and signature == last_row
+        deferred = not fast and previous is spec
+        plan = backend.plan(batch)
+        assert plan.route == plan.decision.backend == backend.last_decision.backend
+        assert plan.delegate is backend._route_for(plan.decision)[0] and plan.inner[1] == plan.route
+        ran_on = want[i - 1] if deferred else want[i]
+        assert (plan.decision.backend, plan.decision.options) == (ran_on.backend, ran_on.options), (i, lengths)
+        assert backend._undecided is (batch if deferred else None)
+        kind = "fast" if fast else "deferred" if deferred else "up front"
+        counts[kind] += 1
+        counts["fast after another route"] += fast and want[i - 1].backend != want[i].backend
+        if rng.random() < 0.85 or i == len(steps) - 1:
+            backend.run(None, None, plan, out[:len(lengths)])
+            assert backend._undecided is None and (out[:len(lengths)] == len(plan.route)).all()
+        if backend._undecided is None:  # decided: the next step of this spec runs on its decision
+            chosen = backend._chosen
+            assert chosen[0] is spec and (chosen[1].backend, chosen[1].options) == (want[i].backend, want[i].options)
+            assert chosen[2] is backend._route_for(chosen[1])[0]
+        assert sum(backend.memo_stats().values()) == i + (backend._undecided is None)
+        last_row = signature if len(lengths) == 1 else last_row
+        previous = spec
+    assert backend.memo_stats() == {"hits": reference.hits, "misses": reference.misses}
+    assert counts["fast"] > 150 and counts["deferred"] > 20 and counts["up front"] > 10, counts
+    assert counts["fast after another route"] > 0, counts  # the no-lag of the fast path shows
 
 
 def test_adaptive_runs_our_plans_on_their_engine(policy_file):
@@ -881,9 +1025,9 @@ def test_adaptive_runs_our_plans_on_their_engine(policy_file):
         out = np.zeros((len(lengths), 32, 128))
         backend.run(None, None, plan, out)
         if plan.route.startswith("pkv"):
-            assert calls == [("engine", (plan.route, len(lengths)))]
+            assert calls == [("engine", (plan.route, len(lengths)))] and plan.run is plan.inner.engine.run
         else:
-            assert calls == [] and (out == len(plan.route)).all()
+            assert calls == [] and (out == len(plan.route)).all() and plan.run == plan.delegate.run
     # both kinds of delegate ran (the steps were chosen for it)
     assert any(r.startswith("pkv") for r in routes) and any(not r.startswith("pkv") for r in routes), routes
 
@@ -905,7 +1049,7 @@ def test_adaptive_finds_a_memo_decisions_delegate_by_identity(policy_file, monke
                for p in plans)
     # a different Decision object with equal fields is looked up in full and gets the same delegate
     other = type(plans[0].decision)(plans[0].decision.backend, dict(plans[0].decision.options), "copy")
-    assert backend._delegate_for(other) is plans[0].delegate and len(lookups) == len({id(p.decision) for p in plans}) + 1
+    assert backend._route_for(other)[0] is plans[0].delegate and len(lookups) == len({id(p.decision) for p in plans}) + 1
     monkeypatch.setattr(adaptive_module, "MAX_DECISIONS_HELD", 2)
     for lengths in ([500], [70000] * 8, [5000, 90000]):
         backend.plan(make_batch(SPEC, lengths))

@@ -582,6 +582,26 @@ class DecisionMemo:
             self._row = (self._last_number, *length_bin_bounds(key[2], self.bins_per_octave), decision)
         return decision
 
+    def fast_decision(self, batch: Batch) -> Decision | None:
+        """``decide(batch)`` when decide would answer by its one-row fast path (one row, of the
+        spec and in the bin of the last one-row signature decided), counted as a hit; else None,
+        counting nothing. For a caller that handles cheap and expensive decisions differently
+        (the adaptive backend decides the first in plan() and defers the second)."""
+        row = self._row
+        if row is None:
+            return None
+        spec = batch.spec
+        if spec is not self._last_spec:  # as decide: the spec's number, without numbering a new one
+            number = self._spec_numbers.get(spec)
+            if number is None:
+                return None
+            self._last_spec, self._last_number = spec, number
+        lens = batch.seq_lens.tolist()
+        if len(lens) == 1 and row[0] == self._last_number and row[1] <= lens[0] < row[2]:
+            self.hits += 1
+            return row[3]
+        return None
+
 
 # --------------------------------------------------------------------------- the frozen policy
 

@@ -1,15 +1,24 @@
 """The ``adaptive`` backend: a frozen policy picks a delegate backend for each decode step.
 
-plan(batch) decides (persistentkv.policy; with the memoised cost model, one step late: see
-``defer``) and returns the delegate's plan wrapped with the decision, so the harness can record
-what ran (``plan.route``, also ``last_decision``); run() hands the inner plan untouched to the
-delegate's run (for our routes, to the engine that made the plan), so it stays graph-capturable
-whenever the delegate's run() is.
+plan(batch) decides (persistentkv.policy) and returns the delegate's plan wrapped with the
+decision, so the harness can record what ran (``plan.route``, also ``last_decision``); run() hands
+the inner plan untouched to the delegate's run (for our routes, to the engine that made the plan),
+so it stays graph-capturable whenever the delegate's run() is.
+
+With the memoised cost model (the default) a step is decided where that costs least. A step the
+memo answers by its one-row fast path (one row, in the length bin of the last one-row step:
+DecisionMemo.fast_decision, two comparisons) is decided in plan(). Any other step runs on the
+previous step's choice and is decided right after its first run() has launched (``defer``), so a
+signature lookup or a model evaluation overlaps the GPU instead of delaying the first launch. A
+one-row decode takes the fast path on every step but the first of each bin (a bin is ~2.2 % of the
+length wide: ~180 steps at 8200 tokens), and such a step's host work is the memo's comparisons,
+the delegate's plan and one AdaptivePlan, with nothing left for run() to settle.
 """
 
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,29 @@ from ..spec import AttentionSpec
 MAX_DECISIONS_HELD = 4096
 
 
+def _refuse(name: str):
+    """The setter of AdaptivePlan's field ``name``: it refuses."""
+    def refuse(self, value):
+        raise AttributeError(f"AdaptivePlan is read-only (tried to set {name})")
+
+    return refuse
+
+
+def _field(name: str) -> property:
+    """A read-only public view of AdaptivePlan's slot ``_<name>``."""
+    return property(attrgetter("_" + name), _refuse(name), doc=f"this step's {name} (read-only)")
+
+
+class _Runs:
+    """An object whose ``run`` is a given callable: the runner of an AdaptivePlan constructed with
+    an explicit ``run`` (AdaptiveBackend.plan stores the delegate or the engine itself)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run):
+        self.run = run
+
+
 class AdaptivePlan:
     """One step's decision and the chosen delegate's own plan (read-only).
 
@@ -35,33 +67,47 @@ class AdaptivePlan:
               made them (``plan_runs_on_engine``, our pkv backends) that engine's run, one Python
               call fewer per layer
 
-    A slotted class rather than a frozen dataclass: one is made on every step's host path, and a
-    frozen dataclass's constructor costs three times as much.
+    One is made on every step's host path and its run is called once per layer, so it is plain
+    slots (``_route`` ...), each exposed as a property that refuses assignment, and it holds the
+    object whose run() runs the step (``_runner``: the delegate or the engine) rather than the
+    bound method: AdaptiveBackend.run calls ``plan._runner.run(...)``, which Python does without
+    making or unpacking a bound method. On the development CPU: ~0.2 us to build (a
+    ``__setattr__`` override, which every store would go through, made it ~0.5 us) and ~12 ns less
+    per run() than calling a stored bound method.
     """
 
-    __slots__ = ("route", "decision", "delegate", "inner", "run")
+    __slots__ = ("_route", "_decision", "_delegate", "_inner", "_runner")
 
     def __init__(self, route: str, decision: Decision, delegate: Any, inner: Any, run: Any = None):
-        _SET_ROUTE(self, route)  # the slots' own setters: a third cheaper than object.__setattr__
-        _SET_DECISION(self, decision)
-        _SET_DELEGATE(self, delegate)
-        _SET_INNER(self, inner)
-        _SET_RUN(self, run if run is not None else getattr(delegate, "run", None))
+        self._route = route
+        self._decision = decision
+        self._delegate = delegate
+        self._inner = inner
+        self._runner = delegate if run is None else _Runs(run)
 
-    def __setattr__(self, name, value):
-        raise AttributeError(f"AdaptivePlan is read-only (tried to set {name})")
+    route = _field("route")
+    decision = _field("decision")
+    delegate = _field("delegate")
+    inner = _field("inner")
+    run = property(lambda self: getattr(self._runner, "run", None), _refuse("run"),
+                   doc="what runs inner: delegate.run or its engine's run (read-only)")
 
     def __repr__(self) -> str:
-        return f"AdaptivePlan(route={self.route!r}, decision={self.decision!r})"
+        return f"AdaptivePlan(route={self._route!r}, decision={self._decision!r})"
 
     def counters(self):
         """The delegate plan's workload counters when it has them (our routes), else None."""
-        counters = getattr(self.inner, "counters", None)
+        counters = getattr(self._inner, "counters", None)
         return counters() if callable(counters) else None
 
 
-_SET_ROUTE, _SET_DECISION, _SET_DELEGATE, _SET_INNER, _SET_RUN = (AdaptivePlan.__dict__[name].__set__
-                                                              for name in AdaptivePlan.__slots__)
+_new_plan = object.__new__
+
+
+def _route(delegate: Any) -> tuple:
+    """(delegate, whether its plans run on their engine): what a step needs of a delegate, read
+    once per decision of the memo rather than on every step."""
+    return delegate, bool(getattr(delegate, "plan_runs_on_engine", False))
 
 
 class AdaptiveBackend:
@@ -76,14 +122,18 @@ class AdaptiveBackend:
     misses. The rule policies are exact functions of the step (the paper's rules count distinct
     lengths) and are always evaluated.
 
-    ``defer`` (memoised cost model only, default on): a step runs on the delegate chosen for the
-    previous step of its spec, and its own decision is made right after its first run() has
-    launched, so the decision's host time overlaps the GPU instead of delaying the step's first
-    launch. The result is the same either way (every delegate computes the same attention); only
-    the route can lag by one step, and consecutive decode steps share a memo signature for
-    hundreds of steps. A plan made while the previous one is still undecided settles that
-    decision first; the first step of a spec decides before it plans. ``plan.decision``,
-    ``plan.route`` and ``last_decision`` name the delegate the step actually runs on.
+    ``defer`` (memoised cost model only, default on): a step that the memo cannot answer by its
+    one-row fast path (:meth:`persistentkv.policy.DecisionMemo.fast_decision`) runs on the
+    delegate chosen for the previous step of its spec, and its own decision is made right after
+    its first run() has launched, so the decision's host time overlaps the GPU instead of delaying
+    the step's first launch. A fast-path step is decided in plan(), on its own decision: two
+    comparisons cost less than the deferral's bookkeeping, and run() then has nothing to settle.
+    The result is the same either way (every delegate computes the same attention); only the
+    route of a deferred step can lag by one step, and consecutive decode steps share a memo
+    signature for hundreds of steps. A plan made while the previous one is still undecided
+    settles that decision first (so the fast path reads the memo as it would be had every step
+    run); the first step of a spec decides before it plans. ``plan.decision``, ``plan.route`` and
+    ``last_decision`` name the delegate the step actually runs on.
     """
 
     def __init__(self, policy_path: str | Path, registry: Any = None, name: str = "adaptive",
@@ -94,7 +144,8 @@ class AdaptiveBackend:
         self.kind = policy
         self.memo = bool(memo) and policy == "cost_model"
         self.defer = bool(defer) and self.memo
-        #: (spec, decision, delegate) the next step of that spec runs on (defer)
+        #: (spec, decision, *_route(delegate)) of the last decided step: the next step of that spec
+        #: runs on it when its own decision is deferred (defer)
         self._chosen: tuple | None = None
         #: the batch planned on the previous choice, whose own decision is still to be made (defer)
         self._undecided: Batch | None = None
@@ -111,9 +162,9 @@ class AdaptiveBackend:
         #: object, so most steps skip hashing it)
         self._last_spec: Any = None
         self._last_entry: tuple = ()
-        #: id(decision) -> (decision, delegate): a memo hit returns the same Decision object, so
-        #: its delegate is found without rebuilding the options key (the entry holds the decision,
-        #: so its id cannot be reused while the entry lives)
+        #: id(decision) -> (decision, _route(delegate)): a memo hit returns the same Decision object,
+        #: so its delegate is found without rebuilding the options key (the entry holds the
+        #: decision, so its id cannot be reused while the entry lives)
         self._by_decision: dict[int, tuple] = {}
 
     # -- helpers
@@ -185,15 +236,18 @@ class AdaptiveBackend:
             entry = self._per_spec[spec] = (usable, memo)
         return entry
 
-    def _delegate_for(self, decision: Decision) -> Any:
+    def _route_for(self, decision: Decision) -> tuple:
+        """(delegate, whether its plans run on their engine) for ``decision``; a memo's
+        decision is found by identity (a memo hit returns the same Decision object), so its options
+        key is built once per decision, not once per step."""
         hit = self._by_decision.get(id(decision))
         if hit is not None and hit[0] is decision:
             return hit[1]
-        delegate = self._delegate(decision.backend, decision.options)
+        route = _route(self._delegate(decision.backend, decision.options))
         if len(self._by_decision) >= MAX_DECISIONS_HELD:
             self._by_decision.clear()
-        self._by_decision[id(decision)] = (decision, delegate)
-        return delegate
+        self._by_decision[id(decision)] = (decision, route)
+        return route
 
     def plan(self, batch: Batch) -> AdaptivePlan:
         spec = batch.spec
@@ -203,38 +257,49 @@ class AdaptiveBackend:
         usable, memo = self._last_entry
         if memo is None:  # the rule policies decide every step anew
             decision = self._load().decide(batch, self.kind, usable)
-            delegate = self._delegate(decision.backend, decision.options)
+            delegate, on_engine = _route(self._delegate(decision.backend, decision.options))
+        elif not self.defer:
+            decision = memo.decide(batch)
+            delegate, on_engine = self._route_for(decision)
         else:
             if self._undecided is not None:  # planned again before a run: settle that decision first
                 self._settle()
             chosen = self._chosen
-            if chosen is not None and chosen[0] is spec:
-                decision, delegate = chosen[1], chosen[2]
-                self._undecided = batch
-            else:
-                decision = memo.decide(batch)
-                delegate = self._delegate_for(decision)
-                if self.defer:
-                    self._chosen = (spec, decision, delegate)
+            decision = memo.fast_decision(batch)  # a cheap decision is made here, not deferred
+            if decision is None:
+                if chosen is not None and chosen[0] is spec:
+                    self._undecided = batch  # runs on the previous step's choice; decided in run()
+                else:
+                    decision = memo.decide(batch)  # no choice of this spec to run on: decide now
+            if decision is not None and (chosen is None or chosen[1] is not decision or chosen[0] is not spec):
+                chosen = self._chosen = (spec, decision, *self._route_for(decision))
+            _, decision, delegate, on_engine = chosen
         inner = delegate.plan(batch)
         self.last_decision = decision
         self._last_delegate = delegate
-        # A step of a few hundred microseconds can be host-bound (each run() call's host time near
-        # the kernel's), so the adaptive's own calls per layer count: run our plans on their engine.
-        engine = getattr(inner, "engine", None) if getattr(delegate, "plan_runs_on_engine", False) else None
-        return AdaptivePlan(decision.backend, decision, delegate, inner,
-                            engine.run if engine is not None else delegate.run)
+        # The AdaptivePlan, built without a call to its constructor. A step of a few hundred
+        # microseconds can be host-bound (each run() call's host time near the kernel's), so the
+        # adaptive's own calls per layer count: our plans (plan_runs_on_engine) run on their engine.
+        plan = _new_plan(AdaptivePlan)
+        plan._route = decision.backend
+        plan._decision = decision
+        plan._delegate = delegate
+        plan._inner = inner
+        plan._runner = inner.engine if on_engine else delegate
+        return plan
 
     def _settle(self) -> None:
         """Decide the undecided batch; the next step of its spec runs on that choice. (Inside a
-        step's first run(): the memo hit is looked up with as few calls as it takes.)"""
+        step's first run().)"""
         batch, self._undecided = self._undecided, None
+        if batch is None:  # nothing pending (the step was decided in plan())
+            return
         spec = batch.spec
         memo = self._last_entry[1] if spec is self._last_spec else self._for_spec(spec)[1]
         decision = memo.decide(batch)
-        hit = self._by_decision.get(id(decision))
-        self._chosen = (spec, decision, hit[1] if hit is not None and hit[0] is decision
-                        else self._delegate_for(decision))
+        chosen = self._chosen
+        if chosen is None or chosen[1] is not decision or chosen[0] is not spec:
+            self._chosen = (spec, decision, *self._route_for(decision))
 
     def memo_stats(self) -> dict:
         """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
@@ -247,6 +312,6 @@ class AdaptiveBackend:
         return bool(getattr(self._last_delegate, "graph_safe", True))
 
     def run(self, q, cache, plan: AdaptivePlan, out) -> None:
-        plan.run(q, cache, plan.inner, out)
+        plan._runner.run(q, cache, plan._inner, out)
         if self._undecided is not None:  # defer: decide while the GPU runs this launch
             self._settle()
