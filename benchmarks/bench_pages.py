@@ -1,0 +1,165 @@
+"""The v11 prototype (benchmarks/pages_decode.cu: a CTA over all kv heads of a page range, fed by
+whole-page bulk copies) against the shipped kernel and the baselines, under graph replay.
+
+    python benchmarks/bench_pages.py [--out DIR] [--cases B=1x4096,B=4x8192] [--repeats 15]
+
+Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
+float64, then CUDA graphs over rotated cold copies, all interleaved:
+  wq, wq8            the GPU-planned queue, 4 and 8 warps (the shipped kernel, early_kv on)
+  pages4, pages5     the prototype with a ring of 4 or 5 slab buffers (32 KB each) per CTA,
+                     then its merge kernel; both launched with programmatic dependent launch
+  flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines, where they run here
+  read               the read-ceiling kernel over the case's bytes (not attention)
+Prototype limits: fp16, head_dim 128, Hkv 8, page 16, G <= 8, contiguous caches. Writes
+bench_pages_HHMMSS.parquet to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args,  # noqa: E402
+                          engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
+                          timed_cases, write_rows)
+from persistentkv.errors import require  # noqa: E402
+from persistentkv.spec import AttentionSpec  # noqa: E402
+
+SLAB = 16 * 8 * 128 * 2          # one page's K (or V) for all kv heads, bytes
+PRIVATE = 8 * 2 * 16 * 128 * 2   # the 8 warps' K and V tiles
+
+
+def split_pages(seq_lens, page_size: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """(items [n, 4] int32 = (row, first page, end page, 0), item_indptr [B + 1]): each row's pages
+    cut into near-equal ranges of at most ceil(total pages / ctas) pages, so that the items fill
+    about one wave of ``ctas`` CTAs."""
+    pages = [(int(n) + page_size - 1) // page_size for n in seq_lens]
+    chunk = max(1, math.ceil(sum(pages) / ctas))
+    items, indptr = [], [0]
+    for row, n in enumerate(pages):
+        parts = max(1, math.ceil(n / chunk))
+        bounds = [n * j // parts for j in range(parts + 1)]
+        items += [(row, bounds[j], bounds[j + 1], 0) for j in range(parts)]
+        indptr.append(len(items))
+    return np.asarray(items, dtype=np.int32).reshape(-1, 4), np.asarray(indptr, dtype=np.int32)
+
+
+class Pages:
+    """The prototype's plan and launches for one batch: run(q, (k, v), out)."""
+
+    def __init__(self, module: dict, ns: int, batch, sms: int):
+        import torch
+
+        from persistentkv import engine as eng
+
+        spec = batch.spec
+        require(spec.dtype == "float16" and spec.head_dim == 128 and spec.num_kv_heads == 8 and spec.page_size == 16
+                and spec.group_size <= 8, "the prototype takes fp16, head_dim 128, Hkv 8, page 16, G <= 8")
+        items, indptr = split_pages(batch.seq_lens, spec.page_size, sms)
+        dev = torch.device("cuda")
+        self.t = {name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev) for name, a in
+                  (("items", items), ("item_indptr", indptr), ("seq_lens", batch.seq_lens),
+                   ("kv_indptr", batch.kv_indptr), ("kv_indices", batch.kv_indices))}
+        n, G = len(items), spec.group_size
+        self.part_o = torch.empty(n * 8 * G * 128, dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(n * 8 * G, dtype=torch.float32, device=dev)
+        self.num_items = n
+        P, I32, F32 = eng._PTR, eng._I32, eng._F32
+        dec = eng._arg_layout("PagesArgs", [("q", P), ("k", P), ("v", P), ("kv_indices", P), ("kv_indptr", P),
+                                            ("seq_lens", P), ("items", P), ("part_o", P), ("part_lse", P),
+                                            ("G", I32), ("scale_log2", F32), ("early", I32)])
+        mrg = eng._arg_layout("PagesMergeArgs", [("part_o", P), ("part_lse", P), ("item_indptr", P), ("out", P),
+                                                 ("G", I32)])
+        scale_log2 = float(np.float32(math.log2(math.e) / math.sqrt(spec.head_dim)))
+        # early = 3: the items (uploaded and synchronised above, before any run) and the first
+        # slabs of every page but each item's last are read before griddepcontrol.wait.
+        self.dec = eng._arg_block(dec, 0, 0, 0, self.t["kv_indices"].data_ptr(), self.t["kv_indptr"].data_ptr(),
+                                  self.t["seq_lens"].data_ptr(), self.t["items"].data_ptr(), self.part_o.data_ptr(),
+                                  self.part_lse.data_ptr(), G, scale_log2, 3)
+        self.mrg = eng._arg_block(mrg, self.part_o.data_ptr(), self.part_lse.data_ptr(),
+                                  self.t["item_indptr"].data_ptr(), 0, G)
+        smem = ns * SLAB + PRIVATE
+        fn = module[f"pg_decode{ns}"]
+        eng._set_function_attribute(fn, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        self.launch_dec = eng._PDLLaunch(fn, n, 256, smem, self.dec.address)
+        self.launch_mrg = eng._PDLLaunch(module["pg_merge"], batch.batch_size * spec.num_qo_heads, 512, 0,
+                                         self.mrg.address)
+        torch.cuda.synchronize()
+
+    def run(self, q, kv, out) -> None:
+        import torch
+
+        k, v = kv
+        require(k.is_contiguous() and v.is_contiguous() and q.is_contiguous() and out.is_contiguous(),
+                "the prototype takes contiguous q, out and caches")
+        self.dec.q, self.dec.k, self.dec.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        self.mrg.out = out.data_ptr()
+        stream = torch.cuda.current_stream().cuda_stream
+        self.launch_dec(stream)
+        self.launch_mrg(stream)
+
+
+def load_module() -> dict:
+    import cupy
+
+    module = cupy.RawModule(code=(ROOT / "benchmarks" / "pages_decode.cu").read_text(),
+                            options=("-std=c++17", "--use_fast_math"))
+    return {name: module.get_function(name).kernel.ptr for name in ("pg_decode4", "pg_decode5", "pg_merge")}
+
+
+def main() -> int:
+    import torch
+
+    from persistentkv.engine import engine_for
+
+    args = bench_args()
+    t_start = time.time()
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    engines = {"wq": engine_for(spec), "wq8": engine_for(spec, warps=8)}
+    module = load_module()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ceiling = read_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s, {sms} SMs")
+    baselines = load_baselines(spec)
+
+    def variants_for(batch):
+        runs = {}
+        add = planning_adder(runs)
+        for name, engine in engines.items():
+            add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
+        for ns in (4, 5):
+            add(f"pages{ns}", lambda ns=ns: Pages(module, ns, batch, sms),
+                lambda q: (lambda kv, p, o: p.run(q, kv, o)))
+        add_baselines(add, batch, baselines)
+        add_plain_read(add, batch)
+        return runs
+
+    rows, table = [], []
+    for label, batch, med, ok, floor in timed_cases(engines["wq"], spec, args, variants_for, ceiling, rows,
+                                                    "bench_pages", t_start):
+        ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
+        table.append((label, floor, med, fastest(ok, lambda n: n in BASELINES),
+                      fastest(ok, lambda n: n in ("wq", "wq8")), fastest(ok, lambda n: n.startswith("pages"))))
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best shipped   best pages   pages gain   "
+          f"pages vs baseline   %ceiling(pages)")
+    for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
+        cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
+        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
+              f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
+    write_rows(rows, args.out, "bench_pages", t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except Exception as exc:  # a one-line reason, not a traceback from deep inside
+        print(f"bench_pages: {first_line(exc)}", file=sys.stderr)
+        raise SystemExit(1)
