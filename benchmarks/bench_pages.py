@@ -10,6 +10,7 @@ float64, then CUDA graphs over rotated cold copies, all interleaved:
                      then its merge kernel; both launched with programmatic dependent launch
   flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines, where they run here
   read               the read-ceiling kernel over the case's bytes (not attention)
+  read-pages4-decode (--split-time) pages4's decode kernel alone, no merge (not attention)
 Prototype limits: fp16, head_dim 128, Hkv 8, page 16, G <= 8, contiguous caches. Writes
 bench_pages_HHMMSS.parquet to --out ($OUT).
 """
@@ -54,7 +55,7 @@ def split_pages(seq_lens, page_size: int, ctas: int) -> tuple[np.ndarray, np.nda
 class Pages:
     """The prototype's plan and launches for one batch: run(q, (k, v), out)."""
 
-    def __init__(self, module: dict, ns: int, batch, sms: int):
+    def __init__(self, module: dict, ns: int, batch, sms: int, merge: bool = True):
         import torch
 
         from persistentkv import engine as eng
@@ -71,6 +72,8 @@ class Pages:
         self.part_o = torch.empty(n * 8 * G * 128, dtype=torch.float32, device=dev)
         self.part_lse = torch.empty(n * 8 * G, dtype=torch.float32, device=dev)
         self.num_items = n
+        #: False (diagnosis only): run() launches the decode kernel alone, leaving `out` unwritten
+        self.merge = merge
         P, I32, F32 = eng._PTR, eng._I32, eng._F32
         dec = eng._arg_layout("PagesArgs", [("q", P), ("k", P), ("v", P), ("kv_indices", P), ("kv_indptr", P),
                                             ("seq_lens", P), ("items", P), ("part_o", P), ("part_lse", P),
@@ -103,7 +106,8 @@ class Pages:
         self.mrg.out = out.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         self.launch_dec(stream)
-        self.launch_mrg(stream)
+        if self.merge:
+            self.launch_mrg(stream)
 
 
 def load_module() -> dict:
@@ -119,7 +123,8 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    args = bench_args()
+    args = bench_args(lambda parser: parser.add_argument(
+        "--split-time", action="store_true", help="also time pages4's decode kernel without its merge"))
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {"wq": engine_for(spec), "wq8": engine_for(spec, warps=8)}
@@ -136,6 +141,9 @@ def main() -> int:
             add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
         for ns in (4, 5):
             add(f"pages{ns}", lambda ns=ns: Pages(module, ns, batch, sms),
+                lambda q: (lambda kv, p, o: p.run(q, kv, o)))
+        if args.split_time:  # the decode kernel alone (its output is not attention: not checked)
+            add("read-pages4-decode", lambda: Pages(module, 4, batch, sms, merge=False),
                 lambda q: (lambda kv, p, o: p.run(q, kv, o)))
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
