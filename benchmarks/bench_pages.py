@@ -38,14 +38,14 @@ PRIVATE = 8 * 2 * 16 * 128 * 2   # the 8 warps' K and V tiles
 
 
 def split_pages(seq_lens, page_size: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
-    """(items [n, 4] int32 = (row, first page, end page, 0), item_indptr [B + 1]): each row's pages
-    cut into near-equal ranges of at most ceil(total pages / ctas) pages, so that the items fill
-    about one wave of ``ctas`` CTAs."""
+    """(items [n, 4] int32 = (row, first page, end page, 0), item_indptr [B + 1]): row r's pages cut
+    into max(1, floor(ctas x its share of all pages)) near-equal ranges, so that the items fill one
+    wave of ``ctas`` CTAs (more only where rows with under one CTA's share each take one)."""
     pages = [(int(n) + page_size - 1) // page_size for n in seq_lens]
-    chunk = max(1, math.ceil(sum(pages) / ctas))
+    total = sum(pages)
     items, indptr = [], [0]
     for row, n in enumerate(pages):
-        parts = max(1, math.ceil(n / chunk))
+        parts = min(n, max(1, ctas * n // total))
         bounds = [n * j // parts for j in range(parts + 1)]
         items += [(row, bounds[j], bounds[j + 1], 0) for j in range(parts)]
         indptr.append(len(items))
@@ -92,7 +92,7 @@ class Pages:
         fn = module[f"pg_decode{ns}"]
         eng._set_function_attribute(fn, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         self.launch_dec = eng._PDLLaunch(fn, n, 256, smem, self.dec.address)
-        self.launch_mrg = eng._PDLLaunch(module["pg_merge"], batch.batch_size * spec.num_qo_heads, 512, 0,
+        self.launch_mrg = eng._PDLLaunch(module["pg_merge"], batch.batch_size * spec.num_qo_heads, 1024, 0,
                                          self.mrg.address)
         torch.cuda.synchronize()
 

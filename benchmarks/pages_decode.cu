@@ -271,38 +271,61 @@ extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode5(PG_ARGS)
 }
 
 // One CTA per (row, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-// over the row's items [item_indptr[row], item_indptr[row + 1]). 512 threads: dim d = tid % 128,
-// quarter tid / 128 takes every fourth item; the quarters combine through shared memory.
-extern "C" __global__ void __launch_bounds__(512) pg_merge(const float* __restrict__ part_o,
-                                                           const float* __restrict__ part_lse,
-                                                           const int* __restrict__ item_indptr, __half* __restrict__ out,
-                                                           int G) {
-  __shared__ float sm_m[4], sm_acc[4][pg::D], sm_den[4];
+// over the row's items [item_indptr[row], item_indptr[row + 1]). 1024 threads: dim d = tid % 128,
+// group tid / 128 takes every eighth item, MERGE_PER of them per round with all their loads in
+// flight at once (a round is ~2 L2 round trips); the groups combine through shared memory.
+constexpr int MERGE_GROUPS = 8, MERGE_PER = 8;
+extern "C" __global__ void __launch_bounds__(1024) pg_merge(const float* __restrict__ part_o,
+                                                            const float* __restrict__ part_lse,
+                                                            const int* __restrict__ item_indptr, __half* __restrict__ out,
+                                                            int G) {
+  __shared__ float sm_m[MERGE_GROUPS], sm_den[MERGE_GROUPS], sm_acc[MERGE_GROUPS][pg::D];
   const int qh = blockIdx.x % (pg::HKV * G), row = blockIdx.x / (pg::HKV * G);
   const int head = qh / G, g = qh % G, d = threadIdx.x & (pg::D - 1), part = threadIdx.x >> 7;
   pg::grid_wait();
   pg::grid_launch_dependents();
   const int lo = __ldg(item_indptr + row), hi = __ldg(item_indptr + row + 1);
-  float m = NEG_INF;
-  for (int i = lo + part; i < hi; i += 4) m = fmaxf(m, __ldcg(part_lse + ((long long)i * pg::HKV + head) * G + g));
+  float m = NEG_INF, acc = 0.f, den = 0.f;
+  for (int base = lo + part; base < hi; base += MERGE_GROUPS * MERGE_PER) {
+    float lse[MERGE_PER], ov[MERGE_PER];
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) {
+      const int i = base + MERGE_GROUPS * j;
+      const long long slot = ((long long)i * pg::HKV + head) * G + g;
+      lse[j] = i < hi ? __ldcg(part_lse + slot) : NEG_INF;
+      ov[j] = i < hi ? __ldcg(part_o + slot * pg::D + d) : 0.f;
+    }
+    float mx = m;
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) mx = fmaxf(mx, lse[j]);
+    if (mx == NEG_INF) continue;
+    const float sc = m == NEG_INF ? 0.f : pg::fast_exp2(m - mx);
+    acc *= sc;
+    den *= sc;
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) {
+      const float w = lse[j] == NEG_INF ? 0.f : pg::fast_exp2(lse[j] - mx);
+      acc += w * ov[j];
+      den += w;
+    }
+    m = mx;
+  }
   if (d == 0) sm_m[part] = m;
   __syncthreads();
-  const float M = fmaxf(fmaxf(sm_m[0], sm_m[1]), fmaxf(sm_m[2], sm_m[3]));
-  float acc = 0.f, den = 0.f;
-#pragma unroll 8
-  for (int i = lo + part; i < hi; i += 4) {
-    const long long slot = ((long long)i * pg::HKV + head) * G + g;
-    const float lse = __ldcg(part_lse + slot);
-    const float w = lse == NEG_INF ? 0.f : pg::fast_exp2(lse - M);
-    acc += w * __ldcg(part_o + slot * pg::D + d);
-    den += w;
-  }
-  sm_acc[part][d] = acc;
-  if (d == 0) sm_den[part] = den;
+  float M = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < MERGE_GROUPS; ++j) M = fmaxf(M, sm_m[j]);
+  const float sc = m == NEG_INF ? 0.f : pg::fast_exp2(m - M);
+  sm_acc[part][d] = acc * sc;
+  if (d == 0) sm_den[part] = den * sc;
   __syncthreads();
   if (part == 0) {
-    const float a = sm_acc[0][d] + sm_acc[1][d] + sm_acc[2][d] + sm_acc[3][d];
-    const float s = sm_den[0] + sm_den[1] + sm_den[2] + sm_den[3];
+    float a = 0.f, s = 0.f;
+#pragma unroll
+    for (int j = 0; j < MERGE_GROUPS; ++j) {
+      a += sm_acc[j][d];
+      s += sm_den[j];
+    }
     out[((long long)row * pg::HKV * G + qh) * pg::D + d] = __float2half_rn(s > 0.f ? a / s : 0.f);
   }
 }
