@@ -123,8 +123,12 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    args = bench_args(lambda parser: parser.add_argument(
-        "--split-time", action="store_true", help="also time pages4's decode kernel without its merge"))
+    def extra(parser):
+        parser.add_argument("--split-time", action="store_true", help="also time pages4's decode kernel without its merge")
+        parser.add_argument("--only", default="", help="comma-separated variant names to keep (default all)")
+
+    args = bench_args(extra)
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {"wq": engine_for(spec), "wq8": engine_for(spec, warps=8)}
@@ -147,7 +151,7 @@ def main() -> int:
                 lambda q: (lambda kv, p, o: p.run(q, kv, o)))
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
-        return runs
+        return {n: r for n, r in runs.items() if not only or n in only}
 
     rows, table = [], []
     for label, batch, med, ok, floor in timed_cases(engines["wq"], spec, args, variants_for, ceiling, rows,
