@@ -8,6 +8,8 @@ float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8            the GPU-planned queue, 4 and 8 warps (the shipped kernel, early_kv on)
   pages4, pages5     the prototype with a ring of 4 or 5 slab buffers (32 KB each) per CTA,
                      then its merge kernel; both launched with programmatic dependent launch
+  pages4f, pages5f   the same with the merge inside the decode grid (a grid-wide arrival counter;
+                     refused where the items exceed one wave)
   flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines, where they run here
   read               the read-ceiling kernel over the case's bytes (not attention)
   read-pages4-decode (--split-time) pages4's decode kernel alone, no merge (not attention)
@@ -55,7 +57,7 @@ def split_pages(seq_lens, page_size: int, ctas: int) -> tuple[np.ndarray, np.nda
 class Pages:
     """The prototype's plan and launches for one batch: run(q, (k, v), out)."""
 
-    def __init__(self, module: dict, ns: int, batch, sms: int, merge: bool = True):
+    def __init__(self, module: dict, ns: int, batch, sms: int, merge: bool = True, fused: bool = False):
         import torch
 
         from persistentkv import engine as eng
@@ -69,6 +71,10 @@ class Pages:
                   (("items", items), ("item_indptr", indptr), ("seq_lens", batch.seq_lens),
                    ("kv_indptr", batch.kv_indptr), ("kv_indices", batch.kv_indices))}
         n, G = len(items), spec.group_size
+        # The fused merge waits for every CTA of the grid: all of them must be resident at once.
+        require(not fused or n <= sms, f"the fused prototype needs one wave: {n} items > {sms} SMs")
+        self.fused = fused
+        self.counters = torch.zeros(2, dtype=torch.int32, device=dev)
         self.part_o = torch.empty(n * 8 * G * 128, dtype=torch.float32, device=dev)
         self.part_lse = torch.empty(n * 8 * G, dtype=torch.float32, device=dev)
         self.num_items = n
@@ -77,7 +83,8 @@ class Pages:
         P, I32, F32 = eng._PTR, eng._I32, eng._F32
         dec = eng._arg_layout("PagesArgs", [("q", P), ("k", P), ("v", P), ("kv_indices", P), ("kv_indptr", P),
                                             ("seq_lens", P), ("items", P), ("part_o", P), ("part_lse", P),
-                                            ("G", I32), ("scale_log2", F32), ("early", I32)])
+                                            ("G", I32), ("scale_log2", F32), ("early", I32), ("item_indptr", P),
+                                            ("out", P), ("counters", P), ("units", I32)])
         mrg = eng._arg_layout("PagesMergeArgs", [("part_o", P), ("part_lse", P), ("item_indptr", P), ("out", P),
                                                  ("G", I32)])
         scale_log2 = float(np.float32(math.log2(math.e) / math.sqrt(spec.head_dim)))
@@ -85,11 +92,12 @@ class Pages:
         # slabs of every page but each item's last are read before griddepcontrol.wait.
         self.dec = eng._arg_block(dec, 0, 0, 0, self.t["kv_indices"].data_ptr(), self.t["kv_indptr"].data_ptr(),
                                   self.t["seq_lens"].data_ptr(), self.t["items"].data_ptr(), self.part_o.data_ptr(),
-                                  self.part_lse.data_ptr(), G, scale_log2, 3)
+                                  self.part_lse.data_ptr(), G, scale_log2, 3, self.t["item_indptr"].data_ptr(), 0,
+                                  self.counters.data_ptr(), batch.batch_size * spec.num_qo_heads * 4)
         self.mrg = eng._arg_block(mrg, self.part_o.data_ptr(), self.part_lse.data_ptr(),
                                   self.t["item_indptr"].data_ptr(), 0, G)
         smem = ns * SLAB + PRIVATE
-        fn = module[f"pg_decode{ns}"]
+        fn = module[f"pg_decode_fused{ns}" if fused else f"pg_decode{ns}"]
         eng._set_function_attribute(fn, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         self.launch_dec = eng._PDLLaunch(fn, n, 256, smem, self.dec.address)
         self.launch_mrg = eng._PDLLaunch(module["pg_merge"], batch.batch_size * spec.num_qo_heads, 1024, 0,
@@ -103,10 +111,10 @@ class Pages:
         require(k.is_contiguous() and v.is_contiguous() and q.is_contiguous() and out.is_contiguous(),
                 "the prototype takes contiguous q, out and caches")
         self.dec.q, self.dec.k, self.dec.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        self.mrg.out = out.data_ptr()
+        self.dec.out = self.mrg.out = out.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         self.launch_dec(stream)
-        if self.merge:
+        if self.merge and not self.fused:
             self.launch_mrg(stream)
 
 
@@ -115,7 +123,8 @@ def load_module() -> dict:
 
     module = cupy.RawModule(code=(ROOT / "benchmarks" / "pages_decode.cu").read_text(),
                             options=("-std=c++17", "--use_fast_math"))
-    return {name: module.get_function(name).kernel.ptr for name in ("pg_decode4", "pg_decode5", "pg_merge")}
+    return {name: module.get_function(name).kernel.ptr for name in
+            ("pg_decode4", "pg_decode5", "pg_decode_fused4", "pg_decode_fused5", "pg_merge")}
 
 
 def main() -> int:
@@ -145,6 +154,8 @@ def main() -> int:
             add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
         for ns in (4, 5):
             add(f"pages{ns}", lambda ns=ns: Pages(module, ns, batch, sms),
+                lambda q: (lambda kv, p, o: p.run(q, kv, o)))
+            add(f"pages{ns}f", lambda ns=ns: Pages(module, ns, batch, sms, fused=True),
                 lambda q: (lambda kv, p, o: p.run(q, kv, o)))
         if args.split_time:  # the decode kernel alone (its output is not attention: not checked)
             add("read-pages4-decode", lambda: Pages(module, 4, batch, sms, merge=False),

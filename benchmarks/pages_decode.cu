@@ -18,7 +18,11 @@
 // the item's last too (the engine's early_kv contract).
 //
 // Partial states (o / l, lse in log2 units) per (item, head, g) go to global memory; pg_merge
-// combines a row's items per (row, query head).
+// combines a row's items per (row, query head). The fused variants (pg_decode_fused4/5) merge
+// inside the same grid instead: every CTA publishes its states and arrives on a counter, waits
+// until all have arrived (the items are one wave, all CTAs resident: bench_pages refuses a grid
+// larger than the SMs), then merges a share of the outputs (units of 32 dims of one (row, query
+// head)); the last CTA to leave resets the counters for the next launch.
 
 #include <cuda_fp16.h>
 
@@ -87,12 +91,75 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
 #endif
 }
 
+// The states of `units` merge units (32 dims of one (row, query head) each), the CTA's share:
+// unit u = blockIdx.x + j * gridDim.x. 8 groups of 32 threads; group w takes every eighth item of
+// the unit's row, 8 per round with all their loads in flight; the groups combine through `red`.
+__device__ void merge_units(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                            const int* __restrict__ item_indptr, __half* __restrict__ out, int G, int units,
+                            float* red) {
+  constexpr int GROUPS = 8, PER = 8;
+  const int tid = threadIdx.x, grp = tid >> 5, lane = tid & 31;
+  float* r_m = red;                      // [GROUPS]
+  float* r_den = red + GROUPS;           // [GROUPS]
+  float* r_acc = red + 2 * GROUPS;       // [GROUPS][32]
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int chunk = u & 3, qh = (u >> 2) % (HKV * G), row = (u >> 2) / (HKV * G);
+    const int head = qh / G, g = qh % G, d = chunk * 32 + lane;
+    const int lo = __ldg(item_indptr + row), hi = __ldg(item_indptr + row + 1);
+    float m = NEG_INF, acc = 0.f, den = 0.f;
+    for (int base = lo + grp; base < hi; base += GROUPS * PER) {
+      float lse[PER], ov[PER];
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = base + GROUPS * j;
+        const long long slot = ((long long)i * HKV + head) * G + g;
+        lse[j] = i < hi ? __ldcg(part_lse + slot) : NEG_INF;
+        ov[j] = i < hi ? __ldcg(part_o + slot * D + d) : 0.f;
+      }
+      float mx = m;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) mx = fmaxf(mx, lse[j]);
+      if (mx == NEG_INF) continue;
+      const float sc = m == NEG_INF ? 0.f : fast_exp2(m - mx);
+      acc *= sc;
+      den *= sc;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const float w = lse[j] == NEG_INF ? 0.f : fast_exp2(lse[j] - mx);
+        acc += w * ov[j];
+        den += w;
+      }
+      m = mx;
+    }
+    if (lane == 0) r_m[grp] = m;
+    __syncthreads();
+    float M = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < GROUPS; ++j) M = fmaxf(M, r_m[j]);
+    const float sc = m == NEG_INF ? 0.f : fast_exp2(m - M);
+    r_acc[grp * 32 + lane] = acc * sc;
+    if (lane == 0) r_den[grp] = den * sc;
+    __syncthreads();
+    if (grp == 0) {
+      float a = 0.f, s = 0.f;
+#pragma unroll
+      for (int j = 0; j < GROUPS; ++j) {
+        a += r_acc[j * 32 + lane];
+        s += r_den[j];
+      }
+      out[((long long)row * HKV * G + qh) * D + d] = __float2half_rn(s > 0.f ? a / s : 0.f);
+    }
+    __syncthreads();  // `red` is reused by the next unit
+  }
+}
+
 // items[i] = {row, first page, end page, 0} (pages of the row, in block-table order).
-template <int NS>
+template <int NS, bool FUSED>
 __device__ void decode(const __half* __restrict__ q, const __half* __restrict__ k, const __half* __restrict__ v,
                        const int* __restrict__ kv_indices, const int* __restrict__ kv_indptr,
                        const int* __restrict__ seq_lens, const int4* __restrict__ items, float* __restrict__ part_o,
-                       float* __restrict__ part_lse, int G, float scale_log2, int early) {
+                       float* __restrict__ part_lse, int G, float scale_log2, int early, const int* item_indptr,
+                       __half* out, int* counters, int units) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[NS];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -255,20 +322,46 @@ __device__ void decode(const __half* __restrict__ q, const __half* __restrict__ 
       *reinterpret_cast<float2*>(part_o + slot * D + j * 8 + c) = make_float2(o[j][0] * inv, o[j][1] * inv);
     if ((lane & 3) == 0) part_lse[slot] = l0 > 0.f ? m0 + __log2f(l0) : NEG_INF;
   }
+  if constexpr (FUSED) {
+    // Grid-wide: after the barrier one thread's release increment publishes the CTA's states
+    // (cumulative over what the barrier ordered), its acquire loads see every CTA's once all have
+    // arrived, and the barrier after extends that to the CTA; the merge reads go to L2 (.cg).
+    __shared__ float red[2 * 8 + 8 * 32];
+    __syncthreads();
+    if (tid == 0) {
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counters) : "memory");
+      int seen = 0;
+      do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counters) : "memory");
+      } while (seen < (int)gridDim.x);
+    }
+    __syncthreads();
+    merge_units(part_o, part_lse, item_indptr, out, G, units, red);
+    if (tid == 0) {  // the last CTA out resets both counters (every CTA has read counters[0] by then)
+      int prev;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counters + 1) : "memory");
+      if (prev == (int)gridDim.x - 1) {
+        counters[0] = 0;
+        counters[1] = 0;
+      }
+    }
+  }
 }
 
 }  // namespace pg
 
+// item_indptr, out, counters and units are read by the fused variants only.
 #define PG_ARGS                                                                                          \
   const __half *q, const __half *k, const __half *v, const int *kv_indices, const int *kv_indptr,        \
-      const int *seq_lens, const int4 *items, float *part_o, float *part_lse, int G, float scale_log2, int early
+      const int *seq_lens, const int4 *items, float *part_o, float *part_lse, int G, float scale_log2,   \
+      int early, const int *item_indptr, __half *out, int *counters, int units
+#define PG_PASS q, k, v, kv_indices, kv_indptr, seq_lens, items, part_o, part_lse, G, scale_log2, early, \
+                item_indptr, out, counters, units
 
-extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode4(PG_ARGS) {
-  pg::decode<4>(q, k, v, kv_indices, kv_indptr, seq_lens, items, part_o, part_lse, G, scale_log2, early);
-}
-extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode5(PG_ARGS) {
-  pg::decode<5>(q, k, v, kv_indices, kv_indptr, seq_lens, items, part_o, part_lse, G, scale_log2, early);
-}
+extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode4(PG_ARGS) { pg::decode<4, false>(PG_PASS); }
+extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode5(PG_ARGS) { pg::decode<5, false>(PG_PASS); }
+extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode_fused4(PG_ARGS) { pg::decode<4, true>(PG_PASS); }
+extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode_fused5(PG_ARGS) { pg::decode<5, true>(PG_PASS); }
 
 // One CTA per (row, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
 // over the row's items [item_indptr[row], item_indptr[row + 1]). 1024 threads: dim d = tid % 128,

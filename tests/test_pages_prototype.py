@@ -45,25 +45,33 @@ def test_the_prototype_compiles_for_hopper_without_spills(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
-    for name in ("pg_decode4", "pg_decode5", "pg_merge"):
+    for name in ("pg_decode4", "pg_decode5", "pg_decode_fused4", "pg_decode_fused5", "pg_merge"):
         assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("ns", [4, 5])
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-kernel", "fused"])
 @pytest.mark.parametrize("heads, lengths", [
     (32, [4096]), (32, [1, 16, 17, 31, 32, 33, 2049, 9000]), (8, [300, 70000]), (64, [5000, 16, 129]),
     (32, [16384] * 4), (32, [3] * 200 + [40000])])
-def test_prototype_matches_float64(ns, heads, lengths):
+def test_prototype_matches_float64(ns, fused, heads, lengths):
     import torch
+
+    from persistentkv.errors import PKVError
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the prototype's bulk copies need sm_90")
     spec = AttentionSpec(heads, 8, 128, 16, "float16")
     batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=len(lengths) + heads)
     module = bench_pages.load_module()
-    plan = bench_pages.Pages(module, ns, batch, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if fused and len(bench_pages.split_pages(batch.seq_lens, 16, sms)[0]) > sms:
+        with pytest.raises(PKVError, match="needs one wave"):
+            bench_pages.Pages(module, ns, batch, sms, fused=True)
+        return
+    plan = bench_pages.Pages(module, ns, batch, sms, fused=fused)
     out = torch.full_like(q, float("nan"))
     plan.run(q, (k, v), out)
     torch.cuda.synchronize()
