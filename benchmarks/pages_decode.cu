@@ -331,8 +331,10 @@ __device__ void decode(const __half* __restrict__ q, const __half* __restrict__ 
     if (tid == 0) {
       asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counters) : "memory");
       int seen = 0;
+      unsigned spins = 0;
       do {
         asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counters) : "memory");
+        if (++spins > (1u << 28)) __trap();  // CTAs that never became resident: an error, not a hang
       } while (seen < (int)gridDim.x);
     }
     __syncthreads();
