@@ -150,10 +150,9 @@ def slab_map(ptr: int, num_pages: int):
 
 def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: float) -> int:
     import numpy as np
-    import pandas as pd
     import torch
 
-    from bench_common import first_line
+    from bench_common import first_line, write_rows
     from persistentkv import engine as eng
     from persistentkv.cache import Batch
     from persistentkv.engine import engine_for
@@ -172,7 +171,6 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {"wq8": engine_for(spec, warps=8), "wq8-tma": engine_for(spec, warps=8, defines=("PKV_TMA=1",))}
     rows, table = [], []
-    path = None
     for mb in (float(x) for x in args.sizes_mb.split(",")):
         npages = max(1, int(round(mb * 1e6 / (2 * slab))))
         tokens = npages * 16
@@ -222,10 +220,9 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
         time_size(graphs, args, rows, table, kv_bytes, tokens, floor, ceiling, paged=True)
         del caches
         torch.cuda.empty_cache()
-        path = Path(args.out) / f"bench_stream_paged_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
-        pd.DataFrame(rows).to_parquet(path, index=False)
+        write_rows(rows, args.out, "bench_stream_paged", t_start, final=False)  # each size as it is done
     print_table(table)
-    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    write_rows(rows, args.out, "bench_stream_paged", t_start)
     return 0
 
 
@@ -243,7 +240,7 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from bench_common import first_line, read_ceiling_gbps
+    from bench_common import first_line, read_ceiling_gbps, write_rows
     from persistentkv import engine as eng
     from persistentkv.cache import make_batch
     from persistentkv.engine import engine_for
@@ -317,12 +314,9 @@ def main() -> int:
         time_size(graphs, args, rows, table, nbytes, tokens, floor, ceiling, gpu=props.name)
         del bufs, copies
         torch.cuda.empty_cache()
-        import pandas as pd
-
-        path = Path(args.out) / f"bench_stream_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
-        pd.DataFrame(rows).to_parquet(path, index=False)
+        write_rows(rows, args.out, "bench_stream", t_start, final=False)  # each size as it is done
     print_table(table)
-    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+    write_rows(rows, args.out, "bench_stream", t_start)
     return 0
 
 
