@@ -232,6 +232,27 @@ def fastest(times: dict, keep=lambda name: True) -> tuple:
     return min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
 
 
+SHIPPED = ("wq", "wq8")
+
+
+def comparison_row(label: str, floor: float, med: dict, ok: dict, is_candidate) -> tuple:
+    """One case of print_comparison: (label, floor, medians, best baseline, best shipped queue,
+    best candidate), each best as fastest's (name, us) over the variants that passed the check."""
+    ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
+    return (label, floor, med, fastest(ok, lambda n: n in BASELINES), fastest(ok, lambda n: n in SHIPPED),
+            fastest(ok, is_candidate))
+
+
+def print_comparison(table: list, tag: str) -> None:
+    """The candidate ``tag`` against the shipped queue and the baselines, one line per comparison_row."""
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best shipped   best {tag}   {tag} gain   "
+          f"{tag} vs baseline   %ceiling({tag})")
+    for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
+        cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
+        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
+              f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
+
+
 def within_tolerance(med: dict, info: dict, dtype: str) -> dict:
     """The medians of the variants whose output passed the float64 check."""
     from gpu_support import TOLERANCE

@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args,  # noqa: E402
-                          engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
+from bench_common import (add_baselines, add_plain_read, bench_args, comparison_row, engine_run,  # noqa: E402
+                          first_line, load_baselines, planning_adder, print_comparison, read_ceiling_gbps,
                           timed_cases, write_rows)
 from persistentkv.errors import require  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
@@ -167,15 +167,8 @@ def main() -> int:
     rows, table = [], []
     for label, batch, med, ok, floor in timed_cases(engines["wq"], spec, args, variants_for, ceiling, rows,
                                                     "bench_pages", t_start):
-        ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
-        table.append((label, floor, med, fastest(ok, lambda n: n in BASELINES),
-                      fastest(ok, lambda n: n in ("wq", "wq8")), fastest(ok, lambda n: n.startswith("pages"))))
-    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best shipped   best pages   pages gain   "
-          f"pages vs baseline   %ceiling(pages)")
-    for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
-        cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
-        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
-              f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
+        table.append(comparison_row(label, floor, med, ok, lambda n: n.startswith("pages")))
+    print_comparison(table, "pages")
     write_rows(rows, args.out, "bench_pages", t_start)
     return 0
 

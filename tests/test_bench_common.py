@@ -33,3 +33,13 @@ def test_parse_cases():
     for bad in ("4096", "1x", "0x4096", "2x4096x3", "B8-bimodl"):
         with pytest.raises(SystemExit, match="not BxN"):
             bench_common.parse_cases(bad)
+
+
+def test_comparison_row_picks_the_fastest_checked_variant_of_each_kind(capsys):
+    med = {"wq": 10.0, "wq8": 9.0, "pages4": 8.0, "pages5": 7.0, "trtllm-xqa": 13.0, "vllm-fa3": 12.5, "read": 1.0}
+    ok = {n: t for n, t in med.items() if n != "pages5"}  # pages5 failed its float64 check
+    row = bench_common.comparison_row("B=1 N=4096", 3.9, med, ok, lambda n: n.startswith("pages"))
+    assert row[3:] == (("vllm-fa3", 12.5), ("wq8", 9.0), ("pages4", 8.0))  # read is never a candidate
+    bench_common.print_comparison([row], "pages")
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "1.12x" in line and "1.56x" in line and "49%" in line
