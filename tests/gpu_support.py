@@ -87,17 +87,29 @@ def assert_graph_replay_matches(engine, plan, batch, q, k, v, tolerance: float, 
     outs = [torch.full_like(q, float("nan")) for _ in range(calls)]
     engine.run(q, (k, v), plan, outs[0])
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls():
         for i, o in enumerate(outs):
             engine.run(q, (ks[i % 2], vs[i % 2]), plan, o)
+
+    replay_captured(calls, outs, replays)
+    for o in outs:
+        assert rel_err(o, ref) <= tolerance
+
+
+def replay_captured(step, outs, replays: int = 1) -> None:
+    """Capture ``step()`` in one CUDA graph, poison ``outs`` with NaN, replay the graph ``replays``
+    times and synchronise: what ``outs`` then hold, the replays wrote."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
     for o in outs:
         o.fill_(float("nan"))
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
-    for o in outs:
-        assert rel_err(o, ref) <= tolerance
 
 
 def assert_repeats_bit_exact(engine, plan, q, k, v, out, times: int = 5):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, replay_captured, requires_gpu
 from persistentkv.spec import AttentionSpec
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -61,14 +61,7 @@ def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = Fals
         step()  # warm-up on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for o in outs:
-        o.fill_(float("nan"))
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
+    replay_captured(step, outs, replays=3)
     return outs
 
 
@@ -138,12 +131,7 @@ def test_early_loads_see_the_append_into_the_last_page(warps, graph):
 
     step()
     if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
+        replay_captured(step, outs)
     torch.cuda.synchronize()
     for layer in range(layers):
         k[page, slot] = new_k[layer]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, requires_gpu
+from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, replay_captured, requires_gpu
 from persistentkv.kernel_build import nvcc_path, parse_ptxas
 from persistentkv.spec import AttentionSpec
 
@@ -88,12 +88,6 @@ def test_prototype_matches_float64(ns, fused, heads, lengths):
     chain()
     torch.cuda.synchronize()
     eager = [o.clone() for o in outs]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    for o in outs:
-        o.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    replay_captured(chain, outs)
     for i in range(layers):
         assert torch.equal(outs[i], eager[i]), f"graph layer {i} differs from the eager chain"
