@@ -91,65 +91,77 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
 #endif
 }
 
-// The states of `units` merge units (32 dims of one (row, query head) each), the CTA's share:
-// unit u = blockIdx.x + j * gridDim.x. 8 groups of 32 threads; group w takes every eighth item of
-// the unit's row, 8 per round with all their loads in flight; the groups combine through `red`.
+// One merge unit, the W dims [d0, d0 + W) of one (row, query head): out = sum_s w_s o_s / sum_s w_s
+// with w_s = 2^(lse_s - max lse) over the row's items [item_indptr[row], item_indptr[row + 1]).
+// MERGE_GROUPS groups of W threads (the CTA); group w takes every MERGE_GROUPS-th item, MERGE_PER
+// of them per round with all their loads in flight (a round is ~2 L2 round trips); the groups
+// combine through `red` (2 * MERGE_GROUPS + MERGE_GROUPS * W floats of shared memory).
+constexpr int MERGE_GROUPS = 8, MERGE_PER = 8;
+template <int W>
+__device__ void merge_unit(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                           const int* __restrict__ item_indptr, __half* __restrict__ out, int G, int row, int qh,
+                           int d0, float* red) {
+  const int grp = threadIdx.x / W, lane = threadIdx.x % W;
+  float* r_m = red;                             // [MERGE_GROUPS]
+  float* r_den = red + MERGE_GROUPS;            // [MERGE_GROUPS]
+  float* r_acc = red + 2 * MERGE_GROUPS;        // [MERGE_GROUPS][W]
+  const int head = qh / G, g = qh % G, d = d0 + lane;
+  const int lo = __ldg(item_indptr + row), hi = __ldg(item_indptr + row + 1);
+  float m = NEG_INF, acc = 0.f, den = 0.f;
+  for (int base = lo + grp; base < hi; base += MERGE_GROUPS * MERGE_PER) {
+    float lse[MERGE_PER], ov[MERGE_PER];
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) {
+      const int i = base + MERGE_GROUPS * j;
+      const long long slot = ((long long)i * HKV + head) * G + g;
+      lse[j] = i < hi ? __ldcg(part_lse + slot) : NEG_INF;
+      ov[j] = i < hi ? __ldcg(part_o + slot * D + d) : 0.f;
+    }
+    float mx = m;
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) mx = fmaxf(mx, lse[j]);
+    if (mx == NEG_INF) continue;
+    const float sc = m == NEG_INF ? 0.f : fast_exp2(m - mx);
+    acc *= sc;
+    den *= sc;
+#pragma unroll
+    for (int j = 0; j < MERGE_PER; ++j) {
+      const float w = lse[j] == NEG_INF ? 0.f : fast_exp2(lse[j] - mx);
+      acc += w * ov[j];
+      den += w;
+    }
+    m = mx;
+  }
+  if (lane == 0) r_m[grp] = m;
+  __syncthreads();
+  float M = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < MERGE_GROUPS; ++j) M = fmaxf(M, r_m[j]);
+  const float sc = m == NEG_INF ? 0.f : fast_exp2(m - M);
+  r_acc[grp * W + lane] = acc * sc;
+  if (lane == 0) r_den[grp] = den * sc;
+  __syncthreads();
+  if (grp == 0) {
+    float a = 0.f, s = 0.f;
+#pragma unroll
+    for (int j = 0; j < MERGE_GROUPS; ++j) {
+      a += r_acc[j * W + lane];
+      s += r_den[j];
+    }
+    out[((long long)row * HKV * G + qh) * D + d] = __float2half_rn(s > 0.f ? a / s : 0.f);
+  }
+  __syncthreads();  // `red` may be reused by the caller's next unit
+}
+
+// The fused variants' share of the merge: units of 32 dims, unit u = blockIdx.x + j * gridDim.x
+// (u = ((row * Hq + qh) * 4 + the 32-dim chunk), `units` in all), 8 groups of 32 threads each.
 __device__ void merge_units(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                             const int* __restrict__ item_indptr, __half* __restrict__ out, int G, int units,
                             float* red) {
-  constexpr int GROUPS = 8, PER = 8;
-  const int tid = threadIdx.x, grp = tid >> 5, lane = tid & 31;
-  float* r_m = red;                      // [GROUPS]
-  float* r_den = red + GROUPS;           // [GROUPS]
-  float* r_acc = red + 2 * GROUPS;       // [GROUPS][32]
+  static_assert(MERGE_GROUPS * 32 == THREADS, "merge_units: the decode CTA's threads as 8 groups of 32");
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const int chunk = u & 3, qh = (u >> 2) % (HKV * G), row = (u >> 2) / (HKV * G);
-    const int head = qh / G, g = qh % G, d = chunk * 32 + lane;
-    const int lo = __ldg(item_indptr + row), hi = __ldg(item_indptr + row + 1);
-    float m = NEG_INF, acc = 0.f, den = 0.f;
-    for (int base = lo + grp; base < hi; base += GROUPS * PER) {
-      float lse[PER], ov[PER];
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int i = base + GROUPS * j;
-        const long long slot = ((long long)i * HKV + head) * G + g;
-        lse[j] = i < hi ? __ldcg(part_lse + slot) : NEG_INF;
-        ov[j] = i < hi ? __ldcg(part_o + slot * D + d) : 0.f;
-      }
-      float mx = m;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) mx = fmaxf(mx, lse[j]);
-      if (mx == NEG_INF) continue;
-      const float sc = m == NEG_INF ? 0.f : fast_exp2(m - mx);
-      acc *= sc;
-      den *= sc;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const float w = lse[j] == NEG_INF ? 0.f : fast_exp2(lse[j] - mx);
-        acc += w * ov[j];
-        den += w;
-      }
-      m = mx;
-    }
-    if (lane == 0) r_m[grp] = m;
-    __syncthreads();
-    float M = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < GROUPS; ++j) M = fmaxf(M, r_m[j]);
-    const float sc = m == NEG_INF ? 0.f : fast_exp2(m - M);
-    r_acc[grp * 32 + lane] = acc * sc;
-    if (lane == 0) r_den[grp] = den * sc;
-    __syncthreads();
-    if (grp == 0) {
-      float a = 0.f, s = 0.f;
-#pragma unroll
-      for (int j = 0; j < GROUPS; ++j) {
-        a += r_acc[j * 32 + lane];
-        s += r_den[j];
-      }
-      out[((long long)row * HKV * G + qh) * D + d] = __float2half_rn(s > 0.f ? a / s : 0.f);
-    }
-    __syncthreads();  // `red` is reused by the next unit
+    const int qh = (u >> 2) % (HKV * G), row = (u >> 2) / (HKV * G);
+    merge_unit<32>(part_o, part_lse, item_indptr, out, G, row, qh, (u & 3) * 32, red);
   }
 }
 
@@ -326,7 +338,7 @@ __device__ void decode(const __half* __restrict__ q, const __half* __restrict__ 
     // Grid-wide: after the barrier one thread's release increment publishes the CTA's states
     // (cumulative over what the barrier ordered), its acquire loads see every CTA's once all have
     // arrived, and the barrier after extends that to the CTA; the merge reads go to L2 (.cg).
-    __shared__ float red[2 * 8 + 8 * 32];
+    __shared__ float red[2 * MERGE_GROUPS + MERGE_GROUPS * 32];
     __syncthreads();
     if (tid == 0) {
       asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counters) : "memory");
@@ -365,62 +377,14 @@ extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode5(PG_ARGS)
 extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode_fused4(PG_ARGS) { pg::decode<4, true>(PG_PASS); }
 extern "C" __global__ void __launch_bounds__(pg::THREADS, 1) pg_decode_fused5(PG_ARGS) { pg::decode<5, true>(PG_PASS); }
 
-// One CTA per (row, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-// over the row's items [item_indptr[row], item_indptr[row + 1]). 1024 threads: dim d = tid % 128,
-// group tid / 128 takes every eighth item, MERGE_PER of them per round with all their loads in
-// flight at once (a round is ~2 L2 round trips); the groups combine through shared memory.
-constexpr int MERGE_GROUPS = 8, MERGE_PER = 8;
-extern "C" __global__ void __launch_bounds__(1024) pg_merge(const float* __restrict__ part_o,
-                                                            const float* __restrict__ part_lse,
-                                                            const int* __restrict__ item_indptr, __half* __restrict__ out,
-                                                            int G) {
-  __shared__ float sm_m[MERGE_GROUPS], sm_den[MERGE_GROUPS], sm_acc[MERGE_GROUPS][pg::D];
-  const int qh = blockIdx.x % (pg::HKV * G), row = blockIdx.x / (pg::HKV * G);
-  const int head = qh / G, g = qh % G, d = threadIdx.x & (pg::D - 1), part = threadIdx.x >> 7;
+// One CTA per (row, query head): merge_unit over all 128 dims, 1024 threads (8 groups of 128).
+extern "C" __global__ void __launch_bounds__(pg::MERGE_GROUPS * pg::D) pg_merge(const float* __restrict__ part_o,
+                                                                                const float* __restrict__ part_lse,
+                                                                                const int* __restrict__ item_indptr,
+                                                                                __half* __restrict__ out, int G) {
+  __shared__ float red[2 * pg::MERGE_GROUPS + pg::MERGE_GROUPS * pg::D];
   pg::grid_wait();
   pg::grid_launch_dependents();
-  const int lo = __ldg(item_indptr + row), hi = __ldg(item_indptr + row + 1);
-  float m = NEG_INF, acc = 0.f, den = 0.f;
-  for (int base = lo + part; base < hi; base += MERGE_GROUPS * MERGE_PER) {
-    float lse[MERGE_PER], ov[MERGE_PER];
-#pragma unroll
-    for (int j = 0; j < MERGE_PER; ++j) {
-      const int i = base + MERGE_GROUPS * j;
-      const long long slot = ((long long)i * pg::HKV + head) * G + g;
-      lse[j] = i < hi ? __ldcg(part_lse + slot) : NEG_INF;
-      ov[j] = i < hi ? __ldcg(part_o + slot * pg::D + d) : 0.f;
-    }
-    float mx = m;
-#pragma unroll
-    for (int j = 0; j < MERGE_PER; ++j) mx = fmaxf(mx, lse[j]);
-    if (mx == NEG_INF) continue;
-    const float sc = m == NEG_INF ? 0.f : pg::fast_exp2(m - mx);
-    acc *= sc;
-    den *= sc;
-#pragma unroll
-    for (int j = 0; j < MERGE_PER; ++j) {
-      const float w = lse[j] == NEG_INF ? 0.f : pg::fast_exp2(lse[j] - mx);
-      acc += w * ov[j];
-      den += w;
-    }
-    m = mx;
-  }
-  if (d == 0) sm_m[part] = m;
-  __syncthreads();
-  float M = NEG_INF;
-#pragma unroll
-  for (int j = 0; j < MERGE_GROUPS; ++j) M = fmaxf(M, sm_m[j]);
-  const float sc = m == NEG_INF ? 0.f : pg::fast_exp2(m - M);
-  sm_acc[part][d] = acc * sc;
-  if (d == 0) sm_den[part] = den * sc;
-  __syncthreads();
-  if (part == 0) {
-    float a = 0.f, s = 0.f;
-#pragma unroll
-    for (int j = 0; j < MERGE_GROUPS; ++j) {
-      a += sm_acc[j][d];
-      s += sm_den[j];
-    }
-    out[((long long)row * pg::HKV * G + qh) * pg::D + d] = __float2half_rn(s > 0.f ? a / s : 0.f);
-  }
+  pg::merge_unit<pg::D>(part_o, part_lse, item_indptr, out, G, blockIdx.x / (pg::HKV * G),
+                        blockIdx.x % (pg::HKV * G), 0, red);
 }
