@@ -14,7 +14,8 @@ float64, then CUDA graphs over rotated cold copies, all interleaved:
   read               the read-ceiling kernel over the case's bytes (not attention)
   read-pages4-decode (--split-time) pages4's decode kernel alone, no merge (not attention)
 Prototype limits: fp16, head_dim 128, Hkv 8, page 16, G <= 8, contiguous caches. Writes
-bench_pages_HHMMSS.parquet to --out ($OUT).
+bench_pages_HHMMSS.parquet to --out ($OUT). Outcomes on the H200: benchmarks/NOTES.md v13 and v14
+(neither merge makes the prototype faster than the shipped queue; not adopted).
 """
 
 from __future__ import annotations

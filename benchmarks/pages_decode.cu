@@ -1,5 +1,5 @@
 // v11 prototype (development; nothing in src/ loads this file): a CTA owns a range of one row's
-// pages for ALL kv heads, benchmarks/NOTES.md "v11, sketched" and "v13".
+// pages for ALL kv heads, benchmarks/NOTES.md "v11, sketched", "v13" and "v14" (measured; not adopted).
 //
 // Shape: fp16, head_dim 128, Hkv = 8, page 16, NHD caches [pages, 16, 8, 128] (contiguous), G <= 8.
 // 8 warps; warp w computes kv head w, so each warp's softmax state is a whole (head, split) state
