@@ -117,6 +117,11 @@ def engine_run(engine):
     return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
 
 
+def add_queue(add, batch, name: str, engine, **options) -> None:
+    """Register ``engine``'s work-queue plan of ``batch`` (plan ``options``) as the variant ``name``."""
+    add(name, lambda: engine.plan(batch, "workqueue", **options), engine_run(engine))
+
+
 def add_plain_read(add, batch) -> None:
     """Register PlainRead over the case's KV bytes as the variant ``read`` (NOT_ATTENTION)."""
     add(NOT_ATTENTION[0], lambda: None, lambda q: PlainRead(batch.kv_bytes))

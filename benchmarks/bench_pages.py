@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (add_baselines, add_plain_read, bench_args, comparison_row, engine_run,  # noqa: E402
+from bench_common import (add_baselines, add_plain_read, add_queue, bench_args, comparison_row,  # noqa: E402
                           first_line, load_baselines, planning_adder, print_comparison, read_ceiling_gbps,
                           timed_cases, write_rows)
 from persistentkv.errors import require  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> int:
         runs = {}
         add = planning_adder(runs)
         for name, engine in engines.items():
-            add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
+            add_queue(add, batch, name, engine)
         for ns in (4, 5):
             add(f"pages{ns}", lambda ns=ns: Pages(module, ns, batch, sms),
                 lambda q: (lambda kv, p, o: p.run(q, kv, o)))

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, bench_args,  # noqa: E402
+from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, add_queue, bench_args,  # noqa: E402
                           engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
                           timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
@@ -51,12 +51,11 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
     add = planning_adder(runs)
     for warps, engine in engines.items():
         name = "wq" if warps == 4 else f"wq{warps}"
-        add(name, lambda e=engine: e.plan(batch, "workqueue"), engine_run(engine))
+        add_queue(add, batch, name, engine)
         if warps == 4:
-            add(f"{name}-closed", lambda e=engine: e.plan(batch, "workqueue", chunk_rule="closed"), engine_run(engine))
+            add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
     for warps, engine in (plain_engines or {}).items():
-        add(("wq" if warps == 4 else f"wq{warps}") + "-nopdl", lambda e=engine: e.plan(batch, "workqueue"),
-            engine_run(engine))
+        add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + "-nopdl", engine)
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]

@@ -43,3 +43,26 @@ def test_comparison_row_picks_the_fastest_checked_variant_of_each_kind(capsys):
     bench_common.print_comparison([row], "pages")
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "1.12x" in line and "1.56x" in line and "49%" in line
+
+
+def test_add_queue_registers_the_engines_workqueue_plan_and_its_run():
+    calls = []
+
+    class FakeEngine:
+        def plan(self, batch, route, **options):
+            calls.append(("plan", batch, route, options))
+            return ("plan-of", batch)
+
+        def run(self, q, kv, plan, out):
+            calls.append(("run", q, kv, plan, out))
+
+    runs = {}
+    add = bench_common.planning_adder(runs)
+    engine = FakeEngine()
+    bench_common.add_queue(add, "batch", "wq", engine)
+    bench_common.add_queue(add, "batch", "wq-closed", engine, chunk_rule="closed")
+    assert calls == [("plan", "batch", "workqueue", {}), ("plan", "batch", "workqueue", {"chunk_rule": "closed"})]
+    plan, make_run = runs["wq-closed"]
+    assert plan == ("plan-of", "batch")
+    make_run("q")("kv", plan, "out")
+    assert calls[-1] == ("run", "q", "kv", ("plan-of", "batch"), "out")
