@@ -564,10 +564,9 @@ class DecisionMemo:
             self._last_number = self._spec_numbers.setdefault(spec, len(self._spec_numbers))
             self._last_spec = spec
         lens = batch.seq_lens.tolist()
-        row = self._row
-        if row is not None and len(lens) == 1 and row[0] == self._last_number and row[1] <= lens[0] < row[2]:
-            self.hits += 1
-            return row[3]
+        decision = self._row_hit(lens)
+        if decision is not None:
+            return decision
         key = (self._last_number,) + _length_bins(lens, self.bins_per_octave)
         decision = self._decisions.get(key)
         if decision is not None:
@@ -587,8 +586,7 @@ class DecisionMemo:
         spec and in the bin of the last one-row signature decided), counted as a hit; else None,
         counting nothing. For a caller that handles cheap and expensive decisions differently
         (the adaptive backend decides the first in plan() and defers the second)."""
-        row = self._row
-        if row is None:
+        if self._row is None:
             return None
         spec = batch.spec
         if spec is not self._last_spec:  # as decide: the spec's number, without numbering a new one
@@ -596,8 +594,13 @@ class DecisionMemo:
             if number is None:
                 return None
             self._last_spec, self._last_number = spec, number
-        lens = batch.seq_lens.tolist()
-        if len(lens) == 1 and row[0] == self._last_number and row[1] <= lens[0] < row[2]:
+        return self._row_hit(batch.seq_lens.tolist())
+
+    def _row_hit(self, lens: list) -> Decision | None:
+        """The last one-row signature's decision when ``lens`` is one row of the current spec in
+        its bin (two comparisons, counted as a hit); else None, counting nothing."""
+        row = self._row
+        if row is not None and len(lens) == 1 and row[0] == self._last_number and row[1] <= lens[0] < row[2]:
             self.hits += 1
             return row[3]
         return None

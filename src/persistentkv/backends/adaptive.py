@@ -271,8 +271,8 @@ class AdaptiveBackend:
                     self._undecided = batch  # runs on the previous step's choice; decided in run()
                 else:
                     decision = memo.decide(batch)  # no choice of this spec to run on: decide now
-            if decision is not None and (chosen is None or chosen[1] is not decision or chosen[0] is not spec):
-                chosen = self._chosen = (spec, decision, *self._route_for(decision))
+            if decision is not None:
+                chosen = self._choose(spec, decision)
             _, decision, delegate, on_engine = chosen
         inner = delegate.plan(batch)
         self.last_decision = decision
@@ -296,10 +296,15 @@ class AdaptiveBackend:
             return
         spec = batch.spec
         memo = self._last_entry[1] if spec is self._last_spec else self._for_spec(spec)[1]
-        decision = memo.decide(batch)
+        self._choose(spec, memo.decide(batch))
+
+    def _choose(self, spec: AttentionSpec, decision: Decision) -> tuple:
+        """``_chosen`` = (spec, decision, delegate, on_engine) for ``decision``, rebuilt only when
+        the spec or the decision changed (a memo hit returns the same Decision object)."""
         chosen = self._chosen
         if chosen is None or chosen[1] is not decision or chosen[0] is not spec:
-            self._chosen = (spec, decision, *self._route_for(decision))
+            chosen = self._chosen = (spec, decision, *self._route_for(decision))
+        return chosen
 
     def memo_stats(self) -> dict:
         """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
