@@ -3,6 +3,7 @@ policy file, the adaptive backend (with an injected registry) and the calibrate 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import json
@@ -1059,3 +1060,43 @@ def test_adaptive_finds_a_memo_decisions_delegate_by_identity(policy_file, monke
     for step in range(20):
         rules.plan(make_batch(SPEC, [1000 + step]))
     assert rules._by_decision == {}
+
+
+def test_adaptive_fast_step_skips_the_memo_and_answers_as_it_would(policy_file):
+    """A fast step (one row of the last one-row step's spec object, in its bin) is planned from
+    ``_fast`` without entering the memo; it gets the decision the memo would give, counts as a hit,
+    and stops being taken once the memo has forgotten that row (emptied at max_entries)."""
+    backend = AdaptiveBackend(policy_file, registry=FakeRegistry())
+    assert backend.unavailable(SPEC) == []
+    first = backend.plan(make_batch(SPEC, [8200]))
+    backend.run(None, None, first, np.zeros((1, 32, 128)))
+    memo = backend._last_entry[1]
+    lo, hi = memo.last_row()[1:3]
+    assert memo.last_row()[0] is SPEC and lo <= 8200 < hi and memo.last_row()[3] is first.decision
+
+    entered = []
+    for name in ("decide", "fast_decision"):
+        original = getattr(memo, name)
+        setattr(memo, name, lambda batch, _f=original, _n=name: (entered.append(_n), _f(batch))[1])
+    stats = backend.memo_stats()
+    for n in (lo, 8200, hi - 1):
+        plan = backend.plan(make_batch(SPEC, [n]))
+        assert plan.decision is first.decision and plan.route == first.route == backend.last_decision.backend
+        assert plan.inner == ('plan', first.route, 1) and backend._undecided is None and backend._chosen[1] is first.decision
+    assert entered == [] and backend.memo_stats() == {"hits": stats["hits"] + 3, "misses": stats["misses"]}
+    # outside the bin, two rows, or an equal spec that is another object: the memo decides
+    equal_spec = AttentionSpec(**{f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC)})
+    assert equal_spec == SPEC and equal_spec is not SPEC
+    for batch in (make_batch(SPEC, [hi]), make_batch(SPEC, [8200, 8200]), make_batch(equal_spec, [8200])):
+        entered.clear()
+        plan = backend.plan(batch)
+        backend.run(None, None, plan, np.zeros((batch.batch_size, 32, 128)))
+        assert entered, batch.seq_lens
+    # the memo emptied (max_entries) forgets its one-row decision: no fast step until one is decided
+    memo._row = None
+    backend._refresh_fast(memo)
+    assert backend._fast is None
+    entered.clear()
+    backend.plan(make_batch(SPEC, [8200]))
+    assert entered  # decided by the memo, which records the row again
+    assert backend._fast is not None and backend._fast[4][1] is memo.last_row()[3]

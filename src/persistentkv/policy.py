@@ -554,8 +554,8 @@ class DecisionMemo:
         self._spec_numbers: dict = {}
         self._last_spec: Any = None
         self._last_number = -1
-        #: (spec number, lo, hi, decision) of the last single-row signature: a one-row step whose
-        #: length lies in [lo, hi) has that signature, which two comparisons tell (no logarithm)
+        #: (spec number, lo, hi, decision, spec) of the last single-row signature: a one-row step
+        #: whose length lies in [lo, hi) has that signature, which two comparisons tell (no logarithm)
         self._row: tuple | None = None
 
     def decide(self, batch: Batch) -> Decision:
@@ -578,8 +578,16 @@ class DecisionMemo:
                 self._row = None
             decision = self._decisions[key] = self.policy.decide(batch, "cost_model", self.available)
         if len(lens) == 1:
-            self._row = (self._last_number, *length_bin_bounds(key[2], self.bins_per_octave), decision)
+            self._row = (self._last_number, *length_bin_bounds(key[2], self.bins_per_octave), decision, spec)
         return decision
+
+    def last_row(self) -> tuple | None:
+        """(spec, lo, hi, decision) of the last one-row signature decided: a one-row step of that
+        spec object whose length lies in [lo, hi) is decided ``decision`` by decide and
+        fast_decision (which count it a hit); None when no one-row step has been decided since the
+        memo was last emptied."""
+        row = self._row
+        return None if row is None else (row[4], row[1], row[2], row[3])
 
     def fast_decision(self, batch: Batch) -> Decision | None:
         """``decide(batch)`` when decide would answer by its one-row fast path (one row, of the

@@ -11,8 +11,12 @@ DecisionMemo.fast_decision, two comparisons) is decided in plan(). Any other ste
 previous step's choice and is decided right after its first run() has launched (``defer``), so a
 signature lookup or a model evaluation overlaps the GPU instead of delaying the first launch. A
 one-row decode takes the fast path on every step but the first of each bin (a bin is ~2.2 % of the
-length wide: ~180 steps at 8200 tokens), and such a step's host work is the memo's comparisons,
-the delegate's plan and one AdaptivePlan, with nothing left for run() to settle.
+length wide: ~180 steps at 8200 tokens), and such a step's host work is the two comparisons, the
+delegate's plan and one AdaptivePlan, with nothing left for run() to settle. Its path does not
+enter the memo at all: what it needs (the bin, the delegate's bound plan method, the prebuilt
+tuples it stores) is read once per decision (``_fast``), because a host-bound step pays its extra
+Python cold, between the other work of a serving loop, where each line costs several times its
+warm time (benchmarks/NOTES.md, "Host: the adaptive's fast step").
 """
 
 from __future__ import annotations
@@ -149,8 +153,11 @@ class AdaptiveBackend:
         self._chosen: tuple | None = None
         #: the batch planned on the previous choice, whose own decision is still to be made (defer)
         self._undecided: Batch | None = None
-        self.last_decision: Decision | None = None
-        self._last_delegate: Any = None
+        #: (decision, delegate) of the last planned step: last_decision and graph_safe read it
+        self._last: tuple = (None, None)
+        #: what a fast step needs (_refresh_fast), and how many steps took it (memo hits)
+        self._fast: tuple | None = None
+        self._fast_hits = 0
         self._registry = registry
         self._policy: Policy | None = None
         self._delegates: dict[tuple, Any] = {}
@@ -250,6 +257,27 @@ class AdaptiveBackend:
         return route
 
     def plan(self, batch: Batch) -> AdaptivePlan:
+        # The fast step: one row of the spec and in the length bin of the last one-row step the
+        # memo decided, so the memo would answer it by its two comparisons (a hit). Everything
+        # it needs was read when that decision was made (``_fast``), so its host path is this
+        # block: a step of a host-bound decode (B = 1, plan + 32 layers) pays it cold, between
+        # other work, where every line of Python it runs costs several times its warm time.
+        fast = self._fast
+        if fast is not None and batch.spec is fast[0]:
+            lens = batch.seq_lens.tolist()
+            if len(lens) == 1 and fast[1] <= lens[0] < fast[2]:
+                self._fast_hits += 1
+                self._chosen = fast[4]
+                self._last = fast[5]
+                plan = _new_plan(AdaptivePlan)
+                plan._route, plan._decision, plan._delegate = fast[6]
+                inner = plan._inner = fast[3](batch)
+                plan._runner = inner.engine if fast[7] else fast[5][1]
+                return plan
+        return self._plan_slow(batch)
+
+    def _plan_slow(self, batch: Batch) -> AdaptivePlan:
+        """plan() of any step but a fast one; it refreshes ``_fast`` for the next."""
         spec = batch.spec
         if spec is not self._last_spec:
             self._last_entry = self._for_spec(spec)
@@ -274,9 +302,9 @@ class AdaptiveBackend:
             if decision is not None:
                 chosen = self._choose(spec, decision)
             _, decision, delegate, on_engine = chosen
+        self._refresh_fast(memo)
         inner = delegate.plan(batch)
-        self.last_decision = decision
-        self._last_delegate = delegate
+        self._last = (decision, delegate)
         # The AdaptivePlan, built without a call to its constructor. A step of a few hundred
         # microseconds can be host-bound (each run() call's host time near the kernel's), so the
         # adaptive's own calls per layer count: our plans (plan_runs_on_engine) run on their engine.
@@ -288,6 +316,22 @@ class AdaptiveBackend:
         plan._runner = inner.engine if on_engine else delegate
         return plan
 
+    def _refresh_fast(self, memo: DecisionMemo | None) -> None:
+        """``_fast`` from ``memo``'s last one-row decision: (spec, lo, hi, delegate.plan, the
+        _chosen entry, (decision, delegate), (route, decision, delegate), on_engine); None while a
+        decision is pending (the next plan must settle it first) or without a memo."""
+        row = None if memo is None or self._undecided is not None else memo.last_row()
+        if row is None:
+            self._fast = None
+            return
+        spec, lo, hi, decision = row
+        fast = self._fast
+        if fast is not None and fast[0] is spec and fast[4][1] is decision and fast[1] == lo:
+            return  # unchanged
+        delegate, on_engine = self._route_for(decision)
+        self._fast = (spec, lo, hi, delegate.plan, (spec, decision, delegate, on_engine), (decision, delegate),
+                      (decision.backend, decision, delegate), on_engine)
+
     def _settle(self) -> None:
         """Decide the undecided batch; the next step of its spec runs on that choice. (Inside a
         step's first run().)"""
@@ -297,6 +341,7 @@ class AdaptiveBackend:
         spec = batch.spec
         memo = self._last_entry[1] if spec is self._last_spec else self._for_spec(spec)[1]
         self._choose(spec, memo.decide(batch))
+        self._refresh_fast(memo)
 
     def _choose(self, spec: AttentionSpec, decision: Decision) -> tuple:
         """``_chosen`` = (spec, decision, delegate, on_engine) for ``decision``, rebuilt only when
@@ -307,14 +352,20 @@ class AdaptiveBackend:
         return chosen
 
     def memo_stats(self) -> dict:
-        """{"hits": n, "misses": n} of the decision memo over every spec planned so far."""
-        return {"hits": sum(m.hits for m in self._memos.values()),
+        """{"hits": n, "misses": n} of the decision memo over every spec planned so far (a fast
+        step, answered in plan() without asking the memo, counts as the hit it is)."""
+        return {"hits": self._fast_hits + sum(m.hits for m in self._memos.values()),
                 "misses": sum(m.misses for m in self._memos.values())}
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The Decision the last planned step runs on (None before the first plan)."""
+        return self._last[0]
 
     @property
     def graph_safe(self) -> bool:
         """Whether run() may be captured in a CUDA graph: the last planned delegate's answer."""
-        return bool(getattr(self._last_delegate, "graph_safe", True))
+        return bool(getattr(self._last[1], "graph_safe", True))
 
     def run(self, q, cache, plan: AdaptivePlan, out) -> None:
         plan._runner.run(q, cache, plan._inner, out)
