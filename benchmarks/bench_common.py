@@ -26,11 +26,12 @@ def first_line(exc: BaseException) -> str:
 
 
 def parse_cases(text: str) -> list[tuple[str, list[int]]]:
-    """``1x4096,B=4x8192,B8-bimodal`` -> [(label, row lengths), ...]; empty -> CASES.
+    """``1x4096,B=4x8192,B8-bimodal,13184:19392`` -> [(label, row lengths), ...]; empty -> CASES.
 
-    A case is BxN (B rows of N tokens) or the name of one of bench-kernels' ragged row sets
+    A case is BxN (B rows of N tokens), the name of one of bench-kernels' ragged row sets
     (persistentkv.measure.workload.BENCH_EXTRA, e.g. B8-bimodal), so the development benches can
-    time the cases where bench-kernels found a route behind."""
+    time the cases where bench-kernels found a route behind, or the row lengths themselves joined
+    by ``:`` (a step of a trace, e.g. one where a measured route fell behind)."""
     from persistentkv.measure.workload import BENCH_EXTRA
 
     if not text:
@@ -39,6 +40,13 @@ def parse_cases(text: str) -> list[tuple[str, list[int]]]:
     for item in (c.strip() for c in text.split(",")):
         if item in BENCH_EXTRA:
             cases.append((item, list(BENCH_EXTRA[item])))
+            continue
+        if ":" in item:
+            rows = item.split(":")
+            if not all(r.strip().isdigit() and int(r) > 0 for r in rows):
+                raise SystemExit(f"--cases: {item!r} is not row lengths joined by ':' (positive integers)")
+            lengths = [int(r) for r in rows]
+            cases.append((f"B={len(lengths)} N={min(lengths)}-{max(lengths)}", lengths))
             continue
         parts = item.lower().replace("b=", "").split("x")
         if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):

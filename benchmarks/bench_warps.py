@@ -1,6 +1,6 @@
 """8-warp CTAs (128-token stages) against the 4-warp kernel and the baselines, under graph replay.
 
-    python benchmarks/bench_warps.py [--out DIR] [--cases B=1x4096,B=4x8192]
+    python benchmarks/bench_warps.py [--out DIR] [--cases B=1x4096,B=4x8192] [--waves 2,4]
 
 The question: a 4-warp CTA keeps STAGES - 1 = 2 stages of 32 KB in flight, so the chip needs two
 CTAs per SM to reach its read bandwidth, and the cluster route's one CTA per SM starves; an
@@ -12,6 +12,8 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
   wq8           the same queue on the 8-warp module (its own default target_items and min chunk)
   wq-closed     the 4-warp queue with the v2-v6 closed-form chunk (chunk_rule="closed") instead of
                 the smallest chunk that fits the wave
+  wq@xW, wq8@xW the queues with W times their default target_items (--waves W,...): W waves of
+                shorter items, which the hardware hands to SMs as earlier CTAs leave
   wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
                 the others use it where the device has it (sm_90), so consecutive calls of a graph
                 overlap one call's start with the last one's end
@@ -43,7 +45,8 @@ from persistentkv.spec import AttentionSpec  # noqa: E402
 CLUSTER_SIZES = (8, 16)
 
 
-def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | None = None) -> dict:
+def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | None = None,
+                 waves: tuple = ()) -> dict:
     """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine, PDL where the
     device has it) and ``plain_engines`` (warps -> DecodeEngine(pdl=False)); a variant that cannot
     be planned is reported and left out."""
@@ -52,6 +55,8 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
     for warps, engine in engines.items():
         name = "wq" if warps == 4 else f"wq{warps}"
         add_queue(add, batch, name, engine)
+        for w in waves:  # the queue over w waves of the engine's default target (more, shorter items)
+            add_queue(add, batch, f"{name}@x{w}", engine, target_items=w * engine.target_items)
         if warps == 4:
             add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
     for warps, engine in (plain_engines or {}).items():
@@ -75,7 +80,15 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    args = bench_args()
+    args = bench_args(lambda parser: parser.add_argument(
+        "--waves", default="", help="comma-separated multiples w of each queue's default target_items: adds the "
+                                    "variants wq@xw and wq8@xw (w waves of items, shorter items on ragged rows)"))
+    try:
+        waves = tuple(int(w) for w in args.waves.split(",") if w.strip())
+    except ValueError:
+        raise SystemExit(f"--waves: {args.waves!r} is not comma-separated integers") from None
+    if any(w < 2 for w in waves):
+        raise SystemExit("--waves: each multiple must be >= 2 (1 is the default queue, wq / wq8)")
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
@@ -96,7 +109,7 @@ def main() -> int:
     baselines = load_baselines(spec)
     rows, table = [], []
     for label, _, med, ok, floor in timed_cases(engine, spec, args,
-                                                lambda batch: variants_for(engines, batch, baselines, plain_engines),
+                                                lambda batch: variants_for(engines, batch, baselines, plain_engines, waves),
                                                 ceiling, rows, "bench_warps", t_start):
         ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
         best = {"base": fastest(ok, lambda n: n in BASELINES),

@@ -28,10 +28,14 @@ def test_write_rows_rewrites_one_file_per_run(tmp_path):
 def test_parse_cases():
     assert bench_common.parse_cases("") == [(f"B={B} N={N}", [N] * B) for B, N in bench_common.CASES]
     assert bench_common.parse_cases("1x4096, B=4x8192") == [("B=1 N=4096", [4096]), ("B=4 N=8192", [8192] * 4)]
+    assert bench_common.parse_cases("19392:13184:14128") == [("B=3 N=13184-19392", [19392, 13184, 14128])]
     (label, lengths), = bench_common.parse_cases("B8-bimodal")
     assert label == "B8-bimodal" and len(lengths) == 8 and len(set(lengths)) > 1   # a ragged row set
     for bad in ("4096", "1x", "0x4096", "2x4096x3", "B8-bimodl"):
         with pytest.raises(SystemExit, match="not BxN"):
+            bench_common.parse_cases(bad)
+    for bad in ("13184:0", "13184:x", "13184:"):
+        with pytest.raises(SystemExit, match="not row lengths"):
             bench_common.parse_cases(bad)
 
 
