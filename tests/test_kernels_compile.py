@@ -193,6 +193,7 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
         spec = AttentionSpec()
         num_sms = 132
         capability = (9, 0)
+        target_items, min_chunk_tiles = 264, 2  # the queue the warps choice weighs (plan.choose_warps)
 
         def plan(self, batch, route, **options):
             inspect.signature(engine_module.DecodeEngine.plan).bind(self, batch, route, **options)
@@ -234,8 +235,8 @@ def test_pkv_workqueue_passes_warps_to_engine_for(monkeypatch):
 
 
 def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
-    """warps="auto": balanced rows plan on the 8-warp engine with its own defaults, ragged rows on
-    the 4-warp engine with the backend's options; run() goes to the engine that planned; a device
+    """warps="auto": balanced rows plan on the 8-warp engine with its own defaults, ragged rows
+    (whose 8-warp queue balances worse, plan.choose_warps) on the 4-warp engine with the backend's options; run() goes to the engine that planned; a device
     without the 8-warp module falls back to 4 warps for good."""
     from types import SimpleNamespace
 
@@ -250,7 +251,8 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
         if warps == 8 and refuse8:
             raise PKVError("no 192 KB of shared memory here")
 
-        engine = SimpleNamespace(spec=spec, capability=(9, 0), num_sms=132,
+        engine = SimpleNamespace(spec=spec, capability=(9, 0), num_sms=132, target_items=132 * (12 - warps) // 4,
+                                 min_chunk_tiles=warps // 2,  # H200 queues: (264, 2) at 4 warps, (132, 4) at 8
                                  run=lambda q, cache, p, out: calls.append((warps, "run")))
 
         def plan(batch, route, **options):

@@ -389,39 +389,66 @@ def test_checker_catches_corrupted_plans():
             check_plan(plan, batch)
 
 
-def test_choose_warps_worked_numbers():
-    from persistentkv.plan import WARPS8_MAX_SKEW, choose_warps
+def test_queue_imbalance_worked_numbers():
+    """Longest item over the mean work of the queue's slots (H200 queues: 264 items with 2-tile
+    chunks at 4 warps, 132 with 4-tile chunks at 8 warps; Hkv = 8)."""
+    from persistentkv.plan import num_tiles, queue_imbalance
 
-    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8
-    assert choose_warps([8192] * 4, 128) == 8
-    assert choose_warps([8192, 4096], 128) == 4                      # skew 1.33
+    zipf = num_tiles(np.array([13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]))
+    assert zipf.sum() == 3974 and zipf.max() == 606
+    # 8 warps: 64 (row, head) groups in 132 slots -> 2 items a row, the longest 303 tiles (9696
+    # tokens) against a mean of 8 * 3974 / 132 tiles; 4 warps: 264 items of at most 138 tiles
+    assert queue_imbalance(zipf, 8, 132, 4) == pytest.approx(303 * 132 / (8 * 3974))
+    assert queue_imbalance(zipf, 8, 264, 2) == pytest.approx(138 * 264 / (8 * 3974))
+    assert queue_imbalance(zipf.tolist(), 8, 264, 2) == queue_imbalance(zipf, 8, 264, 2)
+    # 4 rows of 32 tiles: chunks of 4 tiles, 256 items in 264 slots
+    assert queue_imbalance([32] * 4, 8, 264, 2) == pytest.approx(4 * 264 / (8 * 128))
+    # one tile: the longest item is the whole row, whatever the chunk
+    assert queue_imbalance([1], 8, 264, 4) == pytest.approx(264 / 8)
+    # 64 rows x 8 heads = 512 groups: 4 waves of 132 slots, one item per group
+    assert queue_imbalance([256] * 64, 8, 132, 4) == pytest.approx(256 * 528 / (8 * 64 * 256))
+
+
+def test_choose_warps_worked_numbers():
+    from persistentkv.plan import WARPS8_MAX_IMBALANCE, choose_warps
+
+    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8   # one row
+    assert choose_warps([8192] * 4, 128) == 8 and choose_warps([7] * 100, 128) == 8  # equal rows
+    zipf = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
+    assert choose_warps(zipf, 128) == 4                              # imbalance 1.258 vs 1.146
+    assert choose_warps([50472, 6024, 10088, 10424], 128) == 8       # 1.116 vs 1.082
     assert choose_warps([49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168], 128) == 4
+    assert choose_warps([8192, 4096], 128) == 4                      # 1.117 vs 1.031
+    assert choose_warps([8192, 8200], 128) == 8                      # 1.061 vs 1.029
+    assert choose_warps([8192, 4096], 128, max_imbalance=1.09) == 8
     assert choose_warps([8192], 256) == 4                            # no 8-warp module at D=256
-    assert choose_warps([150, 100], 128, max_skew=1.2) == 8 and choose_warps([151, 100], 128, max_skew=1.2) == 4
-    assert WARPS8_MAX_SKEW == 1.25
+    assert choose_warps(zipf, 128, queue8=(264, 4)) == 8             # an 8-warp queue of as many items
+    assert WARPS8_MAX_IMBALANCE == 1.05
     with pytest.raises(PKVError, match="at least one row"):
         choose_warps([], 128)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64, 65, 512])
-def test_choose_warps_equals_the_numpy_rule_on_both_paths(rows):
-    """Up to 64 rows choose_warps sums a Python list, above it uses numpy; both give the rule
-    max > skew * mean, including rows sitting exactly on the threshold."""
-    from persistentkv.plan import WARPS8_MAX_SKEW, choose_warps
+@pytest.mark.parametrize("rows", [2, 3, 64, 65, 512])
+def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
+    """Up to 64 rows choose_warps works on Python lists, above it on numpy arrays; both give
+    8 unless queue_imbalance(8-warp queue) > WARPS8_MAX_IMBALANCE x queue_imbalance(4-warp queue),
+    and 8 for equal rows."""
+    from persistentkv.plan import WARPS8_MAX_IMBALANCE, choose_warps, num_tiles, queue_imbalance
 
     rng = np.random.default_rng(rows)
-    for trial in range(200):
-        seq = rng.integers(1, 1 << 20, size=rows).astype(np.int32)
-        if trial % 4 == 0:  # balanced rows around the threshold
-            seq = rng.integers(1000, 1300, size=rows).astype(np.int32)
-        expect = 4 if float(seq.max()) > WARPS8_MAX_SKEW * float(seq.astype(np.int64).mean()) else 8
+    picked = set()
+    for trial in range(60):
+        seq = rng.integers(1, 1 << 18, size=rows).astype(np.int32)
+        if trial % 3 == 0:  # near-equal rows, around the threshold
+            seq = rng.integers(8000, 8000 + 64 * (trial % 9 + 1), size=rows).astype(np.int32)
+        tiles = num_tiles(seq)
+        ratio = queue_imbalance(tiles, 8, 132, 4) / queue_imbalance(tiles, 8, 264, 2)
+        expect = 8 if seq.max() == seq.min() or ratio <= WARPS8_MAX_IMBALANCE else 4
         assert choose_warps(seq, 128) == expect
         assert choose_warps(seq.tolist(), 128) == expect
+        picked.add(expect)
+    assert choose_warps(np.full(rows, 5000, dtype=np.int32), 128) == 8
+    if rows <= 3:
+        assert picked == {4, 8}  # the cases exercise both answers
 
 
-def test_choose_warps_exactly_on_the_threshold_keeps_8_warps():
-    """max == 1.25 x mean is not skewed, on the Python path (5 rows) and numpy's (65 rows)."""
-    from persistentkv.plan import choose_warps
-
-    assert choose_warps([3, 3, 3, 3, 4], 128) == 8 and choose_warps([3, 3, 3, 3, 5], 128) == 4
-    assert choose_warps([51] * 64 + [64], 128) == 8 and choose_warps([51] * 64 + [65], 128) == 4

@@ -25,6 +25,8 @@ Item encoding, int32 ``[n, 4]``: ``(row | kv_head << 16, tok_lo, tok_hi, split |
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -493,35 +495,69 @@ def choose_route(seq_lens, num_kv_heads: int, num_sms: int, *, max_skew: float =
     return "cluster", C
 
 
-#: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages) for steps whose
-#: rows are within this skew (max N / mean N); else the 4-warp module (two CTAs per SM). From the
-#: H200 dev benches (results/nvidia-h200/kernel_dev/bench_warps_*.parquet, benchmarks/NOTES.md v6
-#: and v8): on equal rows 8 warps were as fast or faster everywhere measured (B=1 x 4K-64K 3-7 %,
-#: B=16 x 4K 3 %, B=64 x 8K equal), on ragged rows up to 1.4x slower (B8-ragged 250-300 us
-#: against 209; B8-bimodal 136 against 126): half the queue slots, and an SM whose only CTA drew
-#: a short item idles.
-WARPS8_MAX_SKEW = 1.25
+def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1) -> float:
+    """The balanced queue's longest item over the mean work of its ``W * target_items`` slots
+    (W = queue_waves): 1.0 when every slot carries the same work, 1.25 when the longest item is a
+    quarter longer than that mean. A one-item-per-CTA queue takes about as long as its longest
+    item, so this is the factor the step's per-row chunking costs over a perfect spread."""
+    B = len(tiles)
+    total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
+    chunk = balanced_chunk_tiles(tiles, num_kv_heads, target_items, min_chunk_tiles)
+    longest = min(chunk, int(max(tiles)))
+    cap = queue_waves(B, num_kv_heads, target_items) * target_items
+    return longest * cap / (num_kv_heads * total)
 
 
-def choose_warps(seq_lens, head_dim: int, *, max_skew: float = WARPS8_MAX_SKEW) -> int:
-    """8 for a step of rows within ``max_skew`` of their mean at head_dim <= 128, else 4.
-    Worked numbers: B=1 -> 8 (any length); B=4 x 8K -> 8; lengths (8K, 4K) -> skew 1.33 -> 4;
-    head_dim 256 -> 4."""
-    # Runs on every pkv-workqueue step's host path: for a few rows, plain Python over the list
-    # costs a fraction of numpy's max + mean calls (the same numbers: float64 mean of exact sums).
+#: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages, a queue of one item
+#: per SM) unless its queue's imbalance exceeds the 4-warp queue's (two CTAs per SM, twice the
+#: items, so shorter ones) by more than this factor. From the H200 dev bench of 7ff41ed
+#: (results/nvidia-h200/kernel_dev/bench_warps_waves_7ff41ed.parquet, benchmarks/NOTES.md "Host:
+#: the warps by the queue's balance"): time(8 warps) / time(4 warps) follows ~0.97 x the
+#: imbalance ratio: 0.97-0.99 on equal rows (ratio 1.00-1.02), 0.969 at B=4 6K-50K (1.032), 1.052
+#: and 1.074 at B=8 5.7K-22K and 13K-19K (1.084, 1.098), 1.08 and 1.32 on B8-bimodal and B8-ragged
+#: (1.20, 1.50).
+WARPS8_MAX_IMBALANCE = 1.05
+
+
+def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tuple[int, int] = (264, 2),
+                 queue8: tuple[int, int] = (132, 4), max_imbalance: float = WARPS8_MAX_IMBALANCE) -> int:
+    """4 or 8 warps for a pkv-workqueue step: 4 at head_dim > 128 (no 8-warp module); 8 for one
+    row or equal rows; otherwise 8 unless queue_imbalance with the 8-warp queue's (target_items,
+    min_chunk_tiles) ``queue8`` exceeds ``max_imbalance`` x that of the 4-warp queue's ``queue4``.
+    Worked numbers (Hkv = 8, H200 queues): B=1 -> 8 (any length); B=4 x 8K -> 8; the zipf_b8 step
+    (13184 ... 19392, 8 rows): 8 warps give every row 2 items, the longest 9696 tokens against a
+    mean of 7704 (1.258), 4 warps 4395 against 3852 (1.146): ratio 1.098 -> 4; B=4 (50472, 6024,
+    10088, 10424): 1.116 against 1.082, ratio 1.032 -> 8; head_dim 256 -> 4."""
+    # Runs on every pkv-workqueue step's host path: one row and equal rows return before any
+    # planning; ragged rows pay two chunk searches, remembered per tile counts (a decode step's
+    # rows grow by a token, so its tiles change only when a row crosses a 32-token boundary).
     seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
         np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     require(seq.size >= 1, "choose_warps needs at least one row")
     if head_dim > 128:
         return 4
-    if seq.size <= 64:
+    if seq.size == 1:
+        return 8
+    if seq.size <= 64:  # plain Python over a few rows costs less than numpy's calls
         lens = seq.tolist()
-        longest, mean = max(lens), sum(lens) / len(lens)
+        if max(lens) == min(lens):
+            return 8
+        key = tuple(-(-n // TILE_TOKENS) for n in lens)
     else:
-        longest, mean = float(seq.max()), float(seq.mean())
-    if longest > max_skew * mean:
-        return 4
-    return 8
+        if seq.max() == seq.min():
+            return 8
+        key = num_tiles(seq).tobytes()  # int64 tile counts
+    return _warps_for_tiles(key, num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))
+
+
+@functools.lru_cache(maxsize=4096)
+def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max_imbalance: float) -> int:
+    """choose_warps's rule for ragged rows of ``tiles`` tiles: a tuple, or the bytes of an int64
+    array (more than 64 rows); memoised."""
+    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
+    imbalance4 = queue_imbalance(counts, num_kv_heads, *queue4)
+    imbalance8 = queue_imbalance(counts, num_kv_heads, *queue8)
+    return 4 if imbalance8 > max_imbalance * imbalance4 else 8
 
 
 def make_plan(batch: Batch, route: str, **options) -> Plan:

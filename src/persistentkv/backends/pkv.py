@@ -4,8 +4,8 @@
                     route="cluster" runs the cluster route instead, route="auto" picks per step
                     with plan.choose_route (cluster only for a balanced one-wave step of at most
                     256 tokens per CTA, on sm_90+); warps="auto" (default) picks the module per
-                    step with plan.choose_warps (8 warps, 128-token stages, for balanced rows at
-                    head_dim <= 128; 4 otherwise), warps=4 or 8 fixes it. Explicit target_items and
+                    step with plan.choose_warps (8 warps, 128-token stages, unless the 8-warp
+                    queue's items balance worse than the 4-warp queue's; 4 at head_dim > 128), warps=4 or 8 fixes it. Explicit target_items and
                     min_chunk_tiles apply to the 4-warp module; the 8-warp one keeps its own
                     defaults (one wave of its resident CTAs, one 128-token stage).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
@@ -84,7 +84,7 @@ class PKVWorkqueue(_PKVBackend):
             return engine, self.options
         from ..plan import choose_warps
 
-        if self._warps8_error is not None or choose_warps(batch.seq_lens, batch.spec.head_dim) == 4:
+        if self._warps8_error is not None or batch.spec.head_dim > 128:
             return engine, self.options
         w8 = self._engines.get(batch.spec)
         if w8 is None:
@@ -96,6 +96,12 @@ class PKVWorkqueue(_PKVBackend):
             except PKVError as exc:  # e.g. a device whose opt-in shared memory is below 192 KB
                 self._warps8_error = str(exc)
                 return engine, self.options
+        options = self.options
+        queue4 = (options.get("target_items") or engine.target_items,
+                  options.get("min_chunk_tiles") or engine.min_chunk_tiles)
+        if choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads, queue4=queue4,
+                        queue8=(w8.target_items, w8.min_chunk_tiles)) == 4:
+            return engine, options
         return w8, {}
 
     def plan(self, batch: Batch):
