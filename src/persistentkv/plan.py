@@ -550,7 +550,7 @@ def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tupl
     return _warps_for_tiles(key, num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # keys of up to 8 bytes a row: <= 4 MB at B = 512
 def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max_imbalance: float) -> int:
     """choose_warps's rule for ragged rows of ``tiles`` tiles: a tuple, or the bytes of an int64
     array (more than 64 rows); memoised."""
