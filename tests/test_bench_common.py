@@ -70,3 +70,14 @@ def test_add_queue_registers_the_engines_workqueue_plan_and_its_run():
     assert plan == ("plan-of", "batch")
     make_run("q")("kv", plan, "out")
     assert calls[-1] == ("run", "q", "kv", ("plan-of", "batch"), "out")
+
+
+def test_adaptive_cold_runs_on_the_cpu_and_prints_each_trial(capsys):
+    """benchmarks/adaptive_cold.py needs no GPU: one short trial prints the delegate's step time
+    and the wrapper's and the adaptive's overhead over it."""
+    import adaptive_cold
+
+    policy = Path(__file__).resolve().parents[1] / "results" / "nvidia-h200" / "policy.json"
+    assert adaptive_cold.main(["--policy", str(policy), "--trials", "1", "--rounds", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "B=1 x 8200" in out and "trial 0: delegate" in out and "wrapper +" in out and "adaptive +" in out
