@@ -108,9 +108,10 @@ def main() -> int:
               f"{m.occupancy} CTA/SM, target_items {e.target_items}, min chunk {e.min_chunk_tiles} tiles")
     baselines = load_baselines(spec)
     rows, table = [], []
-    for label, _, med, ok, floor in timed_cases(engine, spec, args,
-                                                lambda batch: variants_for(engines, batch, baselines, plain_engines, waves),
-                                                ceiling, rows, "bench_warps", t_start):
+    def variants(batch):
+        return variants_for(engines, batch, baselines, plain_engines, waves)
+
+    for label, _, med, ok, floor in timed_cases(engine, spec, args, variants, ceiling, rows, "bench_warps", t_start):
         ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
         best = {"base": fastest(ok, lambda n: n in BASELINES),
                 "w4": fastest(ok, lambda n: n not in BASELINES and not is_w8(n)), "w8": fastest(ok, is_w8)}

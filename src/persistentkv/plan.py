@@ -26,7 +26,6 @@ Item encoding, int32 ``[n, 4]``: ``(row | kv_head << 16, tok_lo, tok_hi, split |
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import numpy as np
