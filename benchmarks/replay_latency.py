@@ -1,0 +1,129 @@
+"""Does a kernel row's window hold host time? (development bench, GPU)
+
+The kernel protocol (persistentkv.measure.protocols.kernel_once) records a CUDA event, launches one
+graph of ``calls_per_graph`` calls, records a second event. On an idle stream the first event is
+stamped as soon as it is queued, so the window also holds the time the host takes to submit the
+graph (cudaGraphLaunch), during which the GPU has nothing to run: a fixed cost per replay that the
+kernels did not spend, 1/calls of it charged to each call.
+
+This bench times every backend the way bench-kernels does (its devices, copies, one graph per copy
+offset, the shared cursor) in two modes, interleaved in every round:
+
+    as-is    kernel_once's window
+    queued   the same, after a spin kernel (torch.cuda._sleep) that keeps the stream busy until
+             the graph is queued behind it, so the window starts when the GPU starts the graph
+
+and records the host time of each replay() call. If the window holds host time, ``as-is - queued``
+per call is about (host launch time - time the GPU needs to start a queued graph) / calls, the same
+for every backend and independent of the case's size.
+
+    python benchmarks/replay_latency.py [--cases 1x1024,1x4096,...] [--repeats 15] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import bench_args, first_line, parse_cases, write_rows  # noqa: E402
+
+BACKENDS = ("pkv-workqueue", "flashinfer-tc", "flashinfer-cc", "trtllm-xqa", "vllm-fa3")
+DEFAULT_CASES = "1x1024,1x4096,1x16384,1x32768,1x131072,4x8192"
+#: spin before a queued window: ~100 us at 2 GHz, longer than any graph launch on the host
+SPIN_CYCLES = 200_000
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+
+    from persistentkv.backends import registry
+    from persistentkv.cache import make_batch
+    from persistentkv.measure.device import TorchDevice
+    from persistentkv.measure.rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
+    from persistentkv.spec import AttentionSpec
+
+    args = bench_args(lambda p: p.add_argument("--backends", default=",".join(BACKENDS)))
+    calls = args.calls
+    spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
+    device = TorchDevice("cuda")
+    backends = {}
+    for name in args.backends.split(","):
+        try:
+            backend = registry.create(name)
+            reasons = backend.unavailable(spec)
+        except Exception as exc:
+            reasons = [first_line(exc)]
+        if reasons:
+            print(f"{name}: skipped ({'; '.join(reasons)})")
+        else:
+            backends[name] = backend
+    t_start, rows = time.time(), []
+    rng = np.random.default_rng(0)
+    for label, lengths in parse_cases(args.cases or DEFAULT_CASES):
+        batch = make_batch(spec, lengths, seed=1)
+        n_copies = min(64, cold_copies(batch.kv_bytes, device.l2_bytes, 3.0))
+        copies = device.make_copies(batch, n_copies, seed=0)
+        q = device.queries(spec, batch.batch_size, seed=0)
+        out = device.empty_out(spec, batch.batch_size)
+        replays = {}
+        for name, backend in backends.items():
+            try:
+                plan = backend.plan(batch)
+                backend.run(q, copies.pair(0), plan, out)
+                device.synchronize()
+                graphs = []
+                for offset in graph_offsets(n_copies):
+                    chosen = graph_copies(offset, n_copies, calls)
+
+                    def captured(chosen=chosen, b=backend, p=plan):
+                        for c in chosen:
+                            b.run(q, copies.pair(c), p, out)
+
+                    graphs.append(device.capture(captured))
+                replays[name] = graphs
+            except Exception as exc:
+                print(f"  {name}: failed ({first_line(exc)})")
+                device.synchronize()
+        cursor = CopyCursor(n_copies, calls)
+        variants = [(name, mode) for name in replays for mode in ("as-is", "queued")]
+        for rnd in range(args.repeats + 2):
+            order = rng.permutation(len(variants))
+            for i in order:
+                name, mode = variants[i]
+                replay = replays[name][cursor.next_graph()]
+                start, end = device.event(), device.event()
+                if mode == "queued":
+                    torch.cuda._sleep(SPIN_CYCLES)
+                start.record()
+                t0 = time.perf_counter()
+                replay()
+                host_us = (time.perf_counter() - t0) * 1e6
+                end.record()
+                device.synchronize()
+                if rnd < 2:
+                    continue  # warm-up rounds
+                rows.append({"case": label, "batch_size": batch.batch_size, "seq_len": int(max(lengths)),
+                             "kv_bytes": batch.kv_bytes, "copies": n_copies, "backend": name, "mode": mode,
+                             "repeat": rnd - 2, "time_us": start.elapsed_ms(end) * 1e3 / calls,
+                             "replay_host_us": host_us})
+        write_rows(rows, args.out, "replay_latency", t_start, final=False)
+        here = [r for r in rows if r["case"] == label]
+        print(f"{label}: {batch.kv_bytes / 1e6:.1f} MB, {n_copies} copies (us per call; host us per replay)")
+        for name in replays:
+            med = {m: statistics.median(r["time_us"] for r in here if r["backend"] == name and r["mode"] == m)
+                   for m in ("as-is", "queued")}
+            host = statistics.median(r["replay_host_us"] for r in here if r["backend"] == name and r["mode"] == "as-is")
+            print(f"  {name:<14} as-is {med['as-is']:8.2f}  queued {med['queued']:8.2f}  "
+                  f"diff {med['as-is'] - med['queued']:6.2f}  replay host {host:6.1f}")
+        replays = copies = None  # free this case's graphs and caches before the next
+        torch.cuda.empty_cache()
+    write_rows(rows, args.out, "replay_latency", t_start)
+
+
+if __name__ == "__main__":
+    main()
