@@ -69,10 +69,10 @@ def main() -> None:
         n_copies = min(64, cold_copies(batch.kv_bytes, device.l2_bytes, 3.0))
         copies = device.make_copies(batch, n_copies, seed=0)
         q = device.queries(spec, batch.batch_size, seed=0)
-        out = device.empty_out(spec, batch.batch_size)
         replays = {}
         for name, backend in backends.items():
             try:
+                out = device.empty_out(spec, batch.batch_size)
                 plan = backend.plan(batch)
                 backend.run(q, copies.pair(0), plan, out)
                 device.synchronize()
@@ -80,9 +80,9 @@ def main() -> None:
                 for offset in graph_offsets(n_copies):
                     chosen = graph_copies(offset, n_copies, calls)
 
-                    def captured(chosen=chosen, b=backend, p=plan):
+                    def captured(chosen=chosen, b=backend, p=plan, o=out):
                         for c in chosen:
-                            b.run(q, copies.pair(c), p, out)
+                            b.run(q, copies.pair(c), p, o)
 
                     graphs.append(device.capture(captured))
                 replays[name] = graphs
@@ -104,7 +104,11 @@ def main() -> None:
                 replay()
                 host_us = (time.perf_counter() - t0) * 1e6
                 end.record()
-                device.synchronize()
+                try:
+                    device.synchronize()
+                except Exception:
+                    print(f"  failed in round {rnd}: {name} {mode} (graph {cursor.position})", flush=True)
+                    raise
                 if rnd < 2:
                     continue  # warm-up rounds
                 rows.append({"case": label, "batch_size": batch.batch_size, "seq_len": int(max(lengths)),
