@@ -37,6 +37,19 @@ DEFAULT_CASES = "1x1024,1x4096,1x16384,1x32768,1x131072,4x8192"
 SPIN_CYCLES = 200_000
 
 
+def stomped(snapshots: dict, plans: dict, when: str) -> None:
+    """--check-plans: exit if any of our plans' metadata (block table, item count, items) differs
+    from its copy taken after capture (something wrote into a live plan's memory)."""
+    for name, regions in snapshots.items():
+        for region, saved in regions.items():
+            now = plans[name].view(region)
+            if not now.equal(saved):
+                differ = int((now != saved).sum())
+                print(f"  STOMPED {when}: {name}'s {region} differs in {differ} of {saved.numel()} elements; "
+                      f"data_ptr {now.data_ptr():#x}", flush=True)
+                raise SystemExit(3)
+
+
 def main() -> None:
     import numpy as np
     import torch
@@ -47,7 +60,12 @@ def main() -> None:
     from persistentkv.measure.rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
     from persistentkv.spec import AttentionSpec
 
-    args = bench_args(lambda p: p.add_argument("--backends", default=",".join(BACKENDS)))
+    def options(parser):
+        parser.add_argument("--backends", default=",".join(BACKENDS))
+        parser.add_argument("--check-plans", action="store_true",
+                            help="after every replay, check that our plans' metadata is unchanged")
+
+    args = bench_args(options)
     calls = args.calls
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
     device = TorchDevice("cuda")
@@ -69,11 +87,11 @@ def main() -> None:
         n_copies = min(64, cold_copies(batch.kv_bytes, device.l2_bytes, 3.0))
         copies = device.make_copies(batch, n_copies, seed=0)
         q = device.queries(spec, batch.batch_size, seed=0)
-        replays = {}
+        replays, snapshots, plans = {}, {}, {}
         for name, backend in backends.items():
             try:
                 out = device.empty_out(spec, batch.batch_size)
-                plan = backend.plan(batch)
+                plan = plans[name] = backend.plan(batch)
                 backend.run(q, copies.pair(0), plan, out)
                 device.synchronize()
                 graphs = []
@@ -86,9 +104,13 @@ def main() -> None:
 
                     graphs.append(device.capture(captured))
                 replays[name] = graphs
+                if args.check_plans and hasattr(plan, "view"):
+                    device.synchronize()
+                    snapshots[name] = {r: plan.view(r).clone() for r in ("packed", "num_items", "items")}
             except Exception as exc:
                 print(f"  {name}: failed ({first_line(exc)})")
                 device.synchronize()
+            stomped(snapshots, plans, f"after planning and capturing {name}")
         cursor = CopyCursor(n_copies, calls)
         variants = [(name, mode) for name in replays for mode in ("as-is", "queued")]
         for rnd in range(args.repeats + 2):
@@ -109,6 +131,7 @@ def main() -> None:
                 except Exception:
                     print(f"  failed in round {rnd}: {name} {mode} (graph {cursor.position})", flush=True)
                     raise
+                stomped(snapshots, plans, f"after round {rnd}'s replay of {name} {mode}")
                 if rnd < 2:
                     continue  # warm-up rounds
                 rows.append({"case": label, "batch_size": batch.batch_size, "seq_len": int(max(lengths)),
