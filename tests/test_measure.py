@@ -321,9 +321,26 @@ class FakeDevice(TorchDevice):
         self.log = log
 
     def event(self):
+        if self.log is None:
+            return super().event()
+        self.log.events.append(("event",))
+        inner, log = super().event(), self.log
+
+        class Logged:
+            def record(self_inner):
+                log.events.append(("record",))
+                inner.record()
+
+            def elapsed_ms(self_inner, end):
+                return inner.elapsed_ms(end.inner)
+        logged = Logged()
+        logged.inner = inner
+        return logged
+
+    def queue_ahead(self, cycles):
         if self.log is not None:
-            self.log.events.append(("event",))
-        return super().event()
+            self.log.events.append(("queue", cycles))
+        super().queue_ahead(cycles)
 
     def empty_cache(self):
         self.emptied += 1
@@ -441,6 +458,33 @@ def test_harness_walks_cold_copies_across_backends_and_graphs():
     reads = [copy_index(device, e[3]) for e in log.events[setup_end:] if e[0] == "run"]
     assert len(reads) > 3 * R
     assert reads == [(reads[0] + i) % R for i in range(len(reads))]
+
+
+def test_kernel_rows_queue_each_replay_behind_the_spin_before_its_first_event():
+    log = Log()
+    device = FakeDevice(l2_bytes=0, log=log)
+    case = case_with(["flashinfer-tc", "vllm-fa3"])
+    settings_ = Settings(layers=1, repeats=3, warmup=1, calls_per_graph=2, protocols=("kernel",),
+                         kernel_queue_cycles=12345)
+    rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    assert len(rows) == 2 * 3 and all(r["status"] == "ok" for r in rows)
+    timed = [e[0] for e in log.events[next(i for i, e in enumerate(log.events) if e[0] in ("queue", "event")):]
+             if e[0] != "event"]
+    # every window: the spin, then the start event, the graph's calls, the end event; warm-up rounds too
+    windows = [timed[i:i + 5] for i in range(0, len(timed), 5)]
+    assert len(windows) == 2 * (1 + 3)
+    assert all(w == ["queue", "record", "run", "run", "record"] for w in windows), windows[:2]
+    assert {e[1] for e in log.events if e[0] == "queue"} == {12345}
+    with pytest.raises(PKVError, match="kernel_queue_cycles must be >= 0"):
+        Settings(kernel_queue_cycles=-1)
+    with pytest.raises(PKVError, match="cycles must be >= 0"):
+        device.queue_ahead(-5)
+
+
+def test_kernel_queue_cycles_come_from_config_and_default_to_off(config):
+    assert Settings.from_config(config).kernel_queue_cycles == config["measure"]["kernel_queue_cycles"] > 0
+    trimmed = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "kernel_queue_cycles"}}
+    assert Settings.from_config(trimmed).kernel_queue_cycles == 0
 
 
 def test_published_protocol_plans_inside_for_baselines_only():

@@ -4,6 +4,8 @@ Everything the protocols need from a device, and nothing more:
 
     synchronize()          wait for all queued work
     event()                a timestamp recorded in stream order (CUDA event; host clock on CPU)
+    queue_ahead(cycles)    keep the stream busy for ``cycles`` GPU cycles (a spin kernel), so what
+                           the host queues next starts without waiting for the host (no-op on CPU)
     capture(fn)            record ``fn``'s launches into a CUDA graph; returns a replay callable
                            (on the CPU: ``fn`` is run once, as capture runs it, and replay runs it)
     l2_bytes, name, sm_count, free_bytes(), empty_cache(), is_oom(exc)
@@ -114,6 +116,11 @@ class TorchDevice:
 
     def event(self):
         return _CudaEvent() if self.is_cuda else _HostEvent()
+
+    def queue_ahead(self, cycles: int) -> None:
+        require(cycles >= 0, f"queue_ahead cycles must be >= 0, got {cycles}")
+        if self.is_cuda and cycles:
+            self.torch.cuda._sleep(int(cycles))
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         """A CUDA graph of ``fn``'s launches, captured on a side stream; returns its replay."""

@@ -48,6 +48,8 @@ class Settings:
     repeats: int = 5
     warmup: int = 3
     calls_per_graph: int = 10
+    #: kernel rows: GPU cycles of the spin each replay is queued behind (0: none)
+    kernel_queue_cycles: int = 0
     cold_l2_factor: float = 3.0
     protocols: tuple[str, ...] = PROTOCOLS
     seed: int = 0
@@ -58,6 +60,7 @@ class Settings:
 
     def __post_init__(self):
         require(self.repeats >= 1, f"repeats must be >= 1, got {self.repeats}")
+        require(self.kernel_queue_cycles >= 0, f"kernel_queue_cycles must be >= 0, got {self.kernel_queue_cycles}")
         require(self.step_repeats is None or self.step_repeats >= 1,
                 f"step_repeats must be >= 1, got {self.step_repeats}")
 
@@ -81,6 +84,7 @@ class Settings:
         return cls(layers=int(m["layers"]), repeats=2 if quick else repeats,
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
+                   kernel_queue_cycles=int(m.get("kernel_queue_cycles", 0)),
                    protocols=tuple(protocols), seed=seed,
                    step_repeats=None if quick or step is None else int(step))
 
@@ -384,7 +388,7 @@ def _measure(protocol: str, b: Bound, case: Case, device, settings: Settings, cu
              gather_index) -> dict:
     batch = case.batch
     if protocol == "kernel":
-        return kernel_once(device, b.replays, cursor, settings.calls_per_graph)
+        return kernel_once(device, b.replays, cursor, settings.calls_per_graph, settings.kernel_queue_cycles)
     if protocol == "eager":
         return eager_once(device, lambda c: b.backend.run(q, copies.pair(c), b.plan, b.out), cursor)
     if protocol == "step":

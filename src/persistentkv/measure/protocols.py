@@ -5,7 +5,10 @@ made before, as a server makes it once per step. Every call reads the copy the s
 hands out (persistentkv.measure.rotation), so no call finds its K/V warm in L2.
 
 kernel     device time of run() alone: CUDA-graph replays of ``calls_per_graph`` captured calls
-           cycling over the copies; time_us = event time of one replay / calls.
+           cycling over the copies; time_us = event time of one replay / calls. The replay is
+           queued behind a spin of ``kernel_queue_cycles`` GPU cycles (device.queue_ahead) so the
+           first event is stamped when the GPU starts the graph, not while the host is still
+           submitting it (benchmarks/NOTES.md, "the kernel window"; 0 turns the spin off).
 eager      CUDA events around one Python run() call (plan reused): time_us is the event time,
            host_us the host (CPU) time of the call itself, before any synchronisation.
 step       synchronized wall clock of plan + ``layers`` x run (layers cycling over the copies):
@@ -26,10 +29,13 @@ from .rotation import CopyCursor
 from .statistics import per_call_us
 
 
-def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int) -> dict:
-    """Replay the next graph (``replays[cursor.next_graph()]``) once between two events."""
+def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int,
+                queue_cycles: int = 0) -> dict:
+    """Replay the next graph (``replays[cursor.next_graph()]``) once between two events, both
+    queued behind a ``queue_cycles`` spin (none at 0), so that the window holds GPU time only."""
     replay = replays[cursor.next_graph()]
     start, end = device.event(), device.event()
+    device.queue_ahead(queue_cycles)
     start.record()
     replay()
     end.record()
