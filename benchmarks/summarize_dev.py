@@ -80,6 +80,19 @@ def main() -> int:
         print(f"\n{path.stem} (us, median host time of each torch call a GPU plan is made of; "
               f"benchmarks/adaptive_overhead.py --pieces)")
         print(df.pivot_table(index="piece", columns="case", values="host_us", sort=False).round(1).to_string())
+    for path in sorted(DEV.glob("replay_latency_*.parquet")):
+        df = pd.read_parquet(path)
+        med = df.pivot_table(index=["case", "backend"], columns="mode", values="time_us", aggfunc="median", sort=False)
+        if {"as-is", "queued"} <= set(med.columns):
+            queued = df[df["mode"] == "queued"].groupby(["case", "backend"], sort=False)["time_us"].median()
+            asis = df[df["mode"] == "as-is"].set_index(["case", "backend"])["time_us"]
+            med["as-is - queued"] = med["as-is"] - med["queued"]
+            med["% as-is > queued + 1 us"] = 100 * (asis > queued.reindex(asis.index) + 1).groupby(level=[0, 1],
+                                                                                                  sort=False).mean()
+        med["host us per replay"] = df.groupby(["case", "backend"], sort=False)["replay_host_us"].median()
+        print(f"\n{path.stem} (us per call, medians; benchmarks/replay_latency.py: as-is = the old kernel window, "
+              f"queued = behind a GPU spin)")
+        print(med.round(2).to_string())
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
     if alone:
         df = pd.concat(alone)
