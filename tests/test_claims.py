@@ -208,3 +208,46 @@ def test_adaptive_verdicts_without_adaptive_rows_say_not_measured():
     raw = timing({("pkv-workqueue", None): 100, ("flashinfer-tc", None): 130}, protocols=("step",))
     out = claims.adaptive_verdicts(make_results(raw))
     assert out["protocols"]["step"]["cells"] == 0 and "not measured" in out["protocols"]["step"]["sentence"]
+
+
+def bench_results(frames) -> inputs.Results:
+    results = make_results()
+    results.bench = pd.concat(frames, ignore_index=True)
+    return results
+
+
+def bench_case(times: dict, trace: str, kv_bytes: int, frac: float, noise=0.0) -> pd.DataFrame:
+    return timing({(b, None): t for b, t in times.items()}, experiment="bench_kernels", trace=trace, seeds=(0,),
+                  protocols=("kernel",), steps=1, repeats=5, noise=noise, kv_bytes=kv_bytes, frac_of_ceiling=frac,
+                  read_ceiling_gbps=4400.0)
+
+
+def test_engine_verdicts_mid_range_ceiling_and_floor():
+    frames = [
+        bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0, "flashinfer-tc": 16.0}, "B1xN4096", 16 << 20, 0.4),
+        bench_case({"pkv-workqueue": 22.0, "vllm-fa3": 26.0}, "B1xN16384", 64 << 20, 0.7),
+        bench_case({"pkv-workqueue": 66.0, "flashinfer-tc": 73.0}, "B1xN65536", 256 << 20, 0.90),
+        bench_case({"pkv-workqueue": 100.0, "flashinfer-tc": 96.0}, "B64xN131072", 32 << 30, 0.99),
+    ]
+    out = claims.engine_verdicts(bench_results(frames))
+    mid = {m["case"]: m for m in out["mid_range"]}
+    assert mid["B=1 x 4K"]["ratio"] == pytest.approx(1.5) and mid["B=1 x 4K"]["holds"]
+    assert mid["B=1 x 4K"]["baseline"] == "trtllm-xqa" and mid["B=1 x 4K"]["interval_clears"]
+    assert mid["B=1 x 16K"]["ratio"] == pytest.approx(26 / 22) and not mid["B=1 x 16K"]["holds"]
+    assert not mid["B=1 x 32K"]["measured"] and "ratio" not in mid["B=1 x 32K"]   # absent: never guessed
+    # only steps of >= 256 MiB are held to the ceiling target: 64K (90 %, short) and the B=64 step
+    assert [(c["case"], c["holds"]) for c in out["ceiling"]] == [("B1xN65536", False), ("B64xN131072", True)]
+    assert out["ceiling"][0]["frac"] == pytest.approx(0.90) and out["ceiling_gbps"] == pytest.approx(4400.0)
+    floor = out["floor"]
+    assert floor["cases"] == 4 and floor["below"] == ["B64xN131072"] and not floor["holds"]
+    assert floor["min"]["ratio"] == pytest.approx(0.96) and floor["min"]["baseline"] == "flashinfer-tc"
+    said = " ".join(out["sentences"])
+    assert "in 1 of 2 cases" in said and "B=1 x 16K" in said and "1 of 2 steps" in said
+    assert "B1xN65536 90.0 %" in said and "does not hold" in said
+
+
+def test_engine_verdicts_without_bench_rows_say_not_measured():
+    out = claims.engine_verdicts(make_results())
+    assert not any(m["measured"] for m in out["mid_range"]) and out["ceiling"] == [] and out["floor"] == {}
+    assert out["sentences"] == ["Not measured: no bench_kernels kernel rows of pkv-workqueue."]
+    assert "engine" in claims.judge(make_results())

@@ -168,6 +168,8 @@ def test_report_is_self_contained(measured, tmp_path):
         assert f'<td class="id">{c["id"]}</td>' in html
     assert synthetic.GPU in html and "synthetic-run" in html             # provenance shown
     assert "torch-sdpa" in html and "synthetic: torch-sdpa skipped" in html   # unavailable with reason
+    engine = payload["engine"]
+    assert 'id="engine"' in html and all(s.replace("'", "&#39;") in html for s in engine["sentences"])
 
 
 def test_report_without_measurements_says_so(empty, tmp_path):
@@ -175,6 +177,7 @@ def test_report_without_measurements_says_so(empty, tmp_path):
     html = render_report(tmp_path, results, payload)
     assert "Nothing has been measured on <code>nvidia-h200</code> yet" in html
     assert html.count("not measured on nvidia-h200 yet") >= 7           # one per experiment row
+    assert "Not measured: no bench_kernels kernel rows of pkv-workqueue." in html
 
 
 def test_report_refuses_mismatched_or_missing_inputs(measured, empty, tmp_path):

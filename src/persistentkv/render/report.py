@@ -167,6 +167,7 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "ceiling": f"{ceiling:,.0f} GB/s" if ceiling else None, "paper_gpu": claims.PAPER_GPU,
         "source": claims.SOURCE, "verdicts": claims.VERDICTS, "measured_any": bool(results.measured_experiments()),
         "n_boot": analysis.N_BOOT, "boot_seed": analysis.BOOT_SEED, "adaptive": payload.get("adaptive"),
+        "engine": payload.get("engine"),
     }
     html = environment().get_template("report.html.j2").render(**context)
     external = _EXTERNAL.search(html)
