@@ -120,7 +120,10 @@ class TorchDevice:
     def queue_ahead(self, cycles: int) -> None:
         require(cycles >= 0, f"queue_ahead cycles must be >= 0, got {cycles}")
         if self.is_cuda and cycles:
-            self.torch.cuda._sleep(int(cycles))
+            spin = getattr(self.torch.cuda, "_sleep", None)  # torch's own spin kernel (its tests use it)
+            require(spin is not None, f"torch {self.torch.__version__} has no torch.cuda._sleep to queue kernel rows "
+                                      "behind; set measure.kernel_queue_cycles: 0 to time them without it")
+            spin(int(cycles))
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         """A CUDA graph of ``fn``'s launches, captured on a side stream; returns its replay."""
