@@ -481,6 +481,21 @@ def test_kernel_rows_queue_each_replay_behind_the_spin_before_its_first_event():
         device.queue_ahead(-5)
 
 
+def test_queue_ahead_spins_on_cuda_and_says_what_to_do_without_the_spin():
+    from types import SimpleNamespace
+
+    calls = []
+    device = object.__new__(TorchDevice)
+    device.is_cuda = True
+    device.torch = SimpleNamespace(__version__="9.9", cuda=SimpleNamespace(_sleep=calls.append))
+    device.queue_ahead(1000)
+    device.queue_ahead(0)                       # 0: no spin at all
+    assert calls == [1000]
+    device.torch = SimpleNamespace(__version__="9.9", cuda=SimpleNamespace())
+    with pytest.raises(PKVError, match="torch 9.9 has no torch.cuda._sleep.*kernel_queue_cycles: 0"):
+        device.queue_ahead(1000)
+
+
 def test_kernel_queue_cycles_come_from_config_and_default_to_off(config):
     assert Settings.from_config(config).kernel_queue_cycles == config["measure"]["kernel_queue_cycles"] > 0
     trimmed = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "kernel_queue_cycles"}}
