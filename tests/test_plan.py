@@ -413,7 +413,15 @@ def test_choose_warps_worked_numbers():
     from persistentkv.plan import WARPS8_MAX_IMBALANCE, choose_warps
 
     assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8   # one row
-    assert choose_warps([8192] * 4, 128) == 8 and choose_warps([7] * 100, 128) == 8  # equal rows
+    assert choose_warps([8192] * 4, 128) == 8 and choose_warps([7] * 16, 128) == 8   # equal rows
+    # more (row, kv head) groups than the 8-warp queue's 132 slots, rows of at most 4K: 4 warps
+    assert choose_warps([1024] * 64, 128) == 4 and choose_warps([4096] * 64, 128) == 4
+    assert choose_warps([7] * 100, 128) == 4 and choose_warps([1024] * 17, 128) == 4    # 136 groups
+    assert choose_warps(list(range(512, 4097, 8)), 128) == 4                           # ragged too
+    assert choose_warps([2048] * 16, 128) == 8                        # 128 groups: one 8-warp wave
+    assert choose_warps([4097] * 64, 128) == 8                        # a longer row: equal rows, 8
+    assert choose_warps([1024] * 64, 128, queue8=(528, 4)) == 8       # an 8-warp queue with room for them
+    assert choose_warps([1024] * 64, 128, num_kv_heads=2) == 8        # 128 groups
     zipf = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
     assert choose_warps(zipf, 128) == 4                              # imbalance 1.258 vs 1.146
     assert choose_warps([50472, 6024, 10088, 10424], 128) == 8       # 1.116 vs 1.082
@@ -433,7 +441,8 @@ def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
     """Up to 64 rows choose_warps works on Python lists, above it on numpy arrays; both give
     8 unless queue_imbalance(8-warp queue) > WARPS8_MAX_IMBALANCE x queue_imbalance(4-warp queue),
     and 8 for equal rows."""
-    from persistentkv.plan import WARPS8_MAX_IMBALANCE, choose_warps, num_tiles, queue_imbalance
+    from persistentkv.plan import (WARPS4_MULTIWAVE_MAX_TOKENS, WARPS8_MAX_IMBALANCE, choose_warps, num_tiles,
+                                   queue_imbalance)
 
     rng = np.random.default_rng(rows)
     picked = set()
@@ -441,9 +450,13 @@ def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
         seq = rng.integers(1, 1 << 18, size=rows).astype(np.int32)
         if trial % 3 == 0:  # near-equal rows, around the threshold
             seq = rng.integers(8000, 8000 + 64 * (trial % 9 + 1), size=rows).astype(np.int32)
+        elif trial % 3 == 1:  # short rows: many of them make more groups than the 8-warp slots
+            seq = rng.integers(1, WARPS4_MULTIWAVE_MAX_TOKENS + 1, size=rows).astype(np.int32)
         tiles = num_tiles(seq)
         ratio = queue_imbalance(tiles, 8, 132, 4) / queue_imbalance(tiles, 8, 264, 2)
         expect = 8 if seq.max() == seq.min() or ratio <= WARPS8_MAX_IMBALANCE else 4
+        if rows * 8 > 132 and seq.max() <= WARPS4_MULTIWAVE_MAX_TOKENS:
+            expect = 4
         assert choose_warps(seq, 128) == expect
         assert choose_warps(seq.tolist(), 128) == expect
         picked.add(expect)

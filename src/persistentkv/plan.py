@@ -516,14 +516,24 @@ def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles
 #: and 1.074 at B=8 5.7K-22K and 13K-19K (1.084, 1.098), 1.08 and 1.32 on B8-bimodal and B8-ragged
 #: (1.20, 1.50).
 WARPS8_MAX_IMBALANCE = 1.05
+#: More (row, kv head) groups than the 8-warp queue has slots and no row longer than this: 4 warps.
+#: Each group is then one item and the 8-warp queue runs several waves of one CTA per SM, whose
+#: every item pays its first stage's latency with nothing else on the SM, where two 4-warp CTAs
+#: per SM overlap one's ramp with the other's stream. H200 (benchmarks/NOTES.md, "The warps of
+#: many short rows"): 8-warp time / 4-warp time 1.125 at B=64 x 1K, 1.13 at B=32 x 1K, 1.06 at
+#: B=64 x 2K, 1.02 at B=64 x 4K; one wave (B=16 x 2K, 128 groups) 0.97: 8 warps stay there.
+WARPS4_MULTIWAVE_MAX_TOKENS = 4096
 
 
 def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tuple[int, int] = (264, 2),
                  queue8: tuple[int, int] = (132, 4), max_imbalance: float = WARPS8_MAX_IMBALANCE) -> int:
     """4 or 8 warps for a pkv-workqueue step: 4 at head_dim > 128 (no 8-warp module); 8 for one
-    row or equal rows; otherwise 8 unless queue_imbalance with the 8-warp queue's (target_items,
-    min_chunk_tiles) ``queue8`` exceeds ``max_imbalance`` x that of the 4-warp queue's ``queue4``.
-    Worked numbers (Hkv = 8, H200 queues): B=1 -> 8 (any length); B=4 x 8K -> 8; the zipf_b8 step
+    row; 4 when the rows have more (row, kv head) groups than the 8-warp queue's ``queue8`` target
+    and none is longer than WARPS4_MULTIWAVE_MAX_TOKENS; 8 for equal rows; otherwise 8 unless
+    queue_imbalance with the 8-warp queue's (target_items, min_chunk_tiles) ``queue8`` exceeds
+    ``max_imbalance`` x that of the 4-warp queue's ``queue4``.
+    Worked numbers (Hkv = 8, H200 queues): B=1 -> 8 (any length); B=4 x 8K -> 8; B=16 x 2K (128
+    groups) -> 8; B=64 x 1K-4K -> 4, B=64 x 8K -> 8; the zipf_b8 step
     (13184 ... 19392, 8 rows): 8 warps give every row 2 items, the longest 9696 tokens against a
     mean of 7704 (1.258), 4 warps 4395 against 3852 (1.146): ratio 1.098 -> 4; B=4 (50472, 6024,
     10088, 10424): 1.116 against 1.082, ratio 1.032 -> 8; head_dim 256 -> 4."""
@@ -537,13 +547,20 @@ def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tupl
         return 4
     if seq.size == 1:
         return 8
+    many_waves = seq.size * num_kv_heads > queue8[0]  # every group an item, more than the 8-warp slots
     if seq.size <= 64:  # plain Python over a few rows costs less than numpy's calls
         lens = seq.tolist()
-        if max(lens) == min(lens):
+        longest = max(lens)
+        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
+            return 4
+        if longest == min(lens):
             return 8
         key = tuple(-(-n // TILE_TOKENS) for n in lens)
     else:
-        if seq.max() == seq.min():
+        longest = int(seq.max())
+        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
+            return 4
+        if longest == seq.min():
             return 8
         key = num_tiles(seq).tobytes()  # int64 tile counts
     return _warps_for_tiles(key, num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))

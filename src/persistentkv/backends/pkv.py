@@ -5,7 +5,8 @@
                     with plan.choose_route (cluster only for a balanced one-wave step of at most
                     256 tokens per CTA, on sm_90+); warps="auto" (default) picks the module per
                     step with plan.choose_warps (8 warps, 128-token stages, unless the 8-warp
-                    queue's items balance worse than the 4-warp queue's; 4 at head_dim > 128),
+                    queue's items balance worse than the 4-warp queue's or it would run several
+                    waves of short rows; 4 at head_dim > 128),
                     warps=4 or 8 fixes it. Explicit target_items and min_chunk_tiles apply to the
                     4-warp module; the 8-warp one keeps its own defaults (one wave of its resident
                     CTAs, one 128-token stage).
