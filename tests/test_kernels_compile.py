@@ -266,9 +266,11 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
     spec = AttentionSpec()
     backend = PKVWorkqueue(target_items=264, min_chunk_tiles=2)
     balanced, ragged = make_batch(spec, [8192, 8000]), make_batch(spec, [8192, 1000])
-    for batch in (balanced, ragged):
+    many_short = make_batch(spec, [1024] * 64)  # 512 groups > the 8-warp engine's 132 slots
+    for batch in (balanced, ragged, many_short):
         backend.run(None, None, backend.plan(batch), None)
     assert calls == [(8, "workqueue", {}), (8, "run"),
+                     (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2}), (4, "run"),
                      (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2}), (4, "run")]
     calls.clear()
     refuse8.append(True)
