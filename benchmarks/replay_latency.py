@@ -50,6 +50,27 @@ def stomped(snapshots: dict, plans: dict, when: str) -> None:
                 raise SystemExit(3)
 
 
+def engine_options(text: str) -> dict:
+    """``early_kv=0,pdl=0`` -> {"early_kv": False, "pdl": False}: DecodeEngine's boolean switches."""
+    options = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in ("early_kv", "pdl") or value not in ("0", "1"):
+            raise SystemExit(f"--engine-options: {item!r} is not early_kv=0|1 or pdl=0|1")
+        options[name] = value == "1"
+    return options
+
+
+def engine_with(options: dict) -> None:
+    """Every engine our backends make from here on gets ``options`` (persistentkv.engine.engine_for
+    is looked up at each call, and its cache keys on the options)."""
+    import functools
+
+    from persistentkv import engine
+
+    engine.engine_for = functools.partial(engine.engine_for, **options)
+
+
 def main() -> None:
     import numpy as np
     import torch
@@ -63,10 +84,14 @@ def main() -> None:
     def options(parser):
         parser.add_argument("--backends", default=",".join(BACKENDS))
         parser.add_argument("--modes", default="as-is,queued", help="which windows to time (as-is, queued)")
+        parser.add_argument("--engine-options", default="",
+                            help="DecodeEngine options for our backends, e.g. early_kv=0,pdl=0 (booleans as 0/1)")
         parser.add_argument("--check-plans", action="store_true",
                             help="after every replay, check that our plans' metadata is unchanged")
 
     args = bench_args(options)
+    if args.engine_options:
+        engine_with(engine_options(args.engine_options))
     calls = args.calls
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
     device = TorchDevice("cuda")

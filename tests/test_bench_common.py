@@ -81,3 +81,19 @@ def test_adaptive_cold_runs_on_the_cpu_and_prints_each_trial(capsys):
     assert adaptive_cold.main(["--policy", str(policy), "--trials", "1", "--rounds", "5"]) == 0
     out = capsys.readouterr().out
     assert "B=1 x 8200" in out and "trial 0: delegate" in out and "wrapper +" in out and "adaptive +" in out
+
+
+def test_replay_latency_engine_options_parse_and_reach_engine_for(monkeypatch):
+    import replay_latency
+
+    from persistentkv import engine
+
+    assert replay_latency.engine_options("early_kv=0,pdl=1") == {"early_kv": False, "pdl": True}
+    for bad in ("early_kv=yes", "warps=8", "pdl"):
+        with pytest.raises(SystemExit, match="--engine-options"):
+            replay_latency.engine_options(bad)
+    seen = []
+    monkeypatch.setattr(engine, "engine_for", lambda spec, **options: seen.append((spec, options)))
+    replay_latency.engine_with({"early_kv": False})
+    engine.engine_for("spec", warps=8)  # as pkv-workqueue asks for its 8-warp module
+    assert seen == [("spec", {"early_kv": False, "warps": 8})]
