@@ -135,12 +135,13 @@ def add_plain_read(add, batch) -> None:
     add(NOT_ATTENTION[0], lambda: None, lambda q: PlainRead(batch.kv_bytes))
 
 
-def load_baselines(spec) -> dict:
-    """name -> backend for the BASELINES that can run ``spec`` here; the others print why not."""
+def load_baselines(spec, names=BASELINES) -> dict:
+    """name -> backend for the backends ``names`` (default BASELINES) that can run ``spec`` here;
+    the others print why not."""
     from persistentkv.backends import registry
 
     baselines = {}
-    for name in BASELINES:
+    for name in names:
         try:
             backend = registry.create(name)
             reasons = backend.unavailable(spec)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import bench_args, first_line, parse_cases, write_rows  # noqa: E402
+from bench_common import bench_args, first_line, load_baselines, parse_cases, write_rows  # noqa: E402
 
 BACKENDS = ("pkv-workqueue", "flashinfer-tc", "flashinfer-cc", "trtllm-xqa", "vllm-fa3")
 DEFAULT_CASES = "1x1024,1x4096,1x16384,1x32768,1x131072,4x8192"
@@ -75,7 +75,6 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from persistentkv.backends import registry
     from persistentkv.cache import make_batch
     from persistentkv.measure.device import TorchDevice
     from persistentkv.measure.rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
@@ -95,17 +94,7 @@ def main() -> None:
     calls = args.calls
     spec = AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
     device = TorchDevice("cuda")
-    backends = {}
-    for name in args.backends.split(","):
-        try:
-            backend = registry.create(name)
-            reasons = backend.unavailable(spec)
-        except Exception as exc:
-            reasons = [first_line(exc)]
-        if reasons:
-            print(f"{name}: skipped ({'; '.join(reasons)})")
-        else:
-            backends[name] = backend
+    backends = load_baselines(spec, args.backends.split(","))
     t_start, rows = time.time(), []
     rng = np.random.default_rng(0)
     for label, lengths in parse_cases(args.cases or DEFAULT_CASES):
@@ -147,7 +136,7 @@ def main() -> None:
                 replay = replays[name][cursor.next_graph()]
                 start, end = device.event(), device.event()
                 if mode == "queued":
-                    torch.cuda._sleep(SPIN_CYCLES)
+                    device.queue_ahead(SPIN_CYCLES)  # the kernel protocol's own spin
                 start.record()
                 t0 = time.perf_counter()
                 replay()
