@@ -13,7 +13,9 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
   wq-closed     the 4-warp queue with the v2-v6 closed-form chunk (chunk_rule="closed") instead of
                 the smallest chunk that fits the wave
   wq@xW, wq8@xW the queues with W times their default target_items (--waves W,...): W waves of
-                shorter items, which the hardware hands to SMs as earlier CTAs leave
+                shorter items, which the hardware hands to SMs as earlier CTAs leave; W < 1, fewer
+                and longer items (wq@x0.5: one 4-warp CTA per SM, leaving each SM room for one CTA
+                of the next call, which PDL lets start its early K/V loads there)
   wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
                 the others use it where the device has it (sm_90), so consecutive calls of a graph
                 overlap one call's start with the last one's end
@@ -55,8 +57,8 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
     for warps, engine in engines.items():
         name = "wq" if warps == 4 else f"wq{warps}"
         add_queue(add, batch, name, engine)
-        for w in waves:  # the queue over w waves of the engine's default target (more, shorter items)
-            add_queue(add, batch, f"{name}@x{w}", engine, target_items=w * engine.target_items)
+        for w in waves:  # the queue over w times the engine's default target (w < 1: fewer, longer items)
+            add_queue(add, batch, f"{name}@x{w:g}", engine, target_items=max(1, round(w * engine.target_items)))
         if warps == 4:
             add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
     for warps, engine in (plain_engines or {}).items():
@@ -84,11 +86,11 @@ def main() -> int:
         "--waves", default="", help="comma-separated multiples w of each queue's default target_items: adds the "
                                     "variants wq@xw and wq8@xw (w waves of items, shorter items on ragged rows)"))
     try:
-        waves = tuple(int(w) for w in args.waves.split(",") if w.strip())
+        waves = tuple(float(w) for w in args.waves.split(",") if w.strip())
     except ValueError:
-        raise SystemExit(f"--waves: {args.waves!r} is not comma-separated integers") from None
-    if any(w < 2 for w in waves):
-        raise SystemExit("--waves: each multiple must be >= 2 (1 is the default queue, wq / wq8)")
+        raise SystemExit(f"--waves: {args.waves!r} is not comma-separated numbers") from None
+    if any(w <= 0 or w == 1 for w in waves):
+        raise SystemExit("--waves: each multiple must be > 0 and not 1 (1 is the default queue, wq / wq8)")
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
