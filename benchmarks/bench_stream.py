@@ -26,6 +26,10 @@ a random block table; a page's K, or V, for all kv heads is one contiguous 32 KB
                   token, head, page) so a box lands as [head][token][64 dims] with the 128-byte
                   swizzle: the layout a kernel that owns all kv heads of its tokens would read
   pages-loads-1   per-thread 16-byte loads over the slabs, 8 in flight, 1024 threads, 1 CTA/SM
+  pages-hK[s]     the same loads, but a CTA reads only K kv heads of each token row (K x 256 B
+                  pieces, 2 KB apart): 8 / K head groups x 16 x K page ranges, 128 CTAs; the queue's
+                  items read K = 1. "s": consecutive CTAs take the page ranges of one head group (the
+                  queue's item order), else the head groups of one page range
   wq8, wq8-tma    the 8-warp queue (cp.async; PKV_TMA=1) over the same cache and block table
 Each read variant is first checked: the XOR of every 32-bit word it folds must equal the
 buffer's (so it read each word an odd number of times: once). The table gives us per call,
@@ -165,6 +169,13 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
                                      ("pages-tma-1", "st_pages_tma", 1, 6), ("pages-tma-2", "st_pages_tma", 2, 3)):
         variants[name] = (Launcher(module_fn[fn].ptr, sms * per_sm, 256, stages * slab + 1024, True), stages)
     variants["pages-loads-1"] = (Launcher(module_fn["st_pages_loads"].ptr, sms, 1024, 0, True), None)
+    # K kv heads per CTA (pkv_decode's items: 1), 128 CTAs of 1024 threads; "s": the queue's order
+    # (consecutive CTAs take page ranges of one head group), else the head groups of one range
+    for k in (1, 2, 4, 8):
+        for order, head_fast in (("", 1), ("s", 0)):
+            if k < 8 or head_fast:
+                variants[f"pages-h{k}{order}"] = (Launcher(module_fn[f"st_pages_h{k}"].ptr, 128, 1024, 0, True),
+                                                  ("heads", head_fast))
     for fn in ("st_pages_bulk", "st_pages_tma"):
         eng._set_function_attribute(module_fn[fn].ptr, eng.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     6 * slab + 1024)
@@ -197,7 +208,9 @@ def main_paged(args, module_fn, sms: int, l2: int, ceiling: float, t_start: floa
                     values = [ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()),
                               ctypes.c_void_p(table_dev.data_ptr()), ctypes.c_int(npages),
                               ctypes.c_void_p(sink.data_ptr()), ctypes.c_int(1)]
-                    if stages is not None:
+                    if isinstance(stages, tuple):  # ("heads", head_fast)
+                        values.append(ctypes.c_int(stages[1]))
+                    elif stages is not None:
                         values.append(ctypes.c_int(stages))
                     if name.startswith("pages-tma"):
                         values += [slab_map(kc.data_ptr(), npages), slab_map(vc.data_ptr(), npages)]
@@ -255,7 +268,8 @@ def main() -> int:
         module = cupy.RawModule(code=(ROOT / "benchmarks" / "stream_patterns.cu").read_text(),
                                 options=("-std=c++17",))
         fn = {name: module.get_function(name).kernel for name in
-              ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk", "st_pages_bulk", "st_pages_tma", "st_pages_loads")}
+              ("st_grid", "st_chunk8", "st_chunk8_l2", "st_bulk", "st_pages_bulk", "st_pages_tma", "st_pages_loads",
+               "st_pages_h1", "st_pages_h2", "st_pages_h4", "st_pages_h8")}
     bulk_smem_max = 0
     variants = {
         "grid": Read(fn["st_grid"].ptr, sms * 8, 256, 0, False),

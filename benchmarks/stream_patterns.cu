@@ -275,3 +275,54 @@ extern "C" __global__ void __launch_bounds__(1024) st_pages_loads(const uint4* _
   }
   publish(acc, sink);
 }
+
+// Per-thread 16-byte loads over a page range, but only K kv heads of each token row (K x 256 B
+// contiguous of the row's 2 KB, the rest read by other CTAs): the pieces a CTA that owns K kv
+// heads of its tokens reads (pkv_decode's items own one, K = 1). 8 / K head groups x page ranges;
+// head_fast: consecutive CTAs take the head groups of one page range (else the page ranges of one
+// head group, the queue's item order). gridDim.x must be a multiple of 8 / K.
+template <int K>
+__device__ __forceinline__ void pages_heads_body(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                                 const int* __restrict__ pages, int npages,
+                                                 unsigned* __restrict__ sink, int pdl, int head_fast) {
+  pdl_begin(pdl);
+  constexpr int GROUPS = 8 / K, PIECE = K * 16, PER_SLAB = 16 * PIECE;  // uint4 of one token's group; of a slab
+  const int ranges = gridDim.x / GROUPS;
+  const int g = head_fast ? blockIdx.x % GROUPS : blockIdx.x / ranges;
+  const int r = head_fast ? blockIdx.x / GROUPS : blockIdx.x % ranges;
+  const int per = (npages + ranges - 1) / ranges;
+  const int lo = min(npages, r * per), hi = min(npages, lo + per);
+  unsigned acc = 0u;
+  const int total = 2 * (hi - lo) * PER_SLAB;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 8 * blockDim.x) {
+    uint4 x[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total) {
+        const int slab = i / PER_SLAB, off = i - slab * PER_SLAB;
+        const int tok = off / PIECE, w = off - tok * PIECE;
+        const int page = __ldg(pages + lo + slab / 2);
+        x[u] = __ldg((slab & 1 ? v : k) + static_cast<u64>(page) * 2048 + tok * 128 + g * PIECE + w);
+      } else {
+        x[u] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= fold4(x[u]);
+  }
+  publish(acc, sink);
+}
+
+#define ST_PAGES_HEADS(K)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(1024) st_pages_h##K(const uint4* __restrict__ k,                 \
+                                                                   const uint4* __restrict__ v,                 \
+                                                                   const int* __restrict__ pages, int npages,   \
+                                                                   unsigned* __restrict__ sink, int pdl,        \
+                                                                   int head_fast) {                             \
+    pages_heads_body<K>(k, v, pages, npages, sink, pdl, head_fast);                                             \
+  }
+ST_PAGES_HEADS(1)
+ST_PAGES_HEADS(2)
+ST_PAGES_HEADS(4)
+ST_PAGES_HEADS(8)
