@@ -16,6 +16,7 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
                 shorter items, which the hardware hands to SMs as earlier CTAs leave; W < 1, fewer
                 and longer items (wq@x0.5: one 4-warp CTA per SM, leaving each SM room for one CTA
                 of the next call, which PDL lets start its early K/V loads there)
+  wq-poolU, wq8-poolU   the queues with a pool of U sixteenths of each row (--pools, DecodeEngine(pool=U/16))
   wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
                 the others use it where the device has it (sm_90), so consecutive calls of a graph
                 overlap one call's start with the last one's end
@@ -42,13 +43,15 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")
 from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, add_queue, bench_args,  # noqa: E402
                           engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
                           timed_cases, write_rows)
+from persistentkv import plan as planner  # noqa: E402
+from persistentkv.errors import PKVError  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CLUSTER_SIZES = (8, 16)
 
 
 def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | None = None,
-                 waves: tuple = ()) -> dict:
+                 waves: tuple = (), pool_engines: dict | None = None) -> dict:
     """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine, PDL where the
     device has it) and ``plain_engines`` (warps -> DecodeEngine(pdl=False)); a variant that cannot
     be planned is reported and left out."""
@@ -63,6 +66,8 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
             add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
     for warps, engine in (plain_engines or {}).items():
         add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + "-nopdl", engine)
+    for (warps, units), engine in (pool_engines or {}).items():
+        add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + f"-pool{units}", engine)
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
@@ -82,9 +87,14 @@ def main() -> int:
 
     from persistentkv.engine import engine_for
 
-    args = bench_args(lambda parser: parser.add_argument(
-        "--waves", default="", help="comma-separated multiples w of each queue's default target_items: adds the "
-                                    "variants wq@xw and wq8@xw (w waves of items, shorter items on ragged rows)"))
+    def extra(parser):
+        parser.add_argument("--waves", default="", help="comma-separated multiples w of each queue's default "
+                            "target_items: adds the variants wq@xw and wq8@xw (w waves of items, shorter items "
+                            "on ragged rows)")
+        parser.add_argument("--pools", default="", help="comma-separated pool shares (multiples of 1/16): adds "
+                            "wq-poolU and wq8-poolU, U = share x 16")
+
+    args = bench_args(extra)
     try:
         waves = tuple(float(w) for w in args.waves.split(",") if w.strip())
     except ValueError:
@@ -100,6 +110,12 @@ def main() -> int:
         except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below 192 KB
             print(f"{warps} warps: no engine ({first_line(exc)})")
     plain_engines = {warps: engine_for(spec, warps=warps, pdl=False) for warps in engines}
+    try:
+        pools = [float(x) for x in args.pools.split(",") if x.strip()]
+        pool_engines = {(warps, planner.check_pool(share)): engine_for(spec, warps=warps, pool=share)
+                        for warps in engines for share in pools if share > 0}
+    except (ValueError, PKVError) as exc:
+        raise SystemExit(f"--pools: {exc}") from None
     engine = engines[4]
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: {engine.num_sms} SMs, cc {engine.capability}, read ceiling "
@@ -111,7 +127,7 @@ def main() -> int:
     baselines = load_baselines(spec)
     rows, table = [], []
     def variants(batch):
-        return variants_for(engines, batch, baselines, plain_engines, waves)
+        return variants_for(engines, batch, baselines, plain_engines, waves, pool_engines)
 
     for label, _, med, ok, floor in timed_cases(engine, spec, args, variants, ceiling, rows, "bench_warps", t_start):
         ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}

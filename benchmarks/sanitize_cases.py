@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdl", action="store_true",
                         help="also launch the queue routes with programmatic dependent launch (sm_90), twice each "
                              "(the second call reads its items before griddepcontrol.wait)")
+    parser.add_argument("--pool", type=float, default=0.0,
+                        help="also launch the GPU-planned queue with this pool share (DecodeEngine(pool=...)), three "
+                             "times (with --pdl as well under PDL)")
     args = parser.parse_args(argv)
     sizes = [int(c) for c in args.cluster_sizes.split(",") if c.strip()]
     widths = [int(w) for w in args.warps.split(",") if w.strip()]
@@ -82,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             for route, options in (("workqueue", {}), ("buckets", {"num_splits": 4})):
                 # two calls: the first waits before reading its items, the second does not
                 check(pdl, batch, q, k, v, ref, route, options, f"{route}-pdl", calls=2)
+        if args.pool:
+            for pdl in (False, True) if args.pdl else (False,):
+                pooled = engine_for(spec, warps=warps, pdl=pdl, pool=args.pool)
+                check(pooled, batch, q, k, v, ref, "workqueue", {}, f"workqueue-pool{pooled.pool_units}"
+                      f"{'-pdl' if pdl else ''}", calls=3)
     return 1 if failures else 0
 
 

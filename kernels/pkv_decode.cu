@@ -118,11 +118,13 @@ enum Mode { PARTIAL = 0, FUSED = 1, CLUSTER = 2 };
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Item {
-  int row, head, lo, hi, split, nsplit, page_base;
+  int row, head, lo, hi, split, nsplit, page_base, pool_lo, pool_hi;
 };
 
 __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int slot) {
-  // Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, 0, 0, 0).
+  // Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, pool_lo, pool_hi, 0);
+  // pool_hi > pool_lo: tokens [pool_lo, pool_hi) of the row are its (row, kv head)'s pool, claimed
+  // a stage at a time by the group's CTAs (fused work queue; plan.pooled_items).
   const int4 a = __ldg(items + 2 * slot);
   const int4 b = __ldg(items + 2 * slot + 1);
   Item it;
@@ -133,6 +135,8 @@ __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int sl
   it.split = a.w & 0xFFFF;
   it.nsplit = (unsigned)a.w >> 16;
   it.page_base = b.x;
+  it.pool_lo = b.y;
+  it.pool_hi = b.z;
   return it;
 }
 
@@ -288,7 +292,7 @@ struct Params {
   const int* num_items;  // device item count (GPU-planned launches) or nullptr
   float* part_o;         // [slots, G, D]
   float* part_lse;       // [slots, G], log2 units
-  int* counters;         // [B * Hkv], zero between launches (fused merge)
+  int* counters;         // [B * Hkv][2], zero between launches: the fused merge's arrivals, the pool's cursor
   int slot_offset;       // slot of this launch's first item
   int num_kv_heads, group_size, log2_page;
   long long kv_sp, kv_st;
@@ -496,11 +500,25 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   const int lc = tid % CHUNKS;
   const int lr = tid / CHUNKS;
 
+  // Tiles: the item's own ntiles stages of [lo, hi), then (pooled) stages of the group's pool
+  // [pool_lo, pool_hi) that this CTA claimed: their first tokens wait in pool_ring (claim k at
+  // k % POOL_RING), -1 once the pool is spent. Claims run ahead of the loads (see the loop), and a
+  // ring entry is written at least one barrier before its first read and outlives its tile's use.
+  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+  const bool pooled = MODE == FUSED && !TMA && it.pool_hi > it.pool_lo && it.nsplit > 1;
+  constexpr int POOL_RING = 8;
+  static_assert(POOL_RING >= STAGES + 2 && (POOL_RING & (POOL_RING - 1)) == 0, "pool ring: a power of two >= STAGES + 2");
+  __shared__ int pool_ring[POOL_RING];
+  auto tile_lo = [&](int u) { return u < ntiles ? lo + u * TILE : pool_ring[(u - ntiles) & (POOL_RING - 1)]; };
+  auto tile_hi = [&](int u) { return u < ntiles ? hi : it.pool_hi; };
+  auto has_tile = [&](int u) { return u < ntiles || (pooled && pool_ring[(u - ntiles) & (POOL_RING - 1)] >= 0); };
+
   auto fetch_pages = [&](int tile, int (&pg)[LOADS]) {
+    const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
-      const int tok = lo + tile * TILE + lr + ROWS_PER_PASS * i;
-      pg[i] = tok < hi ? __ldg(pages + (tok >> p.log2_page)) : 0;
+      const int tok = t0 + lr + ROWS_PER_PASS * i;
+      pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
   // part 0: the tile's loads; early K/V loads (p.early bit 1) split them in two: part 1 every page
@@ -511,11 +529,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     const int stage = tile % STAGES;
     const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
     const unsigned dV = smem_u32(sV + stage * STAGE_ELEMS);
+    const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int t = lr + ROWS_PER_PASS * i;
-      const int tok = lo + tile * TILE + t;
-      const bool valid = tok < hi;
+      const int tok = t0 + t;
+      const bool valid = tok < t1;
       if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
       const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
       const unsigned so = swz(t, lc) * 2;
@@ -523,8 +542,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       cp_async16(dV + so, vbase + off, valid);
     }
   };
-
-  const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
 
   float o[NT][4];
 #pragma unroll
@@ -543,8 +560,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   int pg[STAGES - 1][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, pg[s]);
-    fetch_pages(STAGES - 1, pg_next);
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < ntiles) fetch_pages(s, pg[s]);
+    if (STAGES - 1 < ntiles) fetch_pages(STAGES - 1, pg_next);
     // Early K/V: uncommitted until the first commit below, so they join tile 0's group (waiting
     // for a tile still waits for all of its loads).
     if (early_kv) {
@@ -556,6 +574,35 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
   grid_launch_dependents();
   stamp(1);
+
+  // Pool claims (thread 0; after the wait: the preceding launch of this plan resets the cursor).
+  // Tile u's claim is in flight one iteration and written to the ring at the end of iteration
+  // u - STAGES - 1, so the barrier of the next iteration publishes it before its page ids are
+  // fetched. Tiles u <= STAGES of the pool are claimed here at once, the ring published by a barrier.
+  int* cursor = p.counters + 2 * (row * p.num_kv_heads + head) + 1;
+  int claim = 0;
+  bool pool_done = !pooled;  // thread 0's view: no claim in flight or to come
+  if (pooled) {
+    if (tid == 0) {
+      const int m = STAGES + 1 - ntiles;
+      if (m > 0) {
+        const int j0 = atomicAdd(cursor, m);
+        for (int r = 0; r < m; ++r) {
+          int b = it.pool_lo + (j0 + r) * TILE;
+          if (pool_done || b >= it.pool_hi) b = -1, pool_done = true;
+          pool_ring[r] = b;
+        }
+      }
+      if (!pool_done && STAGES + 1 >= ntiles) claim = atomicAdd(cursor, 1);
+    }
+    if (ntiles <= STAGES) {  // uniform: the first pool tiles' page ids are fetched here
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s >= ntiles && has_tile(s)) fetch_pages(s, pg[s]);
+      if (STAGES - 1 >= ntiles && has_tile(STAGES - 1)) fetch_pages(STAGES - 1, pg_next);
+    }
+  }
 
   // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G).
   unsigned qf[Q_SMEM ? 1 : D / 16][4];
@@ -590,12 +637,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) issue(s, pg[s], early_kv ? 2 : 0);
+      if (has_tile(s)) issue(s, pg[s], early_kv && s < ntiles ? 2 : 0);
       cp_async_commit();
     }
   }
 
-  for (int t = 0; t < ntiles; ++t) {
+  for (int t = 0; has_tile(t); ++t) {
 #if PKV_TMA
     if constexpr (TMA) {
       const int stage = t % STAGES;
@@ -624,14 +671,15 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
       if (PKV_TRACE && t == 0) stamp(2);
       const int nt = t + STAGES - 1;
-      if (nt < ntiles) {
+      if (has_tile(nt)) {
         issue(nt, pg_next, 0);
-        if (nt + 1 < ntiles) fetch_pages(nt + 1, pg_next);  // used one iteration later
+        if (has_tile(nt + 1)) fetch_pages(nt + 1, pg_next);  // used one iteration later
       }
       cp_async_commit();
     }
-    const int tok0 = lo + t * TILE + warp * 16;
-    if (tok0 < hi) {  // warp-uniform: skip warps whose 16 tokens all lie past hi
+    const int t_hi = tile_hi(t);
+    const int tok0 = tile_lo(t) + warp * 16;
+    if (tok0 < t_hi) {  // warp-uniform: skip warps whose 16 tokens all lie past the tile's bound
       const int stage = t % STAGES;
       const kv_t* k_st = sK + stage * STAGE_ELEMS;
       const kv_t* v_st = sV + stage * STAGE_ELEMS;
@@ -661,7 +709,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tok = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
-          s[j][e] = tok < hi ? s[j][e] * p.scale_log2 : NEG_INF;
+          s[j][e] = tok < t_hi ? s[j][e] * p.scale_log2 : NEG_INF;
         }
         mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
         mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
@@ -708,6 +756,15 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
         mma16816(o[2 * dp], pa, b0, b1);
         mma16816(o[2 * dp + 1], pa, b2, b3);
       }
+    }
+    if (tid == 0 && !pool_done) {  // the claim in flight is tile t + STAGES + 1's; claim the next
+      const int u = t + STAGES + 1;
+      if (u >= ntiles) {
+        int b = it.pool_lo + claim * TILE;
+        if (b >= it.pool_hi) b = -1, pool_done = true;
+        pool_ring[(u - ntiles) & (POOL_RING - 1)] = b;
+      }
+      if (!pool_done && u + 1 >= ntiles) claim = atomicAdd(cursor, 1);
     }
   }
   cp_async_wait<0>();
@@ -803,11 +860,14 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // benchmarks/NOTES.md v9.)
   __syncthreads();
   if (tid == 0) {
-    int* counter = p.counters + row * p.num_kv_heads + head;
+    int* counter = p.counters + 2 * (row * p.num_kv_heads + head);
     int prev;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
     const int last = prev == it.nsplit - 1;
-    if (last) *counter = 0;  // ready for the next launch; nobody else touches it in this one
+    if (last) {  // ready for the next launch; nobody else touches them in this one (every CTA's
+      counter[0] = 0;  // claims returned before it arrived)
+      if (pooled) counter[1] = 0;
+    }
     *flag = last;
   }
   __syncthreads();
@@ -942,6 +1002,7 @@ __device__ __forceinline__ void decode_cluster(PKV_CLUSTER_ARGS) {
   it.hi = min(T, tiles * (rank + 1) / C * TILE);
   it.split = rank;
   it.nsplit = C;
+  it.pool_lo = it.pool_hi = 0;
   decode_item<C == 1 ? PARTIAL : CLUSTER, C>(p, 0, it, reinterpret_cast<kv_t*>(smem_raw));
 }
 }  // namespace pkv
@@ -998,11 +1059,14 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
 //     sum per halving (plan.balanced_chunk_tiles); chunk_rule 1 ("closed"): chunk = closed
 //   S_i = ceil(T_i / chunk)
 //   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
+//   pool_units > 0 and n <= target_items: rows with S_i >= 2 keep T_i * pool_units / 16 tiles in a
+//     pool shared by their items (plan.pooled_items): the items' ranges span Ts = T - P tiles and
+//     the pool is [min(N, Ts * 32), N)
 #define PKV_PLAN_THREADS 1024
 #define PKV_PLAN_MAX_ROWS 4096
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const int* seq_lens, const int* kv_indptr, int batch, int num_kv_heads, int target_items,
-    int min_chunk_tiles, int chunk_rule, int max_items, int* items, int* num_items) {
+    int min_chunk_tiles, int chunk_rule, int max_items, int pool_units, int* items, int* num_items) {
   __shared__ int s_off[PKV_PLAN_MAX_ROWS + 1];
   __shared__ int s_split[PKV_PLAN_MAX_ROWS];
   __shared__ long long s_warp[32];
@@ -1095,10 +1159,12 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const int h = local / S, s = local - h * S;
     const int N = seq_lens[i];
     const long long T = (N + TILE_TOKENS - 1) / TILE_TOKENS;
-    const int lo = (int)min((long long)N, (T * s) / S * TILE_TOKENS);
-    const int hi = (int)min((long long)N, (T * (s + 1)) / S * TILE_TOKENS);
+    const long long Ts = pool_units > 0 && n <= target_items && S >= 2 ? T - T * pool_units / 16 : T;
+    const int lo = (int)min((long long)N, (Ts * s) / S * TILE_TOKENS);
+    const int hi = (int)min((long long)N, (Ts * (s + 1)) / S * TILE_TOKENS);
+    const int pool_lo = Ts < T ? (int)min((long long)N, Ts * TILE_TOKENS) : 0, pool_hi = Ts < T ? N : 0;
     int4* dst = reinterpret_cast<int4*>(items) + 2 * j;
     dst[0] = make_int4(i | (h << 16), lo, hi, s | (S << 16));
-    dst[1] = make_int4(kv_indptr[i], 0, 0, 0);
+    dst[1] = make_int4(kv_indptr[i], pool_lo, pool_hi, 0);
   }
 }

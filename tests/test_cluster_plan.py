@@ -177,6 +177,7 @@ def cpu_engine(capability=(9, 0), cluster16_error=None, num_sms=H200_SMS, warps=
     engine.warps = warps
     engine.tma = False
     engine.early_kv, engine._early_bits = True, 3  # as DecodeEngine sets them under PDL
+    engine.pool_units = 0
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
@@ -277,7 +278,7 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(earl
 
     merge = _Launch("merge", 2, _arg_block(MergeArgs, *[0] * 7), 9)
     fake = SimpleNamespace(data_ptr=lambda: 0, stride=lambda: (0, 0, 0, 0))
-    plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _arg_block(PlanArgs, *[0] * 10), 5), decode(1), merge,
+    plan = DevicePlan("workqueue", engine.spec, 1, [_Launch("plan", 1, _arg_block(PlanArgs, *[0] * 11), 5), decode(1), merge,
                                                    decode(2)])
     engine.run(fake, (fake, fake), plan, fake, check=False)
     assert seen == [(1, 0), (9, None), (2, e)]

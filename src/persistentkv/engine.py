@@ -47,6 +47,12 @@ tokens, 1-3 % on 500 MB steps). The contract: the kernel before each run() on th
 write the cache only in each row's last page, as a one-token decode step's append does; pass
 ``early_kv=False`` when another kernel (e.g. a page copy) writes pages that a plan reads right
 before its run().
+
+``pool`` (default 0; a multiple of 1/16 below 1): in a fused work queue of one wave, each row
+split two or more ways keeps this share of its tiles out of its items' ranges, as a pool that
+the row's CTAs of each kv head claim a stage at a time (an atomic cursor, the second counter of
+the group) once their own stages are issued, so CTAs that stream faster take more of it
+(plan.pooled_items; benchmarks/NOTES.md, v15). Pool stages are loaded after the wait, never early.
 """
 
 from __future__ import annotations
@@ -224,7 +230,8 @@ MergeArgs = _arg_layout("MergeArgs", [
 #: pkv_plan
 PlanArgs = _arg_layout("PlanArgs", [
     ("seq_lens", _PTR), ("kv_indptr", _PTR), ("batch", _I32), ("num_kv_heads", _I32), ("target_items", _I32),
-    ("min_chunk_tiles", _I32), ("chunk_rule", _I32), ("max_items", _I32), ("items", _PTR), ("num_items", _PTR)])
+    ("min_chunk_tiles", _I32), ("chunk_rule", _I32), ("max_items", _I32), ("pool_units", _I32), ("items", _PTR),
+    ("num_items", _PTR)])
 
 
 class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
@@ -420,10 +427,12 @@ def _ensure_launch_api():
 class DevicePlan:
     """Device-side metadata of one step; holds every buffer its launches touch.
 
-    items:       int32 [max_items, 8] on the device (row|head<<16, lo, hi, split|nsplit<<16, page_base, 0, 0, 0)
+    items:       int32 [max_items, 8] on the device (row|head<<16, lo, hi, split|nsplit<<16, page_base, pool_lo,
+                 pool_hi, 0)
     num_items:   int32 [1] device count (GPU-planned) or None
     part_o/lse:  float32 partial states [slots, G, D] / [slots, G]
-    counters:    int32 [B * Hkv], zero between launches (fused merge)
+    counters:    int32 [2 * B * Hkv], zero between launches: per (row, kv head) its fused merge's arrivals,
+                 then its pool's cursor
     packed:      int32 [2B + 1 + pages], seq_lens | kv_indptr | kv_indices (GPU-planned and cluster routes)
 
     ``view(name)`` returns any of these. A GPU-planned plan keeps them all in one device tensor,
@@ -489,9 +498,11 @@ class DecodeEngine:
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, target_items: int | None = None,
                  min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None,
-                 early_kv: bool = True, defines=()):
+                 early_kv: bool = True, pool: float = 0.0, defines=()):
         defines = check_defines(defines)
         require(isinstance(early_kv, bool), f"early_kv must be True or False, got {early_kv!r}")
+        #: the fused queue's pool share, in sixteenths (plan.pooled_items; 0: every item owns its range)
+        self.pool_units = planner.check_pool(pool)
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -559,7 +570,7 @@ class DecodeEngine:
         return {
             "part_o": torch.empty((max(slots, 1), G, D), dtype=torch.float32, device=self.device),
             "part_lse": torch.empty((max(slots, 1), G), dtype=torch.float32, device=self.device),
-            "counters": torch.zeros((batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
+            "counters": torch.zeros((2 * batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
         }
 
     def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
@@ -613,7 +624,11 @@ class DecodeEngine:
 
     def _upload(self, batch: Batch, host: planner.Plan, route: str) -> DevicePlan:
         items8 = np.zeros((max(host.num_items, 1), 8), dtype=np.int32)
-        items8[:host.num_items, :4] = host.items
+        if route == "workqueue_host":  # the fused queue: its items' ranges and pools as the kernel reads them
+            pooled = planner.pooled_items(host.items, batch.seq_lens, self.pool_units, host.params["target_items"])
+            items8[:host.num_items, :4], items8[:host.num_items, 5:7] = pooled[:, :4], pooled[:, 4:]
+        else:
+            items8[:host.num_items, :4] = host.items
         items8[:host.num_items, 4] = batch.kv_indptr[host.items[:, 0] & 0xFFFF]
         buffers = self._workspace(host.num_items, batch.batch_size)
         buffers.update(items=self._i32(items8), kv_indices=self._i32(batch.kv_indices if batch.kv_indices.size else [0]),
@@ -649,7 +664,7 @@ class DecodeEngine:
         G, D = spec.group_size, spec.head_dim
         n_packed = 2 * B + 1 + nnz
         o_counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
-        n_counters = B * spec.num_kv_heads
+        n_counters = 2 * B * spec.num_kv_heads  # per (row, kv head): merge arrivals, pool cursor
         o_num = (o_counters + n_counters + 3) & ~3
         o_items = o_num + 4
         o_states = o_items + 8 * max_items
@@ -664,7 +679,7 @@ class DecodeEngine:
         base = workspace.data_ptr()
         items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
         plan_args = _arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk,
-                               planner.CHUNK_RULES.index(chunk_rule), max_items, items, num_items)
+                               planner.CHUNK_RULES.index(chunk_rule), max_items, self.pool_units, items, num_items)
         launches = [_Launch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
                                         states + 4 * n_part_o, base + 4 * o_counters, 0)]
@@ -822,13 +837,14 @@ class DecodeEngine:
                               ks[1]) for ptr in (k_ptr, v_ptr))
         return maps
 
-    def device_items(self, plan: DevicePlan) -> np.ndarray:
-        """The plan's items as the kernels see them (host copy, int32 [n, 4]); synchronises."""
+    def device_items(self, plan: DevicePlan, pools: bool = False) -> np.ndarray:
+        """The plan's items as the kernels see them (host copy, int32 [n, 4]; with ``pools``, [n, 6]:
+        plan.pooled_items' layout, the pool's token range after the item words); synchronises."""
         require(plan.route != "cluster", "a cluster plan has no item buffer (its kernel computes the ranges of "
                                          "plan.plan_cluster); use plan.counters() or plan.plan_cluster")
         items = plan.view("items").cpu().numpy()
         n = plan.host_plan.num_items if plan.host_plan is not None else int(plan.view("num_items").item())
-        return items[:n, :4]
+        return np.concatenate([items[:n, :4], items[:n, 5:7]], axis=1) if pools else items[:n, :4]
 
 
 _ENGINES: dict = {}

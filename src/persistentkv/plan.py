@@ -388,6 +388,47 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
     return _assemble("workqueue", batch, [(block, rows, splits, batch.seq_lens)], params, fused_merge)
 
 
+POOL_UNITS = 16  #: the pool's share of a row's tiles is given in sixteenths (engine option ``pool``)
+
+
+def check_pool(pool) -> int:
+    """The engine's ``pool`` share (0 <= pool < 1, a multiple of 1/16) in sixteenths."""
+    ok = isinstance(pool, (int, float, np.integer, np.floating)) and not isinstance(pool, bool)
+    units = float(pool) * POOL_UNITS if ok else -1.0
+    require(ok and 0 <= units < POOL_UNITS and units == int(units),
+            f"pool must be a multiple of 1/{POOL_UNITS} in [0, 1), got {pool!r}")
+    return int(units)
+
+
+def pooled_items(items: np.ndarray, seq_lens: np.ndarray, pool_units: int, target_items: int) -> np.ndarray:
+    """The work queue's items as the pooled kernel reads them: int32 [n, 6], (the four item words,
+    pool_lo, pool_hi).
+
+    With ``pool_units`` > 0 and the queue in one wave (n <= ``target_items``), each row split S >= 2
+    ways keeps P = T * pool_units // 16 of its T tiles (of TILE_TOKENS) out of its items: split s
+    statically owns tokens [min(N, Ts * s // S * TILE_TOKENS), min(N, Ts * (s + 1) // S * TILE_TOKENS))
+    with Ts = T - P (the balanced ranges of plan_workqueue over Ts tiles), and the rest of the
+    row, [min(N, Ts * TILE_TOKENS), N), is the (row, kv head)'s pool, which the group's CTAs claim
+    a kernel stage at a time from a counter once their own tokens are issued: CTAs that stream
+    faster take more of it. Everything else keeps its range and gets an empty pool (0, 0).
+    pkv_plan computes the same on the device (tests check that they agree)."""
+    items = np.asarray(items, dtype=np.int64).reshape(-1, 4)
+    out = np.zeros((items.shape[0], 6), dtype=np.int64)
+    out[:, :4] = items
+    if pool_units <= 0 or items.shape[0] > target_items:
+        return out.astype(np.int32)
+    row, s, S = items[:, 0] & 0xFFFF, items[:, 3] & 0xFFFF, items[:, 3] >> 16
+    N = np.asarray(seq_lens, dtype=np.int64)[row]
+    T = (N + TILE_TOKENS - 1) // TILE_TOKENS
+    Ts = T - T * pool_units // POOL_UNITS
+    on = (S >= 2) & (Ts < T)
+    out[on, 1] = np.minimum(N, Ts * s // S * TILE_TOKENS)[on]
+    out[on, 2] = np.minimum(N, Ts * (s + 1) // S * TILE_TOKENS)[on]
+    out[on, 4] = np.minimum(N, Ts * TILE_TOKENS)[on]
+    out[on, 5] = N[on]
+    return out.astype(np.int32)
+
+
 def check_cluster_size(cluster_size: int) -> int:
     require(isinstance(cluster_size, (int, np.integer)) and not isinstance(cluster_size, bool)
             and int(cluster_size) in CLUSTER_SIZES,
