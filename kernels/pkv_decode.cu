@@ -642,6 +642,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     }
   }
 
+  // Whether tile t + STAGES - 1 exists and its page ids are in pg_next. Ring entries past the
+  // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
+  // than asking has_tile of a later one, whose ring slot may hold an older claim.
+  bool ahead = has_tile(STAGES - 1);
   for (int t = 0; has_tile(t); ++t) {
 #if PKV_TMA
     if constexpr (TMA) {
@@ -670,10 +674,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
       if (PKV_TRACE && t == 0) stamp(2);
-      const int nt = t + STAGES - 1;
-      if (has_tile(nt)) {
-        issue(nt, pg_next, 0);
-        if (has_tile(nt + 1)) fetch_pages(nt + 1, pg_next);  // used one iteration later
+      if (ahead) {
+        issue(t + STAGES - 1, pg_next, 0);
+        ahead = has_tile(t + STAGES);
+        if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
       }
       cp_async_commit();
     }
