@@ -1,7 +1,7 @@
 """A development define of kernels/pkv_decode.cu against the shipped kernel and the baselines,
 under graph replay.
 
-    python benchmarks/bench_defines.py [--define PKV_TMA=1] [--out DIR] [--cases B=1x4096,B=4x8192]
+    python benchmarks/bench_defines.py [--define PKV_TMA=1[,PKV_X=1...]] [--out DIR] [--cases B=1x4096,B=4x8192]
                                        [--repeats 15]
 
 The defines (benchmarks/NOTES.md):
@@ -10,6 +10,9 @@ The defines (benchmarks/NOTES.md):
   PKV_EARLY=1  (v12, at commit 6b2f02b only: since then the engine's default, early_kv) the
                first stages' K/V loads of every page but each item's last issued before
                griddepcontrol.wait, overlapping the preceding kernel's tail
+  PKV_POOL=0   (v15) the fused queue without its pool code
+  PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
+Several defines, comma-separated, are compared side by side (one variant pair each).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
@@ -40,17 +43,18 @@ def main() -> int:
     from persistentkv.engine import engine_for
 
     args = bench_args(lambda parser: parser.add_argument(
-        "--define", default="PKV_TMA=1", help="the development define to compare (PKV_NAME[=VALUE])"))
-    define = args.define
-    tag = define.split("=")[0].removeprefix("PKV_").lower()
+        "--define", default="PKV_TMA=1", help="the development defines to compare (PKV_NAME[=VALUE], comma-separated)"))
+    defines = [d.strip() for d in args.define.split(",") if d.strip()]
+    tags = {d: d.split("=")[0].removeprefix("PKV_").lower() for d in defines}
+    tag = "_".join(tags.values())
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
     for warps in (4, 8):
-        for with_define in (False, True):
-            name = ("wq" if warps == 4 else "wq8") + (f"-{tag}" if with_define else "")
+        for define in (None, *defines):
+            name = ("wq" if warps == 4 else "wq8") + (f"-{tags[define]}" if define else "")
             try:
-                engines[name] = engine_for(spec, warps=warps, defines=(define,) if with_define else ())
+                engines[name] = engine_for(spec, warps=warps, defines=(define,) if define else ())
             except Exception as exc:
                 print(f"{name}: no engine ({first_line(exc)})")
     ceiling = read_ceiling_gbps()
@@ -74,7 +78,7 @@ def main() -> int:
     any_engine = next(iter(engines.values()))
     for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, f"bench_{tag}",
                                                 t_start):
-        table.append(comparison_row(label, floor, med, ok, lambda n: n.endswith(f"-{tag}")))
+        table.append(comparison_row(label, floor, med, ok, lambda n: any(n.endswith(f"-{t}") for t in tags.values())))
     print_comparison(table, tag)
     write_rows(rows, args.out, f"bench_{tag}", t_start)
     return 0

@@ -54,6 +54,12 @@
 #ifndef PKV_TRACE
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
+#ifndef PKV_POOL
+#define PKV_POOL 1  // 0 (development): the fused queue without its pool code (items' pools ignored)
+#endif
+#ifndef PKV_RING_STATIC
+#define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
+#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -97,7 +103,12 @@ constexpr int PIPE_BYTES = (Q_ELEMS + STAGES * 2 * STAGE_ELEMS) * 2;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
 // PKV_TMA: 1024 bytes more, so the kernel can align the pipeline to the 1024-byte period of
 // the 128-byte TMA swizzle.
-constexpr int SMEM_BYTES = (PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES) + (PKV_TMA ? 1024 : 0);
+// The pool's ring of claimed stages (decode_item) sits right after the pipeline, in the dynamic
+// shared memory: static shared memory would sit before it and shift the pipeline's base.
+constexpr int POOL_RING = 8;
+constexpr int RING_BYTES = (PKV_POOL && !PKV_RING_STATIC) ? POOL_RING * 4 : 0;
+constexpr int SMEM_BYTES = (PIPE_BYTES + RING_BYTES > COMBINE_BYTES ? PIPE_BYTES + RING_BYTES : COMBINE_BYTES) +
+                           (PKV_TMA ? 1024 : 0);
 #if PKV_TMA
 static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per token row)");
 #endif
@@ -505,10 +516,13 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // k % POOL_RING), -1 once the pool is spent. Claims run ahead of the loads (see the loop), and a
   // ring entry is written at least one barrier before its first read and outlives its tile's use.
   const int ntiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
-  const bool pooled = MODE == FUSED && !TMA && it.pool_hi > it.pool_lo && it.nsplit > 1;
-  constexpr int POOL_RING = 8;
+  const bool pooled = PKV_POOL && MODE == FUSED && !TMA && it.pool_hi > it.pool_lo && it.nsplit > 1;
   static_assert(POOL_RING >= STAGES + 2 && (POOL_RING & (POOL_RING - 1)) == 0, "pool ring: a power of two >= STAGES + 2");
+#if PKV_RING_STATIC
   __shared__ int pool_ring[POOL_RING];
+#else
+  int* pool_ring = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(smem) + PIPE_BYTES);
+#endif
   auto tile_lo = [&](int u) { return u < ntiles ? lo + u * TILE : pool_ring[(u - ntiles) & (POOL_RING - 1)]; };
   auto tile_hi = [&](int u) { return u < ntiles ? hi : it.pool_hi; };
   auto has_tile = [&](int u) { return u < ntiles || (pooled && pool_ring[(u - ntiles) & (POOL_RING - 1)] >= 0); };
