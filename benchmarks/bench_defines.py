@@ -10,7 +10,7 @@ The defines (benchmarks/NOTES.md):
   PKV_EARLY=1  (v12, at commit 6b2f02b only: since then the engine's default, early_kv) the
                first stages' K/V loads of every page but each item's last issued before
                griddepcontrol.wait, overlapping the preceding kernel's tail
-  PKV_POOL=0   (v15) the fused queue without its pool code
+  PKV_POOL=1   (v15) the fused queue with its pool code (items unpooled: what the code alone costs)
   PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
 Several defines, comma-separated, are compared side by side (one variant pair each).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against

@@ -55,7 +55,7 @@
 #define PKV_TRACE 0  // 1: the phases below; 2: stamps 4 and 5 inside the cross-warp combine instead
 #endif
 #ifndef PKV_POOL
-#define PKV_POOL 1  // 0 (development): the fused queue without its pool code (items' pools ignored)
+#define PKV_POOL 0  // 1: the fused queue's pool code (DecodeEngine(pool=...) builds it; opt-in, NOTES v15)
 #endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline

@@ -103,7 +103,7 @@ def test_module_facts(head_dim):
     engine = engine8(AttentionSpec(32, 8, head_dim, 16, "float16"))
     mod = engine.module
     assert (mod.threads, mod.tile, mod.stages) == (32 * WARPS, stage_tokens(WARPS), 3)
-    assert mod.smem_bytes == mod.stages * 2 * mod.tile * head_dim * 2 + 32  # the K/V pipeline, the pool ring
+    assert mod.smem_bytes == mod.stages * 2 * mod.tile * head_dim * 2  # the K/V pipeline
     assert engine.target_items == mod.occupancy * engine.num_sms
     assert engine.min_chunk_tiles == min_chunk_tiles_for(WARPS) == 4
     if head_dim == 128:  # 192 KB: one CTA per SM

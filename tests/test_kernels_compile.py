@@ -110,6 +110,20 @@ def test_the_trace_build_compiles_without_spills(tmp_path, arch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_pool_build_compiles_without_spills(tmp_path, arch, warps):
+    """PKV_POOL=1 (DecodeEngine(pool=...)'s module) compiles its fused kernel without spilling."""
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
+           *compile_options(spec, warps, ("PKV_POOL=1",)), str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
+    assert rows["pkv_decode_fused"]["spill_store_bytes"] == 0 and rows["pkv_decode_fused"]["registers"] <= 255
+
+
+@needs_nvcc
 @pytest.mark.parametrize("warps", [4, 8])
 def test_the_tma_build_compiles_for_hopper_without_spills(tmp_path, warps):
     """PKV_TMA=1 (development: K/V by tensor-map boxes) compiles for sm_90 without spilling, and

@@ -109,3 +109,13 @@ def test_gpu_planner_launch_gets_the_pool():
     engine.pool_units = 4
     plan = engine.plan(make_batch(SPEC, [32768]), "workqueue")
     assert args_of(plan.launches[0].args)["pool_units"] == 4
+
+
+def test_a_pooled_engine_builds_the_pool_code():
+    from persistentkv.engine import with_pool_code
+
+    assert with_pool_code((), 0) == () and with_pool_code(("PKV_TRACE=1",), 0) == ("PKV_TRACE=1",)
+    assert with_pool_code((), 4) == ("PKV_POOL=1",)
+    assert with_pool_code(("PKV_POOL=1", "PKV_TRACE=1"), 4) == ("PKV_POOL=1", "PKV_TRACE=1")
+    with pytest.raises(PKVError, match="pool needs the kernel's pool code"):
+        with_pool_code(("PKV_POOL=0",), 4)

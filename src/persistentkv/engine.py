@@ -53,6 +53,9 @@ split two or more ways keeps this share of its tiles out of its items' ranges, a
 the row's CTAs of each kv head claim a stage at a time (an atomic cursor, the second counter of
 the group) once their own stages are issued, so CTAs that stream faster take more of it
 (plan.pooled_items; benchmarks/NOTES.md, v15). Pool stages are loaded after the wait, never early.
+A pooled engine builds its own module (PKV_POOL=1: the shipped one has no pool code), and its
+sums run in an order that changes from run to run (rounding-level differences between runs).
+Opt-in: on the H200 it has not been faster (NOTES v15).
 """
 
 from __future__ import annotations
@@ -144,6 +147,17 @@ def check_defines(defines) -> tuple[str, ...]:
         require(d.split("=")[0] not in _ENGINE_MACROS,
                 f"define {d!r} sets {d.split('=')[0]}, which the engine derives from the spec and warps")
     return defines
+
+
+def with_pool_code(defines: tuple[str, ...], pool_units: int) -> tuple[str, ...]:
+    """``defines`` plus PKV_POOL=1 when the engine pools (pool_units > 0): the shipped kernel has
+    no pool code (it would read a pooled item's own range only), so a pooled engine builds its
+    own module; a define that turns the pool code off is refused."""
+    if not pool_units:
+        return defines
+    require(all(d.split("=")[0] != "PKV_POOL" or d == "PKV_POOL=1" for d in defines),
+            f"pool needs the kernel's pool code (PKV_POOL=1); defines {defines!r} turn it off")
+    return defines if "PKV_POOL=1" in defines else (*defines, "PKV_POOL=1")
 
 
 def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, defines=()) -> tuple[str, ...]:
@@ -503,6 +517,7 @@ class DecodeEngine:
         require(isinstance(early_kv, bool), f"early_kv must be True or False, got {early_kv!r}")
         #: the fused queue's pool share, in sixteenths (plan.pooled_items; 0: every item owns its range)
         self.pool_units = planner.check_pool(pool)
+        defines = with_pool_code(defines, self.pool_units)
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
