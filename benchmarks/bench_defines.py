@@ -12,7 +12,8 @@ The defines (benchmarks/NOTES.md):
                griddepcontrol.wait, overlapping the preceding kernel's tail
   PKV_POOL=1   (v15) the fused queue with its pool code (items unpooled: what the code alone costs)
   PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
-Several defines, comma-separated, are compared side by side (one variant pair each).
+Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
+defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
@@ -45,7 +46,7 @@ def main() -> int:
     args = bench_args(lambda parser: parser.add_argument(
         "--define", default="PKV_TMA=1", help="the development defines to compare (PKV_NAME[=VALUE], comma-separated)"))
     defines = [d.strip() for d in args.define.split(",") if d.strip()]
-    tags = {d: d.split("=")[0].removeprefix("PKV_").lower() for d in defines}
+    tags = {d: "+".join(x.split("=")[0].removeprefix("PKV_").lower() for x in d.split("+")) for d in defines}
     tag = "_".join(tags.values())
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
@@ -54,7 +55,7 @@ def main() -> int:
         for define in (None, *defines):
             name = ("wq" if warps == 4 else "wq8") + (f"-{tags[define]}" if define else "")
             try:
-                engines[name] = engine_for(spec, warps=warps, defines=(define,) if define else ())
+                engines[name] = engine_for(spec, warps=warps, defines=tuple(define.split("+")) if define else ())
             except Exception as exc:
                 print(f"{name}: no engine ({first_line(exc)})")
     ceiling = read_ceiling_gbps()

@@ -30,7 +30,7 @@ def main() -> int:
         print(med[cols].round(1).to_string())
     for path in sorted(DEV.glob("bench_cluster_*.parquet")) + sorted(DEV.glob("bench_warps_*.parquet")) + \
             sorted(DEV.glob("bench_tma_*.parquet")) + sorted(DEV.glob("bench_early_*.parquet")) + \
-            sorted(DEV.glob("bench_pages_*.parquet")):
+            sorted(DEV.glob("bench_pages_*.parquet")) + sorted(DEV.glob("bench_defines_*.parquet")):
         df = pd.read_parquet(path)
         med = df.groupby(["case", "variant"], sort=False)["time_us"].median().unstack()
         floor = df.groupby("case", sort=False)["floor_us"].first()

@@ -57,6 +57,12 @@
 #ifndef PKV_POOL
 #define PKV_POOL 0  // 1: the fused queue's pool code (DecodeEngine(pool=...) builds it; opt-in, NOTES v15)
 #endif
+#ifndef PKV_POOL_NOCLAIM
+#define PKV_POOL_NOCLAIM 0  // 1 (development, with PKV_POOL=1): no claims in the loop (for an A/B of its cost)
+#endif
+#ifndef PKV_POOL_NOPROLOGUE
+#define PKV_POOL_NOPROLOGUE 0  // 1 (development, with PKV_POOL=1): no claims before the loop (the same)
+#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -149,6 +155,15 @@ __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int sl
   it.pool_lo = b.y;
   it.pool_hi = b.z;
   return it;
+}
+
+// A relaxed atomic add whose result is waited for only where it is used: written as PTX so that
+// the compiler does not aggregate it across the warp (its aggregation broadcasts the result with a
+// shuffle right after the atomic, which stalls the warp for the round trip).
+__device__ __forceinline__ int atom_add_relaxed(int* p, int v) {
+  int old;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v));
+  return old;
 }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -596,18 +611,18 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   int* cursor = p.counters + 2 * (row * p.num_kv_heads + head) + 1;
   int claim = 0;
   bool pool_done = !pooled;  // thread 0's view: no claim in flight or to come
-  if (pooled) {
+  if (pooled && !PKV_POOL_NOPROLOGUE) {
     if (tid == 0) {
       const int m = STAGES + 1 - ntiles;
       if (m > 0) {
-        const int j0 = atomicAdd(cursor, m);
+        const int j0 = atom_add_relaxed(cursor, m);
         for (int r = 0; r < m; ++r) {
           int b = it.pool_lo + (j0 + r) * TILE;
           if (pool_done || b >= it.pool_hi) b = -1, pool_done = true;
           pool_ring[r] = b;
         }
       }
-      if (!pool_done && STAGES + 1 >= ntiles) claim = atomicAdd(cursor, 1);
+      if (!pool_done && STAGES + 1 >= ntiles) claim = atom_add_relaxed(cursor, 1);
     }
     if (ntiles <= STAGES) {  // uniform: the first pool tiles' page ids are fetched here
       __syncthreads();
@@ -775,14 +790,14 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
         mma16816(o[2 * dp + 1], pa, b2, b3);
       }
     }
-    if (tid == 0 && !pool_done) {  // the claim in flight is tile t + STAGES + 1's; claim the next
+    if (!PKV_POOL_NOCLAIM && tid == 0 && !pool_done) {  // the claim in flight is tile t + STAGES + 1's; claim the next
       const int u = t + STAGES + 1;
       if (u >= ntiles) {
         int b = it.pool_lo + claim * TILE;
         if (b >= it.pool_hi) b = -1, pool_done = true;
         pool_ring[(u - ntiles) & (POOL_RING - 1)] = b;
       }
-      if (!pool_done && u + 1 >= ntiles) claim = atomicAdd(cursor, 1);
+      if (!pool_done && u + 1 >= ntiles) claim = atom_add_relaxed(cursor, 1);
     }
   }
   cp_async_wait<0>();
