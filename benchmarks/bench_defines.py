@@ -48,6 +48,7 @@ def main() -> int:
     defines = [d.strip() for d in args.define.split(",") if d.strip()]
     tags = {d: "+".join(x.split("=")[0].removeprefix("PKV_").lower() for x in d.split("+")) for d in defines}
     tag = "_".join(tags.values())
+    file_tag = tag.replace("+", "-")  # the device host returns no file whose name holds a plus sign
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
@@ -77,11 +78,11 @@ def main() -> int:
 
     rows, table = [], []
     any_engine = next(iter(engines.values()))
-    for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, f"bench_{tag}",
+    for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, f"bench_{file_tag}",
                                                 t_start):
         table.append(comparison_row(label, floor, med, ok, lambda n: any(n.endswith(f"-{t}") for t in tags.values())))
     print_comparison(table, tag)
-    write_rows(rows, args.out, f"bench_{tag}", t_start)
+    write_rows(rows, args.out, f"bench_{file_tag}", t_start)
     return 0
 
 
