@@ -244,6 +244,23 @@ def test_engine_verdicts_mid_range_ceiling_and_floor():
     said = " ".join(out["sentences"])
     assert "in 1 of 2 cases" in said and "B=1 x 16K" in said and "1 of 2 steps" in said
     assert "B1xN65536 90.0 %" in said and "does not hold" in said
+    assert out["above_ceiling"] == [] and "Caution" not in said
+
+
+def test_engine_verdicts_flag_a_ceiling_the_kernel_outran():
+    """A step read faster than the run's ceiling (any size) makes the long-range verdict say that
+    the ceiling was low, naming the largest excess."""
+    frames = [
+        bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4),
+        bench_case({"pkv-workqueue": 66.0, "flashinfer-tc": 73.0}, "B64xN1024", 256 << 20, 0.97),
+        bench_case({"pkv-workqueue": 100.0, "flashinfer-tc": 101.0}, "B16xN32768", 2 << 30, 1.057),
+        bench_case({"pkv-workqueue": 50.0, "flashinfer-tc": 51.0}, "B8xN16384", 512 << 20, 1.02),
+    ]
+    out = claims.engine_verdicts(bench_results(frames))
+    assert sorted(c["case"] for c in out["above_ceiling"]) == ["B16xN32768", "B8xN16384"]
+    assert all(c["holds"] for c in out["ceiling"])
+    said = " ".join(out["sentences"])
+    assert "Caution: pkv-workqueue read faster than that ceiling in 2 step(s) (up to 105.7 %, B16xN32768)" in said
 
 
 def test_engine_verdicts_without_bench_rows_say_not_measured():

@@ -699,10 +699,12 @@ def engine_verdicts(results: Results) -> dict:
     baseline (ENGINE_MID_RANGE), the fraction of the same run's read ceiling on steps of at least
     ENGINE_CEILING_BYTES (ENGINE_CEILING), and the floor against the fastest baseline on every
     case (ENGINE_FLOOR). A target holds when every point estimate reaches it; each row says
-    whether its interval clears it too. Absent rows are "not measured", never guessed."""
+    whether its interval clears it too. Absent rows are "not measured", never guessed. Steps of
+    any size that read faster than the run's ceiling are listed (``above_ceiling``): the ceiling is
+    then below what the GPU streamed in that run, and every fraction of it is optimistic."""
     out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "mid_range": [], "ceiling": [], "floor": {},
            "ceiling_target": ENGINE_CEILING, "ceiling_bytes": ENGINE_CEILING_BYTES, "floor_target": ENGINE_FLOOR,
-           "ceiling_gbps": None}
+           "ceiling_gbps": None, "above_ceiling": []}
     cells = [c for c in _cells(results, "bench_kernels", "kernel", holdout=False) if ENGINE_BACKEND in c.point]
     per = analysis.ratios(cells, "baseline-best", backends=[ENGINE_BACKEND])
     by_trace = {str(r.trace): r for r in per.itertuples()}
@@ -722,6 +724,8 @@ def engine_verdicts(results: Results) -> dict:
         mine = bench[(bench["backend"] == ENGINE_BACKEND) & (bench["protocol"] == "kernel")]
         fr = analysis.ceiling_fraction(mine) if not mine.empty else pd.DataFrame()
         for r in fr.itertuples() if not fr.empty else ():
+            if float(r.frac) > 1.0:
+                out["above_ceiling"].append({"case": str(r.trace), "frac": float(r.frac)})
             if int(r.kv_bytes) < ENGINE_CEILING_BYTES:
                 continue
             out["ceiling"].append({"case": str(r.trace), "kv_bytes": int(r.kv_bytes), "frac": float(r.frac),
@@ -762,6 +766,12 @@ def _engine_sentences(entry: dict) -> list[str]:
         said.append(f"Long range: {len(entry['ceiling']) - len(low)} of {len(entry['ceiling'])} steps of at least "
                     f"{entry['ceiling_bytes'] / 2**20:.0f} MiB reach {100 * entry['ceiling_target']:.0f} % of the "
                     f"run's read ceiling{gbps}{where}.")
+        above = entry.get("above_ceiling", [])
+        if above:
+            top = max(above, key=lambda c: c["frac"])
+            said.append(f"Caution: {who} read faster than that ceiling in {len(above)} step(s) (up to "
+                        f"{100 * top['frac']:.1f} %, {top['case']}): this run's ceiling is below what the GPU "
+                        f"streamed, so its fractions overstate how close the kernels come to the hardware.")
     if entry["floor"]:
         f = entry["floor"]
         low = f["min"]
