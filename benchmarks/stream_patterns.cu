@@ -246,36 +246,6 @@ extern "C" __global__ void __launch_bounds__(256) st_pages_tma(const unsigned ch
   pages_body<true>(k, v, pages, npages, sink, pdl, stages, &tmk, &tmv);
 }
 
-// Per-thread 16-byte loads over the row's slabs (8 in flight per thread), CTA = page range.
-extern "C" __global__ void __launch_bounds__(1024) st_pages_loads(const uint4* __restrict__ k,
-                                                                  const uint4* __restrict__ v,
-                                                                  const int* __restrict__ pages, int npages,
-                                                                  unsigned* __restrict__ sink, int pdl) {
-  pdl_begin(pdl);
-  constexpr int VEC = 32768 / 16;  // uint4 per slab
-  int lo, hi;
-  slab_range(npages, lo, hi);
-  unsigned acc = 0u;
-  const int total = 2 * (hi - lo) * VEC;
-  for (int i0 = threadIdx.x; i0 < total; i0 += 8 * blockDim.x) {
-    uint4 x[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i < total) {
-        const int slab = i / VEC, off = i - slab * VEC;
-        const int page = __ldg(pages + lo + slab / 2);
-        x[u] = __ldg((slab & 1 ? v : k) + static_cast<u64>(page) * VEC + off);
-      } else {
-        x[u] = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) acc ^= fold4(x[u]);
-  }
-  publish(acc, sink);
-}
-
 // Per-thread 16-byte loads over a page range, but only K kv heads of each token row (K x 256 B
 // contiguous of the row's 2 KB, the rest read by other CTAs): the pieces a CTA that owns K kv
 // heads of its tokens reads (pkv_decode's items own one, K = 1). 8 / K head groups x page ranges;
@@ -312,6 +282,15 @@ __device__ __forceinline__ void pages_heads_body(const uint4* __restrict__ k, co
     for (int u = 0; u < 8; ++u) acc ^= fold4(x[u]);
   }
   publish(acc, sink);
+}
+
+// Per-thread 16-byte loads over the row's slabs (8 in flight per thread), CTA = page range: the
+// heads body above with all 8 kv heads per CTA (one head group, so the CTA order does not matter).
+extern "C" __global__ void __launch_bounds__(1024) st_pages_loads(const uint4* __restrict__ k,
+                                                                  const uint4* __restrict__ v,
+                                                                  const int* __restrict__ pages, int npages,
+                                                                  unsigned* __restrict__ sink, int pdl) {
+  pages_heads_body<8>(k, v, pages, npages, sink, pdl, 1);
 }
 
 #define ST_PAGES_HEADS(K)                                                                                       \
