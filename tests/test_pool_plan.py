@@ -26,7 +26,7 @@ def queue(lengths, target=132, min_chunk=4):
 
 def groups(items):
     by = {}
-    for idx, (rh, lo, hi, ss, plo, phi) in enumerate(items.tolist()):
+    for rh, lo, hi, ss, plo, phi in items.tolist():
         by.setdefault((rh & 0xFFFF, rh >> 16), []).append((ss & 0xFFFF, ss >> 16, lo, hi, plo, phi))
     return by
 
