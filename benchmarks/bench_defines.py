@@ -2,7 +2,7 @@
 under graph replay.
 
     python benchmarks/bench_defines.py [--define PKV_TMA=1[,PKV_X=1...]] [--out DIR] [--cases B=1x4096,B=4x8192]
-                                       [--repeats 15]
+                                       [--repeats 15] [--warps 4,8]
 
 The defines (benchmarks/NOTES.md):
   PKV_TMA=1    (v10) K/V tiles by TMA, one tensor-map box per lane of warp 0 (16 tokens x 64 dims
@@ -12,8 +12,12 @@ The defines (benchmarks/NOTES.md):
                griddepcontrol.wait, overlapping the preceding kernel's tail
   PKV_POOL=1   (v15) the fused queue with its pool code (items unpooled: what the code alone costs)
   PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
+  PKV_EARLY_ALL=1    early K/V loads (early_kv) of all STAGES first tiles instead of STAGES - 1
+  PKV_EARLY_L2=N     with early K/V loads, the next N tiles prefetched into L2 before the wait
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
-defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1).
+defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
+an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel
+without early K/V loads; PKV_EARLY_ALL=1+early_kv=0 is allowed but loads nothing early).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
@@ -38,25 +42,64 @@ from bench_common import (add_baselines, add_plain_read, add_queue, bench_args, 
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
+ENGINE_SWITCHES = ("early_kv", "pdl")
+
+
+def variant_build(entry: str) -> tuple[tuple[str, ...], dict]:
+    """A '+'-joined --define entry as (kernel defines, DecodeEngine switches): PKV_* parts are
+    defines, NAME=0|1 parts (NAME in ENGINE_SWITCHES) engine switches; anything else a ValueError."""
+    defines, options = [], {}
+    for part in entry.split("+"):
+        if part.startswith("PKV_"):
+            defines.append(part)
+            continue
+        name, _, value = part.partition("=")
+        if name not in ENGINE_SWITCHES or value not in ("0", "1"):
+            raise ValueError(f"{part!r} is neither PKV_NAME[=VALUE] nor one of {', '.join(ENGINE_SWITCHES)} =0|1")
+        options[name] = value == "1"
+    return tuple(defines), options
+
+
+def variant_tag(part: str) -> str:
+    """A part's name in variant names: PKV_EARLY_ALL=1 -> early_all, PKV_EARLY_L2=4 -> early_l2v4,
+    early_kv=0 -> early_kv0."""
+    if part.startswith("PKV_"):
+        name, _, value = part.partition("=")
+        return name.removeprefix("PKV_").lower() + (f"v{value}" if value not in ("", "1") else "")
+    return part.replace("=", "")
+
+
 def main() -> int:
     import torch
 
     from persistentkv.engine import engine_for
 
-    args = bench_args(lambda parser: parser.add_argument(
-        "--define", default="PKV_TMA=1", help="the development defines to compare (PKV_NAME[=VALUE], comma-separated)"))
+    def extra(parser):
+        parser.add_argument("--define", default="PKV_TMA=1",
+                            help="the development defines to compare (PKV_NAME[=VALUE], comma-separated)")
+        parser.add_argument("--warps", default="4,8", help="the modules' warps, comma-separated (4, 8)")
+
+    args = bench_args(extra)
+    warps_list = tuple(int(w) for w in args.warps.split(",") if w.strip())
+    if not warps_list or any(w not in (4, 8) for w in warps_list):
+        raise SystemExit(f"--warps: {args.warps!r} is not a comma-separated list of 4 and 8")
     defines = [d.strip() for d in args.define.split(",") if d.strip()]
-    tags = {d: "+".join(x.split("=")[0].removeprefix("PKV_").lower() for x in d.split("+")) for d in defines}
+    try:
+        builds = {d: variant_build(d) for d in defines}
+    except ValueError as exc:
+        raise SystemExit(f"--define: {exc}") from None
+    tags = {d: "+".join(variant_tag(x) for x in d.split("+")) for d in defines}
     tag = "_".join(tags.values())
     file_tag = tag.replace("+", "-")  # the device host returns no file whose name holds a plus sign
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engines = {}
-    for warps in (4, 8):
+    for warps in warps_list:
         for define in (None, *defines):
             name = ("wq" if warps == 4 else "wq8") + (f"-{tags[define]}" if define else "")
             try:
-                engines[name] = engine_for(spec, warps=warps, defines=tuple(define.split("+")) if define else ())
+                kernel_defines, options = builds[define] if define else ((), {})
+                engines[name] = engine_for(spec, warps=warps, defines=kernel_defines, **options)
             except Exception as exc:
                 print(f"{name}: no engine ({first_line(exc)})")
     ceiling = read_ceiling_gbps()

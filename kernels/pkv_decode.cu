@@ -63,6 +63,12 @@
 #ifndef PKV_POOL_NOPROLOGUE
 #define PKV_POOL_NOPROLOGUE 0  // 1 (development, with PKV_POOL=1): no claims before the loop (the same)
 #endif
+#ifndef PKV_EARLY_ALL
+#define PKV_EARLY_ALL 0  // 1 (development): early K/V loads (p.early bit 1) for all STAGES first tiles, not STAGES - 1
+#endif
+#ifndef PKV_EARLY_L2
+#define PKV_EARLY_L2 0  // N (development): with early K/V loads, also prefetch the next N tiles into L2 before the wait
+#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -598,6 +604,30 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
         if (s < ntiles) issue(s, pg[s], 1);
+      // PKV_EARLY_ALL: tile STAGES - 1 too (its stage is free until the loop's first refill),
+      // its last-page part then issued by the loop's first iteration.
+      if (PKV_EARLY_ALL && STAGES - 1 < ntiles) issue(STAGES - 1, pg_next, 1);
+#if PKV_EARLY_L2
+      // PKV_EARLY_L2: the tiles after those into L2 (one bulk prefetch per token row of the kv
+      // head, 2 * D bytes of K and of V), every page but the item's last, so that the stream goes
+      // on through the preceding kernel's tail past what shared memory holds.
+      for (int u = STAGES; u < STAGES + PKV_EARLY_L2 && u < ntiles; ++u) {
+        int pgu[LOADS];
+        fetch_pages(u, pgu);
+        if (lc == 0) {
+          const int t0 = lo + u * TILE;
+#pragma unroll
+          for (int i = 0; i < LOADS; ++i) {
+            const int tok = t0 + lr + ROWS_PER_PASS * i;
+            if (tok < hi && (tok >> p.log2_page) != last_page) {
+              const long long off = (long long)pgu[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st;
+              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kbase + off), "r"(D * 2) : "memory");
+              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(vbase + off), "r"(D * 2) : "memory");
+            }
+          }
+        }
+      }
+#endif
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -704,7 +734,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
       if (PKV_TRACE && t == 0) stamp(2);
       if (ahead) {
-        issue(t + STAGES - 1, pg_next, 0);
+        issue(t + STAGES - 1, pg_next, PKV_EARLY_ALL && early_kv && t == 0 && STAGES - 1 < ntiles ? 2 : 0);
         ahead = has_tile(t + STAGES);
         if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
       }
