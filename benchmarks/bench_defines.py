@@ -14,6 +14,8 @@ The defines (benchmarks/NOTES.md):
   PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
   PKV_EARLY_ALL=1    early K/V loads (early_kv) of all STAGES first tiles instead of STAGES - 1
   PKV_EARLY_L2=N     with early K/V loads, the next N tiles prefetched into L2 before the wait
+  PKV_COMBINE1=1     the cross-warp combine with one barrier (each warp's O unscaled)
+  PKV_FIXED_MERGER=1 each group's last split merges after the others' release adds (no atomic reply)
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel

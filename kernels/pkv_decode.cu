@@ -69,6 +69,12 @@
 #ifndef PKV_EARLY_L2
 #define PKV_EARLY_L2 0  // N (development): with early K/V loads, also prefetch the next N tiles into L2 before the wait
 #endif
+#ifndef PKV_COMBINE1
+#define PKV_COMBINE1 0  // 1 (development): the cross-warp combine with one barrier (unscaled O, weights where summed)
+#endif
+#ifndef PKV_FIXED_MERGER
+#define PKV_FIXED_MERGER 0  // 1 (development): each group's last split merges, waiting for the others' release adds
+#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -851,6 +857,19 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     redM[warp * 16 + g1] = m1;
     redL[warp * 16 + g1] = l1;
   }
+#if PKV_COMBINE1
+  {  // every warp's O unscaled; each thread weighs the warps' rows where it sums them (below)
+    const int c = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (g0 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g0) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][0], o[j][1]);
+      if (g1 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g1) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][2], o[j][3]);
+    }
+  }
+  __syncthreads();
+  stamp_if(2, 4);
+  stamp_if(2, 5);
+#else
   __syncthreads();
   stamp_if(2, 4);
   float M0 = NEG_INF, M1 = NEG_INF;
@@ -871,6 +890,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
   __syncthreads();
   stamp_if(2, 5);
+#endif
 
   float* pub_o = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + PUB_OFFSET);  // [16][D]
   float* pub_lse = pub_o + 16 * D;                                                                // [16]
@@ -886,9 +906,16 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const float2 v = *reinterpret_cast<const float2*>(obuf + (w * 16 + g) * OBUF_STRIDE + d);
+#if PKV_COMBINE1
+      const float e = M != NEG_INF ? fast_exp2(redM[w * 16 + g] - M) : 0.f;  // an empty warp: O = 0, l = 0
+      acc.x += v.x * e;
+      acc.y += v.y * e;
+      L += redL[w * 16 + g] * e;
+#else
       acc.x += v.x;
       acc.y += v.y;
       if (M != NEG_INF) L += redL[w * 16 + g] * fast_exp2(redM[w * 16 + g] - M);
+#endif
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     const float2 val = make_float2(acc.x * inv, acc.y * inv);
@@ -922,6 +949,31 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // publishing with a release increment the last one waits for, was measured too: no faster,
   // benchmarks/NOTES.md v9.)
   __syncthreads();
+#if PKV_FIXED_MERGER
+  // The group's last split merges: the others publish their states with a release add and leave
+  // without waiting for a reply; it waits (acquire loads) until the other nsplit - 1 have added.
+  // Its group's other CTAs have lower block indices, so they are scheduled before it.
+  {
+    const bool merger = it.split == it.nsplit - 1;
+    int* counter = p.counters + 2 * (row * p.num_kv_heads + head);
+    if (!merger) {
+      if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+      return;
+    }
+    if (tid == 0) {
+      int n;
+      do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(counter) : "memory");
+      } while (n < it.nsplit - 1);
+      counter[0] = 0;  // ready for the next launch: every other CTA of the group has added
+      if (pooled) counter[1] = 0;
+    }
+    __syncthreads();
+    stamp_if(1, 5);
+    merge_group(p, row, head, slot - it.split, it.nsplit);
+    return;
+  }
+#endif
   if (tid == 0) {
     int* counter = p.counters + 2 * (row * p.num_kv_heads + head);
     int prev;
