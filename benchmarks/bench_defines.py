@@ -12,10 +12,11 @@ The defines (benchmarks/NOTES.md):
                griddepcontrol.wait, overlapping the preceding kernel's tail
   PKV_POOL=1   (v15) the fused queue with its pool code (items unpooled: what the code alone costs)
   PKV_RING_STATIC=1  (v15) the pool's ring in static shared memory (before the pipeline)
-  PKV_EARLY_ALL=1    early K/V loads (early_kv) of all STAGES first tiles instead of STAGES - 1
-  PKV_EARLY_L2=N     with early K/V loads, the next N tiles prefetched into L2 before the wait
-  PKV_COMBINE1=1     the cross-warp combine with one barrier (each warp's O unscaled)
-  PKV_FIXED_MERGER=1 each group's last split merges after the others' release adds (no atomic reply)
+  PKV_EARLY_ALL=1    (at commits aea7892-09eb4bd only) early K/V loads of all STAGES first tiles
+                     instead of STAGES - 1
+  PKV_EARLY_L2=N     (the same) with early K/V loads, the next N tiles prefetched into L2
+  PKV_COMBINE1=1     (at 09eb4bd only; the kernel's combine since) the cross-warp combine with one barrier
+  PKV_FIXED_MERGER=1 (at 09eb4bd only) each group's last split merges after the others' release adds
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel

@@ -63,18 +63,6 @@
 #ifndef PKV_POOL_NOPROLOGUE
 #define PKV_POOL_NOPROLOGUE 0  // 1 (development, with PKV_POOL=1): no claims before the loop (the same)
 #endif
-#ifndef PKV_EARLY_ALL
-#define PKV_EARLY_ALL 0  // 1 (development): early K/V loads (p.early bit 1) for all STAGES first tiles, not STAGES - 1
-#endif
-#ifndef PKV_EARLY_L2
-#define PKV_EARLY_L2 0  // N (development): with early K/V loads, also prefetch the next N tiles into L2 before the wait
-#endif
-#ifndef PKV_COMBINE1
-#define PKV_COMBINE1 0  // 1 (development): the cross-warp combine with one barrier (unscaled O, weights where summed)
-#endif
-#ifndef PKV_FIXED_MERGER
-#define PKV_FIXED_MERGER 0  // 1 (development): each group's last split merges, waiting for the others' release adds
-#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -136,7 +124,9 @@ static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per to
 constexpr int PUB_OFFSET = (COMBINE_BYTES + 15) / 16 * 16;
 constexpr int PUB_BYTES = (16 * D + 16) * 4;
 static_assert(PUB_OFFSET + PUB_BYTES <= SMEM_BYTES, "cluster publication region must fit in SMEM_BYTES");
-constexpr int MAX_CLUSTER = 16;  // CTAs per cluster; 16 is non-portable (8 is the portable limit)
+constexpr int MAX_CLUSTER = 16;
+// decode_item: a group of this many splits or more loads no item of 2..STAGES-1 tiles early.
+constexpr int EARLY_SKIP_SPLITS = 8;  // CTAs per cluster; 16 is non-portable (8 is the portable limit)
 
 // Tail of decode_item: write a partial state (or the output when the item is its row's only
 // split); the same, then the last CTA of the group merges through global memory; or publish the
@@ -565,7 +555,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // part 0: the tile's loads; early K/V loads (p.early bit 1) split them in two: part 1 every page
   // but the item's last (and the zero fill past hi), part 2 the item's last page.
   const int last_page = (hi - 1) >> p.log2_page;
-  const bool early_kv = !TMA && (p.early & 2);
+  // Early K/V loads, but not for an item of 2..STAGES-1 tiles in a group of EARLY_SKIP_SPLITS or
+  // more splits: there the early loads cover the whole item, all CTAs' at once, while the
+  // previous call's merges (as many states each) still run, and that call ends later by more
+  // than the loads gain (B=1 x 4K: 10.5 -> 9.8 us without them; benchmarks/NOTES.md).
+  const bool early_kv = !TMA && (p.early & 2) &&
+                        !(ntiles > 1 && ntiles <= STAGES - 1 && it.nsplit >= EARLY_SKIP_SPLITS);
   auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
     const int stage = tile % STAGES;
     const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
@@ -610,30 +605,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
         if (s < ntiles) issue(s, pg[s], 1);
-      // PKV_EARLY_ALL: tile STAGES - 1 too (its stage is free until the loop's first refill),
-      // its last-page part then issued by the loop's first iteration.
-      if (PKV_EARLY_ALL && STAGES - 1 < ntiles) issue(STAGES - 1, pg_next, 1);
-#if PKV_EARLY_L2
-      // PKV_EARLY_L2: the tiles after those into L2 (one bulk prefetch per token row of the kv
-      // head, 2 * D bytes of K and of V), every page but the item's last, so that the stream goes
-      // on through the preceding kernel's tail past what shared memory holds.
-      for (int u = STAGES; u < STAGES + PKV_EARLY_L2 && u < ntiles; ++u) {
-        int pgu[LOADS];
-        fetch_pages(u, pgu);
-        if (lc == 0) {
-          const int t0 = lo + u * TILE;
-#pragma unroll
-          for (int i = 0; i < LOADS; ++i) {
-            const int tok = t0 + lr + ROWS_PER_PASS * i;
-            if (tok < hi && (tok >> p.log2_page) != last_page) {
-              const long long off = (long long)pgu[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st;
-              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kbase + off), "r"(D * 2) : "memory");
-              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(vbase + off), "r"(D * 2) : "memory");
-            }
-          }
-        }
-      }
-#endif
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -740,7 +711,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
       if (PKV_TRACE && t == 0) stamp(2);
       if (ahead) {
-        issue(t + STAGES - 1, pg_next, PKV_EARLY_ALL && early_kv && t == 0 && STAGES - 1 < ntiles ? 2 : 0);
+        issue(t + STAGES - 1, pg_next, 0);
         ahead = has_tile(t + STAGES);
         if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
       }
@@ -857,8 +828,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     redM[warp * 16 + g1] = m1;
     redL[warp * 16 + g1] = l1;
   }
-#if PKV_COMBINE1
-  {  // every warp's O unscaled; each thread weighs the warps' rows where it sums them (below)
+  {  // each warp's O as it stands, relative to its own row maxima; weighed below, where summed
     const int c = (lane & 3) * 2;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -869,33 +839,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   __syncthreads();
   stamp_if(2, 4);
   stamp_if(2, 5);
-#else
-  __syncthreads();
-  stamp_if(2, 4);
-  float M0 = NEG_INF, M1 = NEG_INF;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
-    M0 = fmaxf(M0, redM[w * 16 + g0]);
-    M1 = fmaxf(M1, redM[w * 16 + g1]);
-  }
-  const float sc0 = M0 == NEG_INF ? 0.f : fast_exp2(m0 - M0);
-  const float sc1 = M1 == NEG_INF ? 0.f : fast_exp2(m1 - M1);
-  {
-    const int c = (lane & 3) * 2;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      if (g0 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g0) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][0] * sc0, o[j][1] * sc0);
-      if (g1 < G) *reinterpret_cast<float2*>(obuf + (warp * 16 + g1) * OBUF_STRIDE + j * 8 + c) = make_float2(o[j][2] * sc1, o[j][3] * sc1);
-    }
-  }
-  __syncthreads();
-  stamp_if(2, 5);
-#endif
 
   float* pub_o = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + PUB_OFFSET);  // [16][D]
   float* pub_lse = pub_o + 16 * D;                                                                // [16]
   // Two adjacent dims per thread; each thread derives its row's (M, L) from the WARPS warps'
-  // (m, l) itself (broadcast reads), so no serial block sits before the barrier above.
+  // (m, l) itself (broadcast reads) and weighs warp w's O by 2^(m_w - M), so one barrier suffices
+  // (the combine of v9-v15 scaled O before a second barrier: 1-2 % slower below ~16K tokens).
   constexpr int D2 = D / 2;
   for (int idx = tid; idx < G * D2; idx += THREADS) {
     const int g = idx / D2, d = (idx - g * D2) * 2;
@@ -906,16 +855,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const float2 v = *reinterpret_cast<const float2*>(obuf + (w * 16 + g) * OBUF_STRIDE + d);
-#if PKV_COMBINE1
       const float e = M != NEG_INF ? fast_exp2(redM[w * 16 + g] - M) : 0.f;  // an empty warp: O = 0, l = 0
       acc.x += v.x * e;
       acc.y += v.y * e;
       L += redL[w * 16 + g] * e;
-#else
-      acc.x += v.x;
-      acc.y += v.y;
-      if (M != NEG_INF) L += redL[w * 16 + g] * fast_exp2(redM[w * 16 + g] - M);
-#endif
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     const float2 val = make_float2(acc.x * inv, acc.y * inv);
@@ -949,31 +892,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // publishing with a release increment the last one waits for, was measured too: no faster,
   // benchmarks/NOTES.md v9.)
   __syncthreads();
-#if PKV_FIXED_MERGER
-  // The group's last split merges: the others publish their states with a release add and leave
-  // without waiting for a reply; it waits (acquire loads) until the other nsplit - 1 have added.
-  // Its group's other CTAs have lower block indices, so they are scheduled before it.
-  {
-    const bool merger = it.split == it.nsplit - 1;
-    int* counter = p.counters + 2 * (row * p.num_kv_heads + head);
-    if (!merger) {
-      if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
-      return;
-    }
-    if (tid == 0) {
-      int n;
-      do {
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(n) : "l"(counter) : "memory");
-      } while (n < it.nsplit - 1);
-      counter[0] = 0;  // ready for the next launch: every other CTA of the group has added
-      if (pooled) counter[1] = 0;
-    }
-    __syncthreads();
-    stamp_if(1, 5);
-    merge_group(p, row, head, slot - it.split, it.nsplit);
-    return;
-  }
-#endif
   if (tid == 0) {
     int* counter = p.counters + 2 * (row * p.num_kv_heads + head);
     int prev;
