@@ -63,6 +63,12 @@
 #ifndef PKV_POOL_NOPROLOGUE
 #define PKV_POOL_NOPROLOGUE 0  // 1 (development, with PKV_POOL=1): no claims before the loop (the same)
 #endif
+#ifndef PKV_EARLY_STAGES
+#define PKV_EARLY_STAGES 0  // N > 0 (development): early K/V loads of the first min(N, STAGES - 1) tiles only
+#endif
+#ifndef PKV_L2HINT
+#define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
+#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -175,7 +181,13 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
   // src-size 0 zero-fills the 16 bytes: masked tokens read as zeros, never as stale data.
   const int bytes = valid ? 16 : 0;
+#if PKV_L2HINT == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#elif PKV_L2HINT == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -604,7 +616,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     if (early_kv) {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
-        if (s < ntiles) issue(s, pg[s], 1);
+        if (s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES)) issue(s, pg[s], 1);
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -673,7 +685,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (has_tile(s)) issue(s, pg[s], early_kv && s < ntiles ? 2 : 0);
+      if (has_tile(s)) issue(s, pg[s], early_kv && s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES) ? 2 : 0);
       cp_async_commit();
     }
   }
