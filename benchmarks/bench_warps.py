@@ -17,6 +17,11 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
                 and longer items (wq@x0.5: one 4-warp CTA per SM, leaving each SM room for one CTA
                 of the next call, which PDL lets start its early K/V loads there)
   wq-poolU, wq8-poolU   the queues with a pool of U sixteenths of each row (--pools, DecodeEngine(pool=U/16))
+  wqh, wqh8     (--spare) the same queues planned on the host (route workqueue_host)
+  wqh-spareL, wqh8-spareL, wqh-spareF, wqh8-spareF   (--spare) the host queue with its spare slots
+                (target_items - items) given to the last (L) or first (F) groups, one more split
+                each: the hardware hands out CTAs in block order as SMs free up, so the last ones
+                land on the SMs the previous call's merges held and start late (NOTES, "Late CTAs")
   wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
                 the others use it where the device has it (sm_90), so consecutive calls of a graph
                 overlap one call's start with the last one's end
@@ -50,8 +55,48 @@ from persistentkv.spec import AttentionSpec  # noqa: E402
 CLUSTER_SIZES = (8, 16)
 
 
+def spare_split(host, target_items: int, last: bool):
+    """``host`` (a workqueue_host Plan, items in (row, kv head, split) order) with its spare slots,
+    target_items - items, given to as many groups of the queue's end (``last``) or start, one
+    more split each over the same tokens (plan._items_for_rows' balanced ranges)."""
+    import dataclasses
+
+    import numpy as np
+
+    items = host.items.astype(np.int64)
+    spare = target_items - items.shape[0]
+    starts = np.flatnonzero((items[:, 3] & 0xFFFF) == 0)
+    bounds = list(zip(starts, list(starts[1:]) + [items.shape[0]]))
+    chosen = set(range(len(bounds) - spare, len(bounds)) if last else range(spare)) if spare > 0 else set()
+    tile = planner.TILE_TOKENS
+    blocks = []
+    for g, (a, b) in enumerate(bounds):
+        block = items[a:b]
+        if g in chosen and block[-1, 2] - block[0, 1] >= tile * (b - a + 1):
+            n_tok, S = int(block[-1, 2]), b - a + 1
+            T = -(-n_tok // tile)
+            s = np.arange(S)
+            lo, hi = np.minimum(T * s // S * tile, n_tok), np.minimum(T * (s + 1) // S * tile, n_tok)
+            block = np.stack([np.full(S, block[0, 0]), lo, hi, s | (S << 16)], axis=1)
+        blocks.append(block)
+    new = np.concatenate(blocks).astype(np.int32)
+    return dataclasses.replace(host, items=new, merge_groups=planner._merge_groups(new, 0),
+                               launches=(planner.Launch("fused", 0, new.shape[0]),))
+
+
+def add_spare(add, batch, name: str, engine) -> None:
+    """Register the host-planned queue (``name``) and its spare-split forms (``name``-spareL/F)."""
+    def plan_with(last):
+        host = planner.plan_workqueue(batch, target_items=engine.target_items, min_chunk_tiles=engine.min_chunk_tiles)
+        if last is not None:
+            host = spare_split(host, engine.target_items, last)
+        return engine._upload(batch, host, "workqueue_host")
+    for suffix, last in (("", None), ("-spareL", True), ("-spareF", False)):
+        add(name + suffix, lambda last=last: plan_with(last), engine_run(engine))
+
+
 def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | None = None,
-                 waves: tuple = (), pool_engines: dict | None = None) -> dict:
+                 waves: tuple = (), pool_engines: dict | None = None, spare: bool = False) -> dict:
     """name -> (plan, run(kv, plan, out)) over ``engines`` (warps -> DecodeEngine, PDL where the
     device has it) and ``plain_engines`` (warps -> DecodeEngine(pdl=False)); a variant that cannot
     be planned is reported and left out."""
@@ -64,6 +109,8 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
             add_queue(add, batch, f"{name}@x{w:g}", engine, target_items=max(1, round(w * engine.target_items)))
         if warps == 4:
             add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
+        if spare:
+            add_spare(add, batch, "wqh" if warps == 4 else f"wqh{warps}", engine)
     for warps, engine in (plain_engines or {}).items():
         add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + "-nopdl", engine)
     for (warps, units), engine in (pool_engines or {}).items():
@@ -79,7 +126,7 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
 
 
 def is_w8(name: str) -> bool:
-    return name.startswith("wq8") or name.endswith("w8")
+    return name.startswith(("wq8", "wqh8")) or name.endswith("w8")
 
 
 def main() -> int:
@@ -91,6 +138,8 @@ def main() -> int:
         parser.add_argument("--waves", default="", help="comma-separated multiples w of each queue's default "
                             "target_items: adds the variants wq@xw and wq8@xw (w waves of items, shorter items "
                             "on ragged rows)")
+        parser.add_argument("--spare", action="store_true", help="adds the host-planned queues and their "
+                            "spare-split forms (wqh, wqh-spareL, wqh-spareF and the 8-warp ones)")
         parser.add_argument("--pools", default="", help="comma-separated pool shares (multiples of 1/16): adds "
                             "wq-poolU and wq8-poolU, U = share x 16")
 
@@ -127,7 +176,7 @@ def main() -> int:
     baselines = load_baselines(spec)
     rows, table = [], []
     def variants(batch):
-        return variants_for(engines, batch, baselines, plain_engines, waves, pool_engines)
+        return variants_for(engines, batch, baselines, plain_engines, waves, pool_engines, args.spare)
 
     for label, _, med, ok, floor in timed_cases(engine, spec, args, variants, ceiling, rows, "bench_warps", t_start):
         ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
