@@ -165,6 +165,31 @@ __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int sl
   return it;
 }
 
+// The same item, by loads the compiler keeps where they are written (PKV_ITEM_OR_RETURN).
+__device__ __forceinline__ Item load_item_now(const int4* __restrict__ items, int slot) {
+  int4 a, b;
+  asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a.x), "=r"(a.y), "=r"(a.z), "=r"(a.w) : "l"(items + 2 * slot));
+  asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "l"(items + 2 * slot + 1));
+  Item it;
+  it.row = a.x & 0xFFFF;
+  it.head = (unsigned)a.x >> 16;
+  it.lo = a.y;
+  it.hi = a.z;
+  it.split = a.w & 0xFFFF;
+  it.nsplit = a.w >> 16;  // arithmetic shift: a garbage word past the count may read negative
+  it.page_base = b.x;
+  it.pool_lo = b.y;
+  it.pool_hi = b.z;
+  return it;
+}
+__device__ __forceinline__ int ld_volatile(const int* p) {
+  int v;
+  asm volatile("ld.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // A relaxed atomic add whose result is waited for only where it is used: written as PTX so that
 // the compiler does not aggregate it across the warp (its aggregation broadcasts the result with a
 // shuffle right after the atomic, which stalls the warp for the round trip).
@@ -979,6 +1004,19 @@ __device__ __forceinline__ void trace_end(int slot, const Item& it) {
 #define PKV_SMEM_BASE(raw) (raw)
 #endif
 
+// This CTA's slot and item, or return when a GPU-planned launch has fewer items than CTAs. The
+// item is loaded together with the count, not after it: its buffer holds every CTA's slot
+// (max_items), and a CTA past the count leaves without using what it read. Loaded after the count,
+// the item cost each GPU-planned CTA one more global round trip before its first page ids.
+// The count is a volatile asm load (as __ldg, an invariant load to the compiler, it was hoisted
+// above the kernel's griddepcontrol.wait), and the return tests a word of the item as well (never
+// negative in a real item: nsplit < 2^15, page_base >= 0), so that ptxas cannot sink the item's loads below it.
+#define PKV_ITEM_OR_RETURN(slot, it)                                                   \
+  const int slot = slot_offset + blockIdx.x;                                           \
+  const int pkv_count = num_items != nullptr ? pkv::ld_volatile(num_items) : (int)gridDim.x; \
+  const pkv::Item it = pkv::load_item_now(items, slot);                                \
+  if ((int)blockIdx.x >= pkv_count || it.nsplit < 0 || it.page_base < 0) return
+
 #define PKV_DECODE_ARGS                                                                              \
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
       const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
@@ -996,9 +1034,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PKV_TRACE_BEGIN;
   if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
-  if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
-  const int slot = slot_offset + blockIdx.x;
-  const pkv::Item it = pkv::load_item(items, slot);
+  PKV_ITEM_OR_RETURN(slot, it);
   pkv::decode_item<pkv::PARTIAL>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
   PKV_TRACE_END(slot, it);
 }
@@ -1008,9 +1044,7 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_
   extern __shared__ __align__(16) unsigned char smem_raw[];
   PKV_TRACE_BEGIN;
   if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
-  if (num_items != nullptr && (int)blockIdx.x >= *num_items) return;
-  const int slot = slot_offset + blockIdx.x;
-  const pkv::Item it = pkv::load_item(items, slot);
+  PKV_ITEM_OR_RETURN(slot, it);
   pkv::decode_item<pkv::FUSED>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
   PKV_TRACE_END(slot, it);
 }
