@@ -6,8 +6,13 @@ copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsyn
                bytes moved = read + written = 2 x buffer size.
 
 Each repeat is timed with CUDA events after warm-up launches; the rows (backend ``read-ceiling``
-/ ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into every GPU output, and the
-median read GB/s becomes ``read_ceiling_gbps`` of every timing row of the run.
+/ ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into every GPU output. A GPU
+command measures both ceilings before its cases and again after them (the later repeats numbered
+on from the earlier ones), and the run's read ceiling, ``read_ceiling_gbps`` of every row, is the
+higher of the two medians (:func:`run_read_gbps`): what the GPU streamed when it streamed best in
+that run. Measured once, at the start, it varied between 4146 and 4504 GB/s from run to run on one
+H200 while the attention kernels' times did not, and one run's kernels read faster than it
+(benchmarks/NOTES.md, "Where v15 stands").
 
 The kernel is compiled with CuPy (RawModule, NVRTC) and launched on torch's current stream, on
 memory torch owns (shared through DLPack, no copy).
@@ -116,6 +121,20 @@ def median_gbps(samples: list[CeilingSample], backend: str = "read-ceiling") -> 
     return float(np.median(values)) if values else math.nan
 
 
+def run_read_gbps(phases) -> float:
+    """The run's read ceiling from the samples of each of its ceiling measurements (``phases``: one
+    list of samples per measurement): the highest median read GB/s, NaN when no phase has one."""
+    medians = [m for m in (median_gbps(list(p)) for p in phases) if math.isfinite(m)]
+    return max(medians) if medians else math.nan
+
+
+def renumbered(samples, first: int) -> list[CeilingSample]:
+    """``samples`` with their repeats moved on to start at ``first`` (a later phase of one run)."""
+    from dataclasses import replace
+
+    return [replace(s, repeat=s.repeat + first) for s in samples]
+
+
 def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int = READ_BYTES,
                      copy_bytes: int = COPY_BYTES, log=print) -> tuple[list[CeilingSample], dict[str, str]]:
     """(samples, {backend: reason}) - a ceiling that cannot be measured gives a reason, not a crash."""
@@ -139,11 +158,13 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
     return samples, failures
 
 
-def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str) -> list[dict]:
-    """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling."""
+def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str,
+                 read_gbps: float | None = None) -> list[dict]:
+    """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling.
+    ``read_gbps``: the run's read ceiling (default the median read GB/s of ``samples``)."""
     from .measure.rows import raw_row
 
-    read = median_gbps(samples)
+    read = median_gbps(samples) if read_gbps is None else float(read_gbps)
     common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
                   num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
                   protocol="ceiling", layers=1, read_ceiling_gbps=read)

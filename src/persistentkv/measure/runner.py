@@ -30,11 +30,35 @@ def _device():
     return device
 
 
-def _ceilings(device, run_id: str, experiment: str, quick: bool):
-    from ..ceiling import ceiling_rows, measure_ceilings, median_gbps
+def _ceilings(device, quick: bool):
+    """One measurement of both ceilings: (samples, {backend: why not measured})."""
+    from ..ceiling import measure_ceilings
 
-    samples, failures = measure_ceilings(device, repeats=3 if quick else 5, warmup=2, log=log)
-    return ceiling_rows(samples, failures, run_id, experiment), median_gbps(samples)
+    return measure_ceilings(device, repeats=3 if quick else 5, warmup=2, log=log)
+
+
+def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[dict]:
+    """The ceilings measured before and after ``body(ceiling_gbps)`` (which runs the cases and
+    returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
+    run's read ceiling (ceiling.run_read_gbps: the higher median), after the ceiling rows of both
+    measurements. A ceiling fails only if neither measurement has it."""
+    from ..ceiling import ceiling_rows, median_gbps, renumbered, run_read_gbps
+    from .statistics import frac_of_ceiling
+
+    before, failed_before = _ceilings(device, quick)
+    rows = body(median_gbps(before))
+    after, failed_after = _ceilings(device, quick)
+    after = renumbered(after, 1 + max((s.repeat for s in before), default=-1))
+    read = run_read_gbps([before, after])
+    log(f"read ceiling: {median_gbps(before):.0f} GB/s before the cases, {median_gbps(after):.0f} after; "
+        f"the run's: {read:.0f}")
+    measured = {s.backend for s in before + after}
+    failures = {b: why for b, why in {**failed_after, **failed_before}.items() if b not in measured}
+    for row in rows:
+        row["read_ceiling_gbps"] = read
+        if row.get("status") == "ok":
+            row["frac_of_ceiling"] = frac_of_ceiling(row["kv_bytes"], row["per_layer_us"], read)
+    return ceiling_rows(before + after, failures, run_id, experiment, read_gbps=read) + rows
 
 
 def _write(out: str, frame, run_id: str, record: dict) -> None:
@@ -56,14 +80,14 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     device = _device()
     started = utc_now()
     run_id = new_run_id(experiment, started)
-    rows, ceiling = _ceilings(device, run_id, experiment, quick)
     settings = Settings.from_config(config, protocols=experiment_protocols(config, experiment), quick=quick,
                                     seed=int(config["seeds"]["calibration"]))
     log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
         f"{settings.repeats} repeats ({settings.repeats_of('step')} of step rows) after {settings.warmup} "
         f"warm-up rounds")
-    ctx = RunContext(run_id, ceiling, log=log)
-    rows += run_cases(cases, device, BackendFactory(), settings, ctx)
+    rows = _bracketed(device, run_id, experiment, quick,
+                      lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
+                                                RunContext(run_id, ceiling, log=log)))
     frame = raw_frame(rows)
     _write(out, frame, run_id, collect(config, seeds_of(cases), started, device))
     _summary(frame)
@@ -88,10 +112,11 @@ def run_bench(config_path: str, out: str, policy: str | None, backends: list[str
     device = _device()
     started = utc_now()
     run_id = new_run_id("bench_kernels", started)
-    rows, ceiling = _ceilings(device, run_id, "bench_kernels", quick)
     settings = Settings.from_config(config, protocols=("kernel", "eager"), quick=quick,
                                     seed=int(config["seeds"]["calibration"]), bench=True)
-    rows += run_cases(cases, device, BackendFactory(), settings, RunContext(run_id, ceiling, log=log))
+    rows = _bracketed(device, run_id, "bench_kernels", quick,
+                      lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
+                                                RunContext(run_id, ceiling, log=log)))
     frame = raw_frame(rows)
     _write(out, frame, run_id, collect(config, [0], started, device))
     _summary(frame)
