@@ -1029,25 +1029,20 @@ __device__ __forceinline__ void trace_end(int slot, const Item& it) {
            num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early \
            PKV_TMA_FILL}
 
-extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode(PKV_DECODE_ARGS) {
-  PKV_FILL_PARAMS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  PKV_TRACE_BEGIN;
-  if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
-  PKV_ITEM_OR_RETURN(slot, it);
-  pkv::decode_item<pkv::PARTIAL>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
-  PKV_TRACE_END(slot, it);
-}
-
-extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) pkv_decode_fused(PKV_DECODE_ARGS) {
-  PKV_FILL_PARAMS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  PKV_TRACE_BEGIN;
-  if (!early) pkv::grid_wait();  // the item and the GPU-planned count may be the preceding kernel's
-  PKV_ITEM_OR_RETURN(slot, it);
-  pkv::decode_item<pkv::FUSED>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));
-  PKV_TRACE_END(slot, it);
-}
+// The work-queue kernels: pkv_decode writes partial states (a separate pkv_merge combines them),
+// pkv_decode_fused merges in the last CTA of each group.
+#define PKV_DECODE_KERNEL(NAME, MODE)                                                                  \
+  extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) NAME(PKV_DECODE_ARGS) { \
+    PKV_FILL_PARAMS;                                                                                 \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                        \
+    PKV_TRACE_BEGIN;                                                                                 \
+    if (!early) pkv::grid_wait(); /* the item and the GPU-planned count may be the preceding kernel's */ \
+    PKV_ITEM_OR_RETURN(slot, it);                                                                    \
+    pkv::decode_item<MODE>(p, slot, it, reinterpret_cast<kv_t*>(PKV_SMEM_BASE(smem_raw)));          \
+    PKV_TRACE_END(slot, it);                                                                         \
+  }
+PKV_DECODE_KERNEL(pkv_decode, pkv::PARTIAL)
+PKV_DECODE_KERNEL(pkv_decode_fused, pkv::FUSED)
 
 // The cluster route: grid = B * Hkv * C CTAs, blockIdx.x = (row * Hkv + head) * C + rank, one
 // thread-block cluster of C CTAs per (row, kv head). No items, counters or partial states in
