@@ -146,27 +146,11 @@ struct Item {
   int row, head, lo, hi, split, nsplit, page_base, pool_lo, pool_hi;
 };
 
+// Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, pool_lo, pool_hi, 0);
+// pool_hi > pool_lo: tokens [pool_lo, pool_hi) of the row are its (row, kv head)'s pool, claimed a
+// stage at a time by the group's CTAs (fused work queue; plan.pooled_items). Loaded by volatile asm,
+// which the compiler keeps where it is written (PKV_ITEM_OR_RETURN).
 __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int slot) {
-  // Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, pool_lo, pool_hi, 0);
-  // pool_hi > pool_lo: tokens [pool_lo, pool_hi) of the row are its (row, kv head)'s pool, claimed
-  // a stage at a time by the group's CTAs (fused work queue; plan.pooled_items).
-  const int4 a = __ldg(items + 2 * slot);
-  const int4 b = __ldg(items + 2 * slot + 1);
-  Item it;
-  it.row = a.x & 0xFFFF;
-  it.head = (unsigned)a.x >> 16;
-  it.lo = a.y;
-  it.hi = a.z;
-  it.split = a.w & 0xFFFF;
-  it.nsplit = (unsigned)a.w >> 16;
-  it.page_base = b.x;
-  it.pool_lo = b.y;
-  it.pool_hi = b.z;
-  return it;
-}
-
-// The same item, by loads the compiler keeps where they are written (PKV_ITEM_OR_RETURN).
-__device__ __forceinline__ Item load_item_now(const int4* __restrict__ items, int slot) {
   int4 a, b;
   asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a.x), "=r"(a.y), "=r"(a.z), "=r"(a.w) : "l"(items + 2 * slot));
@@ -183,6 +167,19 @@ __device__ __forceinline__ Item load_item_now(const int4* __restrict__ items, in
   it.pool_lo = b.y;
   it.pool_hi = b.z;
   return it;
+}
+// Q by volatile asm loads (the compiler keeps them after griddepcontrol.wait, where they are
+// written; __ldg is an invariant load, which it may move above it, and the kernel before may be
+// writing Q). The SASS is the same as with __ldg.
+__device__ __forceinline__ uint4 ld_nc_v4(const kv_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned ld_nc_u32(const kv_t* p) {
+  unsigned v;
+  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
 }
 __device__ __forceinline__ int ld_volatile(const int* p) {
   int v;
@@ -683,7 +680,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     for (int idx = tid; idx < 16 * CHUNKS; idx += THREADS) {
       const int g = idx / CHUNKS, c = idx - g * CHUNKS;
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (g < G) val = __ldg(reinterpret_cast<const uint4*>(p.q + row * p.q_sb + (long long)(head * G + g) * p.q_sh + c * 8));
+      if (g < G) val = ld_nc_v4(p.q + row * p.q_sb + (long long)(head * G + g) * p.q_sh + c * 8);
       *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;  // visible after the loop's first barrier
     }
   } else {
@@ -692,10 +689,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     const kv_t* q1 = p.q + row * p.q_sb + (long long)(head * G + g1) * p.q_sh;
 #pragma unroll
     for (int kk = 0; kk < (Q_SMEM ? 1 : D / 16); ++kk) {
-      qf[kk][0] = g0 < G ? __ldg(reinterpret_cast<const unsigned*>(q0 + kk * 16 + c)) : 0u;
-      qf[kk][1] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + c)) : 0u;
-      qf[kk][2] = g0 < G ? __ldg(reinterpret_cast<const unsigned*>(q0 + kk * 16 + 8 + c)) : 0u;
-      qf[kk][3] = g1 < G ? __ldg(reinterpret_cast<const unsigned*>(q1 + kk * 16 + 8 + c)) : 0u;
+      qf[kk][0] = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u;
+      qf[kk][1] = g1 < G ? ld_nc_u32(q1 + kk * 16 + c) : 0u;
+      qf[kk][2] = g0 < G ? ld_nc_u32(q0 + kk * 16 + 8 + c) : 0u;
+      qf[kk][3] = g1 < G ? ld_nc_u32(q1 + kk * 16 + 8 + c) : 0u;
     }
   }
 #if PKV_TMA
@@ -1014,7 +1011,7 @@ __device__ __forceinline__ void trace_end(int slot, const Item& it) {
 #define PKV_ITEM_OR_RETURN(slot, it)                                                   \
   const int slot = slot_offset + blockIdx.x;                                           \
   const int pkv_count = num_items != nullptr ? pkv::ld_volatile(num_items) : (int)gridDim.x; \
-  const pkv::Item it = pkv::load_item_now(items, slot);                                \
+  const pkv::Item it = pkv::load_item(items, slot);                                   \
   if ((int)blockIdx.x >= pkv_count || it.nsplit < 0 || it.page_base < 0) return
 
 #define PKV_DECODE_ARGS                                                                              \
