@@ -21,7 +21,7 @@ cache copies (cold L2), all variants of a case interleaved, median of --repeats 
   wqh-spareL, wqh8-spareL, wqh-spareF, wqh8-spareF   (--spare) the host queue with its spare slots
                 (target_items - items) given to the last (L) or first (F) groups, one more split
                 each: the hardware hands out CTAs in block order as SMs free up, so the last ones
-                land on the SMs the previous call's merges held and start late (NOTES, "Late CTAs")
+                land on the SMs the previous call's merges held and start late (NOTES v16, "Late CTAs")
   wq-nopdl, wq8-nopdl   the queues without programmatic dependent launch (DecodeEngine(pdl=False));
                 the others use it where the device has it (sm_90), so consecutive calls of a graph
                 overlap one call's start with the last one's end

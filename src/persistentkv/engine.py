@@ -45,8 +45,9 @@ pipeline stages are issued before the wait as well, for every page but the item'
 overlap the preceding kernel's tail (benchmarks/NOTES.md, v12: 4-16 % per call at B=1 up to 32K
 tokens, 1-3 % on 500 MB steps). The kernel skips them for an item of 2 to STAGES - 1 stages in
 a group of 8 or more splits (B=1 at 3-4K tokens), where loading the whole item early made the
-step slower (7 % at B=1 x 4K; benchmarks/NOTES.md, "Early K/V by item"). The contract: the kernel before each run() on the stream may
-write the cache only in each row's last page, as a one-token decode step's append does; pass
+step slower (7 % at B=1 x 4K; benchmarks/NOTES.md, v16). The contract: the kernel before each
+run() on the stream may write the cache only in each row's last page, as a one-token decode
+step's append does; pass
 ``early_kv=False`` when another kernel (e.g. a page copy) writes pages that a plan reads right
 before its run().
 
