@@ -725,31 +725,6 @@ def test_collect_and_sidecar(tmp_path, config):
 from persistentkv import ceiling  # noqa: E402
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (the kernel compiles on GPU hosts)")
-def test_ceiling_kernel_compiles_for_hopper_without_spills(tmp_path):
-    done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "c.cubin"),
-                           str(ceiling.kernels_dir() / ceiling.KERNEL_FILE)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "0 bytes spill stores" in done.stderr
-    ptx = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", "-", str(ceiling.kernels_dir() / ceiling.KERNEL_FILE)],
-                         capture_output=True, text=True, check=True).stdout
-    assert ptx.count("ld.global.nc.v4") >= 4   # 16-byte loads, four in flight
-    assert "atom.global.xor" in ptx             # the reduction keeps every load
-
-
-def test_ceiling_rows_from_samples_and_failures():
-    samples = [ceiling.CeilingSample("read-ceiling", i, 4 * 10**9, t) for i, t in enumerate([1000.0, 1100.0, 900.0])]
-    samples.append(ceiling.CeilingSample("copy-ceiling", 0, 2 * 10**9, 1000.0))
-    assert ceiling.median_gbps(samples) == pytest.approx(4000.0)
-    rows = ceiling.ceiling_rows(samples, {}, "rid", "bench_kernels")
-    frame = raw_frame(rows)
-    assert (frame["protocol"] == "ceiling").all() and np.allclose(frame["read_ceiling_gbps"], 4000.0)
-    copy = frame[frame["backend"] == "copy-ceiling"]
-    assert copy["frac_of_ceiling"].iloc[0] == pytest.approx(0.5)
-    failed = raw_frame(ceiling.ceiling_rows([], {"read-ceiling": "cupy cannot be imported"}, "rid", "x"))
-    assert failed["status"].tolist() == ["failed"] and math.isnan(failed["read_ceiling_gbps"].iloc[0])
-
-
 # -- the commands without a GPU ------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("argv", [
@@ -806,70 +781,6 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert sorted(set(ok["max_len"])) == sorted(workload.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
-
-def test_run_read_ceiling_is_the_higher_median_and_renumbering_moves_repeats_on():
-    def phase(times, first=0):
-        return [ceiling.CeilingSample("read-ceiling", first + i, 4 * 10**9, t) for i, t in enumerate(times)]
-
-    low, high = phase([1000.0, 1000.0, 5000.0]), phase([900.0, 800.0, 4000.0])  # medians 4000 and ~4444 GB/s
-    assert ceiling.run_read_gbps([low, high]) == pytest.approx(4 * 10**9 / 900e-6 / 1e9)
-    assert ceiling.run_read_gbps([high, low]) == ceiling.run_read_gbps([low, high])
-    assert ceiling.run_read_gbps([low, []]) == pytest.approx(4000.0)
-    assert math.isnan(ceiling.run_read_gbps([[], []]))
-    moved = ceiling.renumbered(high, 3)
-    assert [s.repeat for s in moved] == [3, 4, 5] and [s.time_us for s in moved] == [900.0, 800.0, 4000.0]
-
-
-def _phases(monkeypatch, runner, phases):
-    """runner._ceilings returning ``phases`` (each (samples, failures)) in turn."""
-    calls = iter(phases)
-    monkeypatch.setattr(runner, "_ceilings", lambda device, quick: next(calls))
-
-
-def test_bracketed_rows_use_the_run_ceiling_and_keep_both_measurements(monkeypatch):
-    from persistentkv.measure import runner
-    from persistentkv.measure.rows import raw_row
-
-    def samples(backend, times, nbytes):
-        return [ceiling.CeilingSample(backend, i, nbytes, t) for i, t in enumerate(times)]
-
-    before = samples("read-ceiling", [1000.0, 1000.0, 1000.0], 4 * 10**9) + samples("copy-ceiling", [1000.0], 2 * 10**9)
-    after = samples("read-ceiling", [950.0, 800.0, 800.0], 4 * 10**9)   # faster at the end: 5000 GB/s
-    _phases(monkeypatch, runner, [(before, {}), (after, {"copy-ceiling": "out of memory"})])
-    seen = []
-
-    def body(gbps):
-        seen.append(gbps)
-        case = dict(run_id="r", experiment="bench_kernels", trace="t", seed=0, step=0, batch_size=1, max_len=1000,
-                    total_tokens=1000, kv_bytes=10**8, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                    dtype="float16", hole_fraction=0.0, protocol="kernel", route="workqueue", read_ceiling_gbps=gbps)
-        ok = raw_row(**case, backend="pkv-workqueue", time_us=25.0, per_layer_us=25.0,
-                     frac_of_ceiling=10**8 / 25e-6 / 1e9 / gbps)
-        bad = raw_row(**case, backend="vllm-fa3", status="failed", reason="no")
-        return [ok, bad]
-
-    rows = runner._bracketed(FakeDevice(l2_bytes=0), "r", "bench_kernels", False, body)
-    assert seen == [pytest.approx(4000.0)]           # the cases ran with the first measurement's ceiling
-    frame = raw_frame(rows)
-    assert np.allclose(frame["read_ceiling_gbps"], 5000.0)
-    ok = frame[frame["backend"] == "pkv-workqueue"].iloc[0]
-    assert ok["frac_of_ceiling"] == pytest.approx(4000.0 / 5000.0)   # 100 MB in 25 us = 4 TB/s
-    assert math.isnan(frame[frame["backend"] == "vllm-fa3"]["frac_of_ceiling"].iloc[0])
-    reads = frame[frame["backend"] == "read-ceiling"]
-    assert reads["repeat"].tolist() == [0, 1, 2, 3, 4, 5] and (reads["status"] == "ok").all()
-    copy = frame[frame["backend"] == "copy-ceiling"]              # measured once: not a failure
-    assert copy["status"].tolist() == ["ok"]
-
-
-def test_bracketed_marks_a_ceiling_failed_only_when_neither_measurement_has_it(monkeypatch):
-    from persistentkv.measure import runner
-
-    why = {"read-ceiling": "cupy cannot be imported", "copy-ceiling": "out of memory"}
-    _phases(monkeypatch, runner, [([], dict(why)), ([], dict(why))])
-    frame = raw_frame(runner._bracketed(FakeDevice(l2_bytes=0), "r", "x", True, lambda gbps: []))
-    assert sorted(frame["backend"]) == ["copy-ceiling", "read-ceiling"]
-    assert (frame["status"] == "failed").all() and frame["read_ceiling_gbps"].isna().all()
-
 
 def test_experiment_protocols_come_from_config_in_canonical_order():
     from persistentkv.measure.harness import experiment_protocols
