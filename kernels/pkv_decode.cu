@@ -130,9 +130,9 @@ static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per to
 constexpr int PUB_OFFSET = (COMBINE_BYTES + 15) / 16 * 16;
 constexpr int PUB_BYTES = (16 * D + 16) * 4;
 static_assert(PUB_OFFSET + PUB_BYTES <= SMEM_BYTES, "cluster publication region must fit in SMEM_BYTES");
-constexpr int MAX_CLUSTER = 16;
+constexpr int MAX_CLUSTER = 16;  // CTAs per cluster; 16 is non-portable (8 is the portable limit)
 // decode_item: a group of this many splits or more loads no item of 2..STAGES-1 tiles early.
-constexpr int EARLY_SKIP_SPLITS = 8;  // CTAs per cluster; 16 is non-portable (8 is the portable limit)
+constexpr int EARLY_SKIP_SPLITS = 8;
 
 // Tail of decode_item: write a partial state (or the output when the item is its row's only
 // split); the same, then the last CTA of the group merges through global memory; or publish the
@@ -1006,8 +1006,9 @@ __device__ __forceinline__ void trace_end(int slot, const Item& it) {
 // (max_items), and a CTA past the count leaves without using what it read. Loaded after the count,
 // the item cost each GPU-planned CTA one more global round trip before its first page ids.
 // The count is a volatile asm load (as __ldg, an invariant load to the compiler, it was hoisted
-// above the kernel's griddepcontrol.wait), and the return tests a word of the item as well (never
-// negative in a real item: nsplit < 2^15, page_base >= 0), so that ptxas cannot sink the item's loads below it.
+// above the kernel's griddepcontrol.wait), and the return tests words of the item as well (never
+// negative in a real item: nsplit < 2^15, page_base >= 0), so that ptxas cannot sink the item's
+// loads below it.
 #define PKV_ITEM_OR_RETURN(slot, it)                                                   \
   const int slot = slot_offset + blockIdx.x;                                           \
   const int pkv_count = num_items != nullptr ? pkv::ld_volatile(num_items) : (int)gridDim.x; \
