@@ -125,6 +125,11 @@ def engine_run(engine):
     return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
 
 
+def queue_name(warps: int, stem: str = "wq") -> str:
+    """A queue variant's name: ``stem`` at 4 warps, ``stem`` + warps otherwise (wq, wq8; wqh, wqh8)."""
+    return stem if warps == 4 else f"{stem}{warps}"
+
+
 def add_queue(add, batch, name: str, engine, **options) -> None:
     """Register ``engine``'s work-queue plan of ``batch`` (plan ``options``) as the variant ``name``."""
     add(name, lambda: engine.plan(batch, "workqueue", **options), engine_run(engine))

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_common import (add_baselines, add_plain_read, add_queue, bench_args, comparison_row,  # noqa: E402
-                          first_line, load_baselines, planning_adder, print_comparison, read_ceiling_gbps,
-                          timed_cases, write_rows)
+                          first_line, load_baselines, planning_adder, print_comparison, queue_name,
+                          read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def main() -> int:
     engines = {}
     for warps in warps_list:
         for define in (None, *defines):
-            name = ("wq" if warps == 4 else "wq8") + (f"-{tags[define]}" if define else "")
+            name = queue_name(warps) + (f"-{tags[define]}" if define else "")
             try:
                 kernel_defines, options = builds[define] if define else ((), {})
                 engines[name] = engine_for(spec, warps=warps, defines=kernel_defines, **options)

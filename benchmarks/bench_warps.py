@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_common import (BASELINES, NOT_ATTENTION, add_baselines, add_plain_read, add_queue, bench_args,  # noqa: E402
-                          engine_run, fastest, first_line, load_baselines, planning_adder, read_ceiling_gbps,
-                          timed_cases, write_rows)
+                          engine_run, fastest, first_line, load_baselines, planning_adder, queue_name,
+                          read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv import plan as planner  # noqa: E402
 from persistentkv.errors import PKVError  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
@@ -58,7 +58,7 @@ CLUSTER_SIZES = (8, 16)
 def spare_split(host, target_items: int, last: bool):
     """``host`` (a workqueue_host Plan, items in (row, kv head, split) order) with its spare slots,
     target_items - items, given to as many groups of the queue's end (``last``) or start, one
-    more split each over the same tokens (plan._items_for_rows' balanced ranges)."""
+    more split each over the same tokens (plan._items_for_rows' balanced ranges, by that function)."""
     import dataclasses
 
     import numpy as np
@@ -68,16 +68,13 @@ def spare_split(host, target_items: int, last: bool):
     starts = np.flatnonzero((items[:, 3] & 0xFFFF) == 0)
     bounds = list(zip(starts, list(starts[1:]) + [items.shape[0]]))
     chosen = set(range(len(bounds) - spare, len(bounds)) if last else range(spare)) if spare > 0 else set()
-    tile = planner.TILE_TOKENS
     blocks = []
     for g, (a, b) in enumerate(bounds):
         block = items[a:b]
-        if g in chosen and block[-1, 2] - block[0, 1] >= tile * (b - a + 1):
-            n_tok, S = int(block[-1, 2]), b - a + 1
-            T = -(-n_tok // tile)
-            s = np.arange(S)
-            lo, hi = np.minimum(T * s // S * tile, n_tok), np.minimum(T * (s + 1) // S * tile, n_tok)
-            block = np.stack([np.full(S, block[0, 0]), lo, hi, s | (S << 16)], axis=1)
+        if g in chosen and block[-1, 2] - block[0, 1] >= planner.TILE_TOKENS * (b - a + 1):
+            # one (row, kv head): the planner's items of one row and one head, re-headed
+            block = planner._items_for_rows([0], [int(block[-1, 2])], [b - a + 1], 1, True).astype(np.int64)
+            block[:, 0] = items[a, 0]
         blocks.append(block)
     new = np.concatenate(blocks).astype(np.int32)
     return dataclasses.replace(host, items=new, merge_groups=planner._merge_groups(new, 0),
@@ -103,18 +100,18 @@ def variants_for(engines: dict, batch, baselines: dict, plain_engines: dict | No
     runs = {}
     add = planning_adder(runs)
     for warps, engine in engines.items():
-        name = "wq" if warps == 4 else f"wq{warps}"
+        name = queue_name(warps)
         add_queue(add, batch, name, engine)
         for w in waves:  # the queue over w times the engine's default target (w < 1: fewer, longer items)
             add_queue(add, batch, f"{name}@x{w:g}", engine, target_items=max(1, round(w * engine.target_items)))
         if warps == 4:
             add_queue(add, batch, f"{name}-closed", engine, chunk_rule="closed")
         if spare:
-            add_spare(add, batch, "wqh" if warps == 4 else f"wqh{warps}", engine)
+            add_spare(add, batch, queue_name(warps, "wqh"), engine)
     for warps, engine in (plain_engines or {}).items():
-        add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + "-nopdl", engine)
+        add_queue(add, batch, queue_name(warps) + "-nopdl", engine)
     for (warps, units), engine in (pool_engines or {}).items():
-        add_queue(add, batch, ("wq" if warps == 4 else f"wq{warps}") + f"-pool{units}", engine)
+        add_queue(add, batch, queue_name(warps) + f"-pool{units}", engine)
     for warps, engine in engines.items():
         suffix = "" if warps == 4 else f"w{warps}"
         one_wave = [c for c in CLUSTER_SIZES if batch.batch_size * batch.spec.num_kv_heads * c <= engine.num_sms]
