@@ -595,6 +595,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // than the loads gain (B=1 x 4K: 10.5 -> 9.8 us without them; benchmarks/NOTES.md).
   const bool early_kv = !TMA && (p.early & 2) &&
                         !(ntiles > 1 && ntiles <= STAGES - 1 && it.nsplit >= EARLY_SKIP_SPLITS);
+  // With early_kv: whether tile s (< STAGES - 1) is loaded early (PKV_EARLY_STAGES: the first ones only).
+  auto early_stage = [&](int s) { return s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES); };
   auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
     const int stage = tile % STAGES;
     const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
@@ -638,7 +640,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     if (early_kv) {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
-        if (s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES)) issue(s, pg[s], 1);
+        if (early_stage(s)) issue(s, pg[s], 1);
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -707,7 +709,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (has_tile(s)) issue(s, pg[s], early_kv && s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES) ? 2 : 0);
+      if (has_tile(s)) issue(s, pg[s], early_kv && early_stage(s) ? 2 : 0);
       cp_async_commit();
     }
   }
