@@ -1,6 +1,6 @@
 """Kernel v5: the cluster route against the work queue and the baselines, under graph replay.
 
-    python benchmarks/bench_cluster.py [--out DIR] [--cases B=1x4096,B=4x8192]
+    python benchmarks/bench_cluster.py [--out DIR] [--cases B=1x4096,B=4x8192] [--warps 4|8]
 
 Per case (B=1 at 1K-128K, B=2 x 16K, B=4 x 8K, B=8 x 4K, B=4 x 32K; Hq=32, Hkv=8, D=128, fp16,
 page 16): every variant is first checked against float64 (rel err printed), then timed by CUDA
@@ -8,7 +8,10 @@ graphs of 10 calls over rotated cache copies (cold L2), all variants of a case i
 median of --repeats replays. Variants:
   wq            the GPU-planned balanced queue with its fused merge (v4)
   clC           the cluster route with C CTAs per cluster: the default C, C/2 and 2C where valid
-  clC-1cta      the default C with one CTA per SM (dynamic shared memory raised to the opt-in limit)
+  clC-1cta      the default C with one CTA per SM (dynamic shared memory raised to the opt-in limit;
+                at 4 warps only: an 8-warp CTA already has one SM to itself)
+--warps picks the engine's CTA (default 4, as v5 measured; 8: the one CTA per SM of the shipped
+one-row queue, so clusters of 16 need 16 SMs of one GPC).
   flashinfer-tc, vllm-fa3, trtllm-xqa   through the backend registry when they can run here
 A variant that fails prints its reason and the bench goes on. The table gives the floor at the
 read ceiling measured in this run, each variant, the best baseline, what plan.choose_route picks
@@ -41,8 +44,9 @@ def variants_for(engine, batch, baselines: dict) -> dict:
     C = engine.cluster_size_for(batch.batch_size) if engine.capability[0] >= 9 else 1
     for c in sorted({C // 2, C, 2 * C} & set(CLUSTER_SIZES)):
         add(f"cl{c}", lambda c=c: engine.plan(batch, "cluster", cluster_size=c), ours)
-    add(f"cl{C}-1cta", lambda: engine.plan(batch, "cluster", cluster_size=C,
-                                           cluster_smem_bytes=engine.module.smem_optin), ours)
+    if engine.warps == 4:
+        add(f"cl{C}-1cta", lambda: engine.plan(batch, "cluster", cluster_size=C,
+                                               cluster_smem_bytes=engine.module.smem_optin), ours)
     add_baselines(add, batch, baselines)
     return runs
 
@@ -53,10 +57,10 @@ def main() -> int:
     from persistentkv.engine import engine_for
     from persistentkv.plan import choose_route
 
-    args = bench_args()
+    args = bench_args(lambda parser: parser.add_argument("--warps", type=int, choices=(4, 8), default=4))
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engine = engine_for(spec)
+    engine = engine_for(spec, warps=args.warps)
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: {engine.num_sms} SMs, cc {engine.capability}, read ceiling "
           f"{ceiling:.0f} GB/s; kernel smem {engine.module.smem_bytes} B (opt-in max {engine.module.smem_optin})")
