@@ -97,13 +97,14 @@ class PlainRead:
         self.slot: dict = {}
 
     def __call__(self, kv, plan, out) -> None:
-        import cupy
         import numpy as np
         import torch
 
+        from persistentkv import ceiling
+
         index = self.slot.setdefault(kv[0].data_ptr(), len(self.slot) % len(self.buffers))
         _, _, src, sink = self.buffers[index]
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        with ceiling.cupy_stream(torch.cuda.current_stream()):
             self.kernel((self.grid,), (self.block,), (src, np.uint64(self.nbytes // 16), sink))
 
 

@@ -101,3 +101,47 @@ def test_bracketed_marks_a_ceiling_failed_only_when_neither_measurement_has_it(m
     frame = raw_frame(runner._bracketed(object(), "r", "x", True, lambda gbps: []))
     assert sorted(frame["backend"]) == ["copy-ceiling", "read-ceiling"]
     assert (frame["status"] == "failed").all() and frame["read_ceiling_gbps"].isna().all()
+
+
+def test_cupy_stream_prefers_the_stream_protocol_and_falls_back_to_external_stream():
+    """CuPy 14's Stream.from_external for a stream with __cuda_stream__; ExternalStream (with the
+    stream's device) for older CuPy or a stream without the protocol; never a new stream."""
+    calls = []
+
+    class ProtocolStream:
+        cuda_stream, device_index = 0xBEEF, 3
+
+        def __cuda_stream__(self):
+            return (0, self.cuda_stream)
+
+    class PlainStream:
+        cuda_stream, device_index = 0xCAFE, 1
+
+    def external(ptr, device_id=-1):
+        calls.append(("external", ptr, device_id))
+        return "external"
+
+    def from_external(obj):
+        calls.append(("from_external", obj.cuda_stream))
+        return "from_external"
+
+    class Cuda14:
+        ExternalStream = staticmethod(external)
+
+        class Stream:
+            pass
+
+    Cuda14.Stream.from_external = staticmethod(from_external)
+
+    class Cuda13:
+        ExternalStream = staticmethod(external)
+
+        class Stream:
+            pass
+
+    cupy14 = type("cupy14", (), {"cuda": Cuda14})
+    cupy13 = type("cupy13", (), {"cuda": Cuda13})
+    assert ceiling.cupy_stream(ProtocolStream(), cupy14) == "from_external"
+    assert ceiling.cupy_stream(PlainStream(), cupy14) == "external"
+    assert ceiling.cupy_stream(ProtocolStream(), cupy13) == "external"
+    assert calls == [("from_external", 0xBEEF), ("external", 0xCAFE, 1), ("external", 0xBEEF, 3)]

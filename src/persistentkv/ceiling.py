@@ -71,6 +71,20 @@ def _read_kernel():
     return _MODULE_CACHE["read"]
 
 
+def cupy_stream(torch_stream, cupy_module=None):
+    """A CuPy stream on ``torch_stream`` (no new stream: launches inside it go where torch's work
+    goes, captured graphs included). CuPy 14 supersedes ``cupy.cuda.ExternalStream`` (deprecated)
+    with ``Stream.from_external`` over the CUDA stream protocol (``__cuda_stream__``), which torch
+    streams implement; older CuPy, or a stream without the protocol, gets ``ExternalStream`` with
+    its device id. ``cupy_module``: the module to use (tests pass a stand-in), else cupy."""
+    if cupy_module is None:
+        import cupy as cupy_module
+    from_external = getattr(cupy_module.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy_module.cuda.ExternalStream(torch_stream.cuda_stream, torch_stream.device_index)
+
+
 def measure_read(device, nbytes: int = READ_BYTES, repeats: int = 5, warmup: int = 2) -> list[CeilingSample]:
     """``repeats`` timed launches of the read kernel over ``nbytes`` (a multiple of 16)."""
     import cupy
@@ -83,7 +97,7 @@ def measure_read(device, nbytes: int = READ_BYTES, repeats: int = 5, warmup: int
     src_c, sink_c = cupy.from_dlpack(buf), cupy.from_dlpack(sink)
     grid = (device.sm_count * BLOCKS_PER_SM,)
     n_vec = np.uint64(nbytes // 16)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device.device).cuda_stream)
+    stream = cupy_stream(torch.cuda.current_stream(device.device))
     samples = []
     with stream:
         for r in range(warmup + repeats):
