@@ -69,6 +69,9 @@
 #ifndef PKV_L2HINT
 #define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
 #endif
+#ifndef PKV_DEEP_K
+#define PKV_DEEP_K 1  // 1: K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits; 0: the v16 pipeline
+#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -91,6 +94,13 @@ constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
+// K's ring is one stage deeper than V's (4 and 3 stages at D <= 128): a tile's K is needed first
+// (QK before PV), so K can be loaded a tile further ahead, and the loads in flight per CTA between
+// its waits are 3 to 5 half-tiles instead of 2 to 4 (8 warps: 96-160 KB instead of 64-128 KB;
+// 224 KB of shared memory, 112 KB at 4 warps, still two CTAs per SM). Not with the pool's claims
+// (they count STAGES ahead), TMA (one mbarrier per K+V stage) or D = 256 (no room).
+constexpr bool DEEP_K = PKV_DEEP_K && !PKV_POOL && !PKV_TMA && D <= 128;
+constexpr int KSTAGES = DEEP_K ? STAGES + 1 : STAGES;
 constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
@@ -111,7 +121,7 @@ static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping"
 
 // Shared memory of the decode kernel: the K/V pipeline, reused after the loop for the
 // cross-warp combine (WARPS x 16 rows x OBUF_STRIDE floats + small row arrays).
-constexpr int PIPE_BYTES = (Q_ELEMS + STAGES * 2 * STAGE_ELEMS) * 2;
+constexpr int PIPE_BYTES = (Q_ELEMS + (KSTAGES + STAGES) * STAGE_ELEMS) * 2;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
 // PKV_TMA: 1024 bytes more, so the kernel can align the pipeline to the 1024-byte period of
 // the 128-byte TMA swizzle.
@@ -508,7 +518,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
   kv_t* sQ = smem;
   kv_t* sK = smem + Q_ELEMS;
-  kv_t* sV = sK + STAGES * STAGE_ELEMS;
+  kv_t* sV = sK + KSTAGES * STAGE_ELEMS;
   const kv_t* kbase = p.k + (long long)head * D;
   const kv_t* vbase = p.v + (long long)head * D;
   const int* pages = p.kv_indices + it.page_base;
@@ -597,10 +607,10 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
                         !(ntiles > 1 && ntiles <= STAGES - 1 && it.nsplit >= EARLY_SKIP_SPLITS);
   // With early_kv: whether tile s (< STAGES - 1) is loaded early (PKV_EARLY_STAGES: the first ones only).
   auto early_stage = [&](int s) { return s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES); };
-  auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
-    const int stage = tile % STAGES;
-    const unsigned dK = smem_u32(sK + stage * STAGE_ELEMS);
-    const unsigned dV = smem_u32(sV + stage * STAGE_ELEMS);
+  // kv: which of the tile's K (1) and V (2) to load (with DEEP_K they go in different iterations).
+  auto issue = [&](int tile, const int (&pg)[LOADS], int part, int kv) {
+    const unsigned dK = smem_u32(sK + (tile % KSTAGES) * STAGE_ELEMS);
+    const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
@@ -610,8 +620,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
       const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
       const unsigned so = swz(t, lc) * 2;
-      cp_async16(dK + so, kbase + off, valid);
-      cp_async16(dV + so, vbase + off, valid);
+      if (kv & 1) cp_async16(dK + so, kbase + off, valid);
+      if (kv & 2) cp_async16(dV + so, vbase + off, valid);
     }
   };
 
@@ -628,19 +638,19 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // With p.early bit 1 (DecodeEngine early_kv), their loads into shared memory are issued before
   // the wait too, but for the item's last page: the page that a decode step's append, the kernel
   // before this one, may be writing.
-  int pg_next[LOADS];
-  int pg[STAGES - 1][LOADS];
+  int pg_next[LOADS];  // the page ids of K's next tile, t + KSTAGES - 1 at iteration t
+  int pg[KSTAGES - 1][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
+    for (int s = 0; s < KSTAGES - 1; ++s)
       if (s < ntiles) fetch_pages(s, pg[s]);
-    if (STAGES - 1 < ntiles) fetch_pages(STAGES - 1, pg_next);
+    if (KSTAGES - 1 < ntiles) fetch_pages(KSTAGES - 1, pg_next);
     // Early K/V: uncommitted until the first commit below, so they join tile 0's group (waiting
     // for a tile still waits for all of its loads).
     if (early_kv) {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
-        if (early_stage(s)) issue(s, pg[s], 1);
+        if (early_stage(s)) issue(s, pg[s], 1, 3);
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -707,17 +717,29 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   } else
 #endif
   {
+    // One commit group per tile; with DEEP_K one per half-tile, in the order the loop continues
+    // (K0 V0 K1 V1 K2, then V2 K3 V3 K4 ...), so the wait for tile t's V leaves 3 groups in flight.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (has_tile(s)) issue(s, pg[s], early_kv && early_stage(s) ? 2 : 0);
+    for (int s = 0; s < KSTAGES - 1; ++s) {
+      const int part = early_kv && s < STAGES - 1 && early_stage(s) ? 2 : 0;
+      if (has_tile(s)) issue(s, pg[s], part, DEEP_K ? 1 : 3);
       cp_async_commit();
+      if (DEEP_K && s < STAGES - 1) {
+        if (has_tile(s)) issue(s, pg[s], part, 2);
+        cp_async_commit();
+      }
     }
   }
 
   // Whether tile t + STAGES - 1 exists and its page ids are in pg_next. Ring entries past the
   // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
   // than asking has_tile of a later one, whose ring slot may hold an older claim.
-  bool ahead = has_tile(STAGES - 1);
+  bool ahead = has_tile(KSTAGES - 1);
+  // DEEP_K: whether V of tile t + STAGES - 1 exists, and its page ids (K's of one iteration ago).
+  bool v_ahead = DEEP_K && has_tile(STAGES - 1);
+  int pg_v[LOADS];
+#pragma unroll
+  for (int i = 0; i < LOADS; ++i) pg_v[i] = pg[DEEP_K ? STAGES - 1 : 0][i];
   for (int t = 0; has_tile(t); ++t) {
 #if PKV_TMA
     if constexpr (TMA) {
@@ -743,22 +765,35 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     } else
 #endif
     {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // tile t landed for every thread; stage (t-1) % STAGES is free again
+      cp_async_wait<DEEP_K ? 2 * STAGES - 3 : STAGES - 2>();
+      __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
       if (PKV_TRACE && t == 0) stamp(2);
-      if (ahead) {
-        issue(t + STAGES - 1, pg_next, 0);
-        ahead = has_tile(t + STAGES);
-        if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
+      if constexpr (DEEP_K) {
+        if (v_ahead) issue(t + STAGES - 1, pg_v, 0, 2);
+        cp_async_commit();
+        v_ahead = ahead;
+        if (ahead) {
+          issue(t + KSTAGES - 1, pg_next, 0, 1);
+#pragma unroll
+          for (int i = 0; i < LOADS; ++i) pg_v[i] = pg_next[i];
+          ahead = has_tile(t + KSTAGES);
+          if (ahead) fetch_pages(t + KSTAGES, pg_next);  // used one iteration later
+        }
+        cp_async_commit();
+      } else {
+        if (ahead) {
+          issue(t + STAGES - 1, pg_next, 0, 3);
+          ahead = has_tile(t + STAGES);
+          if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
     }
     const int t_hi = tile_hi(t);
     const int tok0 = tile_lo(t) + warp * 16;
     if (tok0 < t_hi) {  // warp-uniform: skip warps whose 16 tokens all lie past the tile's bound
-      const int stage = t % STAGES;
-      const kv_t* k_st = sK + stage * STAGE_ELEMS;
-      const kv_t* v_st = sV + stage * STAGE_ELEMS;
+      const kv_t* k_st = sK + (t % KSTAGES) * STAGE_ELEMS;
+      const kv_t* v_st = sV + (t % STAGES) * STAGE_ELEMS;
       float s[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
@@ -953,8 +988,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 using pkv::Params;
 
 // Launch facts the host reads from the module (never restated in Python): dynamic shared
-// memory per decode CTA, threads per CTA, tokens per pipeline stage, stages, planner tile.
-extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32};
+// memory per decode CTA, threads per CTA, tokens per pipeline stage, V's stages, planner tile,
+// K's stages.
+extern "C" __device__ const int pkv_config[6] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32, pkv::KSTAGES};
 
 #if PKV_TRACE
 // Records of PKV_TRACE builds: TRACE_FIELDS words each, appended in the order CTAs finish.
