@@ -19,7 +19,10 @@ The defines (benchmarks/NOTES.md):
   PKV_FIXED_MERGER=1 (at 09eb4bd only) each group's last split merges after the others' release adds
   PKV_EARLY_STAGES=N early K/V loads of the first min(N, STAGES - 1) tiles only
   PKV_L2HINT=128|256 K/V loads (cp.async) with that L2 prefetch size
-  PKV_DEEP_K=0       (v17) K's ring as deep as V's (the v16 pipeline) instead of one stage deeper
+  PKV_DEEP_K=1       (v17) K's ring one stage deeper than V's (4 and 3 stages at head_dim <= 128)
+  PKV_SMEM_PAD=N     N more bytes of dynamic shared memory per CTA, unused (less L1)
+  PKV_CARVEOUT=N     not a kernel define: the engine sets the decode kernels' preferred
+                     shared-memory carveout to N % (the rest of the SM's 256 KB is L1)
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel

@@ -70,7 +70,10 @@
 #define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
 #endif
 #ifndef PKV_DEEP_K
-#define PKV_DEEP_K 1  // 1: K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits; 0: the v16 pipeline
+#define PKV_DEEP_K 0  // 1 (development): K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits
+#endif
+#ifndef PKV_SMEM_PAD
+#define PKV_SMEM_PAD 0  // N (development): N more bytes of dynamic shared memory per CTA, unused
 #endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
@@ -94,11 +97,11 @@ constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
-// K's ring is one stage deeper than V's (4 and 3 stages at D <= 128): a tile's K is needed first
-// (QK before PV), so K can be loaded a tile further ahead, and the loads in flight per CTA between
-// its waits are 3 to 5 half-tiles instead of 2 to 4 (8 warps: 96-160 KB instead of 64-128 KB;
-// 224 KB of shared memory, 112 KB at 4 warps, still two CTAs per SM). Not with the pool's claims
-// (they count STAGES ahead), TMA (one mbarrier per K+V stage) or D = 256 (no room).
+// PKV_DEEP_K (development; measured 5-16 % slower, benchmarks/NOTES.md v17): K's ring one stage
+// deeper than V's (4 and 3 stages at D <= 128), since a tile's K is needed first (QK before PV),
+// so that 3 to 5 half-tiles are in flight between waits instead of 2 to 4 (8 warps: 96-160 KB
+// instead of 64-128 KB; 224 KB of shared memory, 112 KB at 4 warps, still two CTAs per SM). Not
+// with the pool's claims (they count STAGES ahead), TMA (one mbarrier per K+V stage) or D = 256.
 constexpr bool DEEP_K = PKV_DEEP_K && !PKV_POOL && !PKV_TMA && D <= 128;
 constexpr int KSTAGES = DEEP_K ? STAGES + 1 : STAGES;
 constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
@@ -130,7 +133,7 @@ constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) *
 constexpr int POOL_RING = 8;
 constexpr int RING_BYTES = (PKV_POOL && !PKV_RING_STATIC) ? POOL_RING * 4 : 0;
 constexpr int SMEM_BYTES = (PIPE_BYTES + RING_BYTES > COMBINE_BYTES ? PIPE_BYTES + RING_BYTES : COMBINE_BYTES) +
-                           (PKV_TMA ? 1024 : 0);
+                           (PKV_TMA ? 1024 : 0) + PKV_SMEM_PAD;
 #if PKV_TMA
 static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per token row)");
 #endif
