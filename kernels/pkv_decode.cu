@@ -72,6 +72,9 @@
 #ifndef PKV_DEEP_K
 #define PKV_DEEP_K 0  // 1 (development): K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits
 #endif
+#ifndef PKV_ADDR64
+#define PKV_ADDR64 0  // 1 (development): K/V addresses by the 64-bit math of v16 (for an A/B of its cost)
+#endif
 #ifndef PKV_SMEM_PAD
 #define PKV_SMEM_PAD 0  // N (development): N more bytes of dynamic shared memory per CTA, unused
 #endif
@@ -587,8 +590,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #else
   int* pool_ring = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(smem) + PIPE_BYTES);
 #endif
-  auto tile_lo = [&](int u) { return u < ntiles ? lo + u * TILE : pool_ring[(u - ntiles) & (POOL_RING - 1)]; };
-  auto tile_hi = [&](int u) { return u < ntiles ? hi : it.pool_hi; };
+  auto tile_lo = [&](int u) { return !PKV_POOL || u < ntiles ? lo + u * TILE : pool_ring[(u - ntiles) & (POOL_RING - 1)]; };
+  auto tile_hi = [&](int u) { return !PKV_POOL || u < ntiles ? hi : it.pool_hi; };
   auto has_tile = [&](int u) { return u < ntiles || (pooled && pool_ring[(u - ntiles) & (POOL_RING - 1)] >= 0); };
 
   auto fetch_pages = [&](int tile, int (&pg)[LOADS]) {
@@ -610,6 +613,13 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
                         !(ntiles > 1 && ntiles <= STAGES - 1 && it.nsplit >= EARLY_SKIP_SPLITS);
   // With early_kv: whether tile s (< STAGES - 1) is loaded early (PKV_EARLY_STAGES: the first ones only).
   auto early_stage = [&](int s) { return s < ntiles && (PKV_EARLY_STAGES == 0 || s < PKV_EARLY_STAGES); };
+  // A token row's byte offset from its page id: one 32 x 32 -> 64-bit multiply-add (IMAD.WIDE.U32)
+  // of the byte strides, which DecodeEngine keeps below 4 GB (a page, and a row's offset in it).
+  // The 64-bit math of v16 took ~20 instructions per K/V load pair, issued in the loop's critical
+  // section between a tile's landing and the next tile's loads (benchmarks/NOTES.md v17).
+  const unsigned sp_b = (unsigned)p.kv_sp * 2u, st_b = (unsigned)p.kv_st * 2u;
+  const char* kbytes = reinterpret_cast<const char*>(kbase);
+  const char* vbytes = reinterpret_cast<const char*>(vbase);
   // kv: which of the tile's K (1) and V (2) to load (with DEEP_K they go in different iterations).
   auto issue = [&](int tile, const int (&pg)[LOADS], int part, int kv) {
     const unsigned dK = smem_u32(sK + (tile % KSTAGES) * STAGE_ELEMS);
@@ -621,10 +631,19 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       const int tok = t0 + t;
       const bool valid = tok < t1;
       if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
-      const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
       const unsigned so = swz(t, lc) * 2;
-      if (kv & 1) cp_async16(dK + so, kbase + off, valid);
-      if (kv & 2) cp_async16(dV + so, vbase + off, valid);
+      if (PKV_ADDR64) {
+        const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
+        if (kv & 1) cp_async16(dK + so, kbase + off, valid);
+        if (kv & 2) cp_async16(dV + so, vbase + off, valid);
+      } else {
+        // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
+        // src-size 0 never reads
+        const unsigned long long off =
+            (unsigned long long)(unsigned)pg[i] * sp_b + ((unsigned)(tok & P_mask) * st_b + lc * 16u);
+        if (kv & 1) cp_async16(dK + so, kbytes + off, valid);
+        if (kv & 2) cp_async16(dV + so, vbytes + off, valid);
+      }
     }
   };
 

@@ -211,6 +211,31 @@ def test_run_refuses_what_the_kernels_cannot_run():
     assert len(launched) == 1  # nothing launched for a refused call
 
 
+class _PageStride:
+    """A cache tensor seen with another page stride (elements), without storage for it: the
+    kernels' 32-bit byte offsets are checked from the strides alone."""
+
+    def __init__(self, tensor, page_stride: int):
+        self._t, self._s0 = tensor, page_stride
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def stride(self, dim=None):
+        strides = (self._s0, *self._t.stride()[1:])
+        return strides if dim is None else strides[dim]
+
+
+def test_run_refuses_a_page_stride_of_4_gib_and_takes_one_just_below():
+    torch, engine, launched, plan, q, k, v, out = torch_engine()
+    launched.clear()
+    with pytest.raises(PKVError, match=r"page stride x 2 B must stay below 4 GiB"):
+        engine.run(q, (_PageStride(k, 2**31), _PageStride(v, 2**31)), plan, out)
+    assert not launched
+    engine.run(q, (_PageStride(k, 2**31 - 8), _PageStride(v, 2**31 - 8)), plan, out)
+    assert len(launched) == 1 and launched[0].args.kv_sp == 2**31 - 8
+
+
 def test_run_rechecks_a_misaligned_view_of_the_same_shape():
     """The full checks are skipped while nothing they look at changes; a view with the same shape
     and strides but a pointer off the kernels' alignment is a change."""

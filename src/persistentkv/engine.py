@@ -814,6 +814,10 @@ class DecodeEngine:
                     f"{name} strides {t.stride()} unsupported: need an even-strided [B, H, D] with contiguous D")
         require(q.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0 and k.data_ptr() % 16 == 0
                 and v.data_ptr() % 16 == 0, "q and out must be 4-byte and k/v 16-byte aligned")
+        esize, ks = k.element_size(), k.stride()
+        require(ks[0] * esize < 2**32 and ((spec.page_size - 1) * ks[1] + spec.head_dim) * esize < 2**32,
+                f"k_cache strides {ks} unsupported: the kernels address a page and a token row in it with "
+                f"32-bit byte offsets (page stride x {esize} B must stay below 4 GiB)")
 
     def run(self, q, cache, plan: DevicePlan, out, check: bool = True) -> None:
         """out[B, Hq, D] = decode attention of q[B, Hq, D] over cache = (K, V), each [pages, P, Hkv, D]."""
