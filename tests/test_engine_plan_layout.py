@@ -252,6 +252,21 @@ def test_run_rechecks_a_misaligned_view_of_the_same_shape():
     engine.run(q, (k, v), plan, out)  # and the good call still runs
 
 
+def test_pooled_host_queue_uploads_the_pooled_ranges():
+    """A pooled engine's host queue uploads plan.pooled_items' ranges and pool words (the kernel's
+    item words 1-2 and 5-6), not the plan's unpooled ranges."""
+    engine, _ = fake_engine()
+    engine.pool_units = 4
+    batch = make_batch(engine.spec, [4096, 300, 20000], seed=6)
+    plan = engine.plan(batch, "workqueue_host")
+    host = plan.host_plan
+    pooled = planner.pooled_items(host.items, batch.seq_lens, 4, host.params["target_items"])
+    items = plan.buffers["items"].numpy()[:host.num_items]
+    assert (pooled[:, 4:] > 0).any()  # some row has a pool, so the check below can fail
+    assert items[:, :4].tolist() == pooled[:, :4].tolist()
+    assert items[:, 5:7].tolist() == pooled[:, 4:].tolist()
+
+
 @pytest.mark.parametrize("route", ["buckets", "split", "workqueue_host"])
 def test_host_routes_upload_through_pinned_memory_without_a_sync(route):
     """The host-planned routes' three int32 uploads (items, block table, merge groups) each go
@@ -270,6 +285,7 @@ def test_host_routes_upload_through_pinned_memory_without_a_sync(route):
     items = plan.buffers["items"].numpy()
     assert items[:host.num_items, :4].tolist() == host.items.tolist()
     assert items[:host.num_items, 4].tolist() == batch.kv_indptr[host.items[:, 0] & 0xFFFF].tolist()
+    assert not items[:, 5:].any()  # no pool: pool words (0, 0), the padding words 0
     assert plan.buffers["kv_indices"].numpy().tolist() == batch.kv_indices.tolist()
     groups = plan.buffers["merge_groups"].numpy()
     if host.merge_groups.size:

@@ -649,10 +649,10 @@ class DecodeEngine:
 
     def _upload(self, batch: Batch, host: planner.Plan, route: str) -> DevicePlan:
         items8 = np.zeros((max(host.num_items, 1), 8), dtype=np.int32)
-        if route == "workqueue_host":  # the fused queue: its items' ranges and pools as the kernel reads them
+        if route == "workqueue_host" and self.pool_units:  # the pooled queue: ranges and pools as the kernel reads them
             pooled = planner.pooled_items(host.items, batch.seq_lens, self.pool_units, host.params["target_items"])
             items8[:host.num_items, :4], items8[:host.num_items, 5:7] = pooled[:, :4], pooled[:, 4:]
-        else:
+        else:  # no pool: the items as planned, pool words (0, 0)
             items8[:host.num_items, :4] = host.items
         items8[:host.num_items, 4] = batch.kv_indptr[host.items[:, 0] & 0xFFFF]
         buffers = self._workspace(host.num_items, batch.batch_size)
