@@ -21,6 +21,7 @@ The defines (benchmarks/NOTES.md):
   PKV_L2HINT=128|256 K/V loads (cp.async) with that L2 prefetch size
   PKV_DEEP_K=1       (v17) K's ring one stage deeper than V's (4 and 3 stages at head_dim <= 128)
   PKV_ADDR64=1       (v17) K/V addresses by v16's 64-bit math instead of 32-bit byte strides
+  PKV_PAGES32=1      (v17) page-id loads off a 64-bit row-table address by unsigned 32-bit offsets
   PKV_SMEM_PAD=N     N more bytes of dynamic shared memory per CTA, unused (less L1)
   PKV_CARVEOUT=N     not a kernel define: the engine sets the decode kernels' preferred
                      shared-memory carveout to N % (the rest of the SM's 256 KB is L1)

@@ -75,6 +75,9 @@
 #ifndef PKV_ADDR64
 #define PKV_ADDR64 0  // 1 (development): K/V addresses by the 64-bit math of v16 (for an A/B of its cost)
 #endif
+#ifndef PKV_PAGES32
+#define PKV_PAGES32 0  // 1 (development): page-id loads indexed by unsigned 32-bit offsets
+#endif
 #ifndef PKV_SMEM_PAD
 #define PKV_SMEM_PAD 0  // N (development): N more bytes of dynamic shared memory per CTA, unused
 #endif
@@ -594,12 +597,16 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   auto tile_hi = [&](int u) { return !PKV_POOL || u < ntiles ? hi : it.pool_hi; };
   auto has_tile = [&](int u) { return u < ntiles || (pooled && pool_ring[(u - ntiles) & (POOL_RING - 1)] >= 0); };
 
+  const unsigned long long pages_u64 = reinterpret_cast<unsigned long long>(pages);
   auto fetch_pages = [&](int tile, int (&pg)[LOADS]) {
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int tok = t0 + lr + ROWS_PER_PASS * i;
-      pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
+      if (PKV_PAGES32)  // the index unsigned: one IMAD.WIDE.U32 off the row's table, no sign extension
+        pg[i] = tok < t1 ? __ldg(reinterpret_cast<const int*>(pages_u64 + ((unsigned)tok >> p.log2_page) * 4ull)) : 0;
+      else
+        pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
   // part 0: the tile's loads; early K/V loads (p.early bit 1) split them in two: part 1 every page
