@@ -20,11 +20,10 @@ The defines (benchmarks/NOTES.md):
   PKV_EARLY_STAGES=N early K/V loads of the first min(N, STAGES - 1) tiles only
   PKV_L2HINT=128|256 K/V loads (cp.async) with that L2 prefetch size
   PKV_DEEP_K=1       (v17) K's ring one stage deeper than V's (4 and 3 stages at head_dim <= 128)
-  PKV_ADDR64=1       (v17) K/V addresses by v16's 64-bit math instead of 32-bit byte strides
-  PKV_PAGES32=1      (v17) page-id loads off a 64-bit row-table address by unsigned 32-bit offsets
-  PKV_SMEM_PAD=N     N more bytes of dynamic shared memory per CTA, unused (less L1)
-  PKV_CARVEOUT=N     not a kernel define: the engine sets the decode kernels' preferred
-                     shared-memory carveout to N % (the rest of the SM's 256 KB is L1)
+  PKV_ADDR64=1       (at 21873eb only) K/V addresses by v16's 64-bit math
+  PKV_PAGES32=1      (at 0ee8c07 only) page-id loads by unsigned offsets off a 64-bit table address
+  PKV_SMEM_PAD=N     (at 76bb9c9-0ee8c07 only) N more bytes of unused shared memory per CTA
+  PKV_CARVEOUT=N     (the same) not a kernel define: the decode kernels' preferred carveout, N %
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel

@@ -72,15 +72,6 @@
 #ifndef PKV_DEEP_K
 #define PKV_DEEP_K 0  // 1 (development): K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits
 #endif
-#ifndef PKV_ADDR64
-#define PKV_ADDR64 0  // 1 (development): K/V addresses by the 64-bit math of v16 (for an A/B of its cost)
-#endif
-#ifndef PKV_PAGES32
-#define PKV_PAGES32 0  // 1 (development): page-id loads indexed by unsigned 32-bit offsets
-#endif
-#ifndef PKV_SMEM_PAD
-#define PKV_SMEM_PAD 0  // N (development): N more bytes of dynamic shared memory per CTA, unused
-#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -139,7 +130,7 @@ constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) *
 constexpr int POOL_RING = 8;
 constexpr int RING_BYTES = (PKV_POOL && !PKV_RING_STATIC) ? POOL_RING * 4 : 0;
 constexpr int SMEM_BYTES = (PIPE_BYTES + RING_BYTES > COMBINE_BYTES ? PIPE_BYTES + RING_BYTES : COMBINE_BYTES) +
-                           (PKV_TMA ? 1024 : 0) + PKV_SMEM_PAD;
+                           (PKV_TMA ? 1024 : 0);
 #if PKV_TMA
 static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per token row)");
 #endif
@@ -597,16 +588,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   auto tile_hi = [&](int u) { return !PKV_POOL || u < ntiles ? hi : it.pool_hi; };
   auto has_tile = [&](int u) { return u < ntiles || (pooled && pool_ring[(u - ntiles) & (POOL_RING - 1)] >= 0); };
 
-  const unsigned long long pages_u64 = reinterpret_cast<unsigned long long>(pages);
   auto fetch_pages = [&](int tile, int (&pg)[LOADS]) {
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int tok = t0 + lr + ROWS_PER_PASS * i;
-      if (PKV_PAGES32)  // the index unsigned: one IMAD.WIDE.U32 off the row's table, no sign extension
-        pg[i] = tok < t1 ? __ldg(reinterpret_cast<const int*>(pages_u64 + ((unsigned)tok >> p.log2_page) * 4ull)) : 0;
-      else
-        pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
+      pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
   // part 0: the tile's loads; early K/V loads (p.early bit 1) split them in two: part 1 every page
@@ -639,18 +626,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       const bool valid = tok < t1;
       if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
       const unsigned so = swz(t, lc) * 2;
-      if (PKV_ADDR64) {
-        const long long off = valid ? (long long)pg[i] * p.kv_sp + (long long)(tok & P_mask) * p.kv_st + lc * 8 : 0;
-        if (kv & 1) cp_async16(dK + so, kbase + off, valid);
-        if (kv & 2) cp_async16(dV + so, vbase + off, valid);
-      } else {
-        // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
-        // src-size 0 never reads
-        const unsigned long long off =
-            (unsigned long long)(unsigned)pg[i] * sp_b + ((unsigned)(tok & P_mask) * st_b + lc * 16u);
-        if (kv & 1) cp_async16(dK + so, kbytes + off, valid);
-        if (kv & 2) cp_async16(dV + so, vbytes + off, valid);
-      }
+      // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
+      // src-size 0 never reads
+      const unsigned long long off =
+          (unsigned long long)(unsigned)pg[i] * sp_b + ((unsigned)(tok & P_mask) * st_b + lc * 16u);
+      if (kv & 1) cp_async16(dK + so, kbytes + off, valid);
+      if (kv & 2) cp_async16(dV + so, vbytes + off, valid);
     }
   };
 

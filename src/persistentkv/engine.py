@@ -382,9 +382,6 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tu
     spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
     source = (kernels_dir() / KERNEL_FILE).read_text()
     options = compile_options(spec, warps, defines)
-    # Development: PKV_CARVEOUT=N (a define the kernel ignores) sets the decode kernels' preferred
-    # shared-memory carveout to N % of the SM's (the rest is L1); default: the driver's choice.
-    carveout = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("PKV_CARVEOUT=")), None)
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
@@ -410,8 +407,6 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tu
             kernel = module.get_function(name)
             if name.startswith("pkv_decode"):
                 kernel.max_dynamic_shared_size_bytes = smem
-                if carveout is not None:
-                    kernel.preferred_shared_memory_carveout = carveout
             functions[name] = kernel.kernel  # keeps the module loaded; .ptr is the CUfunction
         from cupy_backends.cuda.api import driver
 
