@@ -69,6 +69,9 @@
 #ifndef PKV_L2HINT
 #define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
 #endif
+#ifndef PKV_FULLRING
+#define PKV_FULLRING 0  // 1 (development): tile t + STAGES issued after tile t's compute, all STAGES in flight
+#endif
 #ifndef PKV_DEEP_K
 #define PKV_DEEP_K 0  // 1 (development): K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits
 #endif
@@ -101,6 +104,16 @@ constexpr int STAGES = (D == 256) ? 2 : 3;
 // with the pool's claims (they count STAGES ahead), TMA (one mbarrier per K+V stage) or D = 256.
 constexpr bool DEEP_K = PKV_DEEP_K && !PKV_POOL && !PKV_TMA && D <= 128;
 constexpr int KSTAGES = DEEP_K ? STAGES + 1 : STAGES;
+// The shipped loop issues tile t + STAGES - 1 at the top of iteration t, after the barrier that
+// says tile t landed, so while it waits for a tile at most STAGES - 1 tiles are in flight (8 warps:
+// 128 KB) and the stage just computed sits idle until the next tile lands. PKV_FULLRING
+// (development, not yet measured; benchmarks/NOTES.md v17) issues tile t + STAGES into that stage
+// right after a second barrier at the end of iteration t, so all STAGES tiles are in flight while
+// the loop waits (192 KB), for the cost of that barrier. Not with the pool's claims (they count
+// STAGES - 1 ahead), TMA (its own loop) or DEEP_K.
+constexpr bool FULLRING = PKV_FULLRING && !PKV_POOL && !PKV_TMA && !DEEP_K;
+// Tiles the prologue loads (and the loop stays ahead by): K's STAGES - 1 (KSTAGES - 1), or STAGES.
+constexpr int PRO = FULLRING ? STAGES : KSTAGES - 1;
 constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
@@ -649,12 +662,12 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // the wait too, but for the item's last page: the page that a decode step's append, the kernel
   // before this one, may be writing.
   int pg_next[LOADS];  // the page ids of K's next tile, t + KSTAGES - 1 at iteration t
-  int pg[KSTAGES - 1][LOADS];
+  int pg[PRO][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < KSTAGES - 1; ++s)
+    for (int s = 0; s < PRO; ++s)
       if (s < ntiles) fetch_pages(s, pg[s]);
-    if (KSTAGES - 1 < ntiles) fetch_pages(KSTAGES - 1, pg_next);
+    if (PRO < ntiles) fetch_pages(PRO, pg_next);
     // Early K/V: uncommitted until the first commit below, so they join tile 0's group (waiting
     // for a tile still waits for all of its loads).
     if (early_kv) {
@@ -730,7 +743,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     // One commit group per tile; with DEEP_K one per half-tile, in the order the loop continues
     // (K0 V0 K1 V1 K2, then V2 K3 V3 K4 ...), so the wait for tile t's V leaves 3 groups in flight.
 #pragma unroll
-    for (int s = 0; s < KSTAGES - 1; ++s) {
+    for (int s = 0; s < PRO; ++s) {
       const int part = early_kv && s < STAGES - 1 && early_stage(s) ? 2 : 0;
       if (has_tile(s)) issue(s, pg[s], part, DEEP_K ? 1 : 3);
       cp_async_commit();
@@ -744,7 +757,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // Whether tile t + STAGES - 1 exists and its page ids are in pg_next. Ring entries past the
   // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
   // than asking has_tile of a later one, whose ring slot may hold an older claim.
-  bool ahead = has_tile(KSTAGES - 1);
+  bool ahead = has_tile(PRO);
   // DEEP_K: whether V of tile t + STAGES - 1 exists, and its page ids (K's of one iteration ago).
   bool v_ahead = DEEP_K && has_tile(STAGES - 1);
   int pg_v[LOADS];
@@ -775,7 +788,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     } else
 #endif
     {
-      cp_async_wait<DEEP_K ? 2 * STAGES - 3 : STAGES - 2>();
+      cp_async_wait<FULLRING ? STAGES - 1 : DEEP_K ? 2 * STAGES - 3 : STAGES - 2>();
       __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
       if (PKV_TRACE && t == 0) stamp(2);
       if constexpr (DEEP_K) {
@@ -790,7 +803,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
           if (ahead) fetch_pages(t + KSTAGES, pg_next);  // used one iteration later
         }
         cp_async_commit();
-      } else {
+      } else if constexpr (!FULLRING) {
         if (ahead) {
           issue(t + STAGES - 1, pg_next, 0, 3);
           ahead = has_tile(t + STAGES);
@@ -877,6 +890,15 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
         mma16816(o[2 * dp], pa, b0, b1);
         mma16816(o[2 * dp + 1], pa, b2, b3);
       }
+    }
+    if constexpr (FULLRING) {
+      __syncthreads();  // every warp is done with stage t % STAGES: tile t + STAGES goes there now
+      if (ahead) {
+        issue(t + STAGES, pg_next, 0, 3);
+        ahead = has_tile(t + STAGES + 1);
+        if (ahead) fetch_pages(t + STAGES + 1, pg_next);  // used one iteration later
+      }
+      cp_async_commit();
     }
     if (!PKV_POOL_NOCLAIM && tid == 0 && !pool_done) {  // the claim in flight is tile t + STAGES + 1's; claim the next
       const int u = t + STAGES + 1;

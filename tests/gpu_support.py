@@ -112,6 +112,24 @@ def replay_captured(step, outs, replays: int = 1) -> None:
     torch.cuda.synchronize()
 
 
+def run_step(step, outs, graph: bool, replays: int = 3) -> None:
+    """``step()`` once, eagerly, or (``graph``) warmed up on a side stream, then captured in one
+    CUDA graph and replayed (replay_captured); synchronised either way."""
+    import torch
+
+    if not graph:
+        step()
+        torch.cuda.synchronize()
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    replay_captured(step, outs, replays)
+
+
 def assert_repeats_bit_exact(engine, plan, q, k, v, out, times: int = 5):
     """``times`` more runs of ``plan`` write exactly ``out`` again (counters reset, same merge order)."""
     import torch

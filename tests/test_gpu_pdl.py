@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, replay_captured, requires_gpu
+from gpu_support import TOLERANCE, device_case, reference_torch64, rel_err, replay_captured, requires_gpu, run_step
 from persistentkv.spec import AttentionSpec
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -51,17 +51,7 @@ def _chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = Fals
         for layer in range(1, layers):
             engine.run(outs[layer - 1], (k, v), plan, outs[layer])
 
-    if not graph:
-        step()
-        torch.cuda.synchronize()
-        return outs
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    replay_captured(step, outs, replays=3)
+    run_step(step, outs, graph)
     return outs
 
 
