@@ -97,7 +97,7 @@ constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
-// PKV_DEEP_K (development; measured 5-16 % slower, benchmarks/NOTES.md v17): K's ring one stage
+// PKV_DEEP_K (development; measured 4-16 % slower, benchmarks/NOTES.md v17): K's ring one stage
 // deeper than V's (4 and 3 stages at D <= 128), since a tile's K is needed first (QK before PV),
 // so that 3 to 5 half-tiles are in flight between waits instead of 2 to 4 (8 warps: 96-160 KB
 // instead of 64-128 KB; 224 KB of shared memory, 112 KB at 4 warps, still two CTAs per SM). Not
@@ -661,7 +661,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // With p.early bit 1 (DecodeEngine early_kv), their loads into shared memory are issued before
   // the wait too, but for the item's last page: the page that a decode step's append, the kernel
   // before this one, may be writing.
-  int pg_next[LOADS];  // the page ids of K's next tile, t + KSTAGES - 1 at iteration t
+  int pg_next[LOADS];  // the page ids of the next tile to load (K's, with DEEP_K): t + PRO at iteration t
   int pg[PRO][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
@@ -754,7 +754,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     }
   }
 
-  // Whether tile t + STAGES - 1 exists and its page ids are in pg_next. Ring entries past the
+  // Whether tile t + PRO exists and its page ids are in pg_next. Ring entries past the
   // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
   // than asking has_tile of a later one, whose ring slot may hold an older claim.
   bool ahead = has_tile(PRO);
