@@ -19,7 +19,7 @@ The defines (benchmarks/NOTES.md):
   PKV_FIXED_MERGER=1 (at 09eb4bd only) each group's last split merges after the others' release adds
   PKV_EARLY_STAGES=N early K/V loads of the first min(N, STAGES - 1) tiles only
   PKV_L2HINT=128|256 K/V loads (cp.async) with that L2 prefetch size
-  PKV_DEEP_K=1       (v17, at 8ee897f-b50093f only) K's ring one stage deeper than V's
+  PKV_DEEP_K=1       (v17) K's ring one stage deeper than V's (4 and 3 stages; measured 4-16 % slower)
   PKV_FULLRING=1     (v17) tile t + STAGES loaded right after tile t's compute (a second barrier),
                      so every stage of the ring is in flight while the loop waits
   PKV_ADDR64=1       (at 21873eb only) K/V addresses by v16's 64-bit math
