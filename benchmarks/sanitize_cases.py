@@ -11,6 +11,7 @@ sizes 8/16/128, empty splits, page-boundary lengths. Exits non-zero if any outpu
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -45,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=float, default=0.0,
                         help="also launch the GPU-planned queue with this pool share (DecodeEngine(pool=...)), three "
                              "times (with --pdl as well under PDL)")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="a preprocessor define for every module (development builds, e.g. PKV_FULLRING=1); "
+                             "repeatable")
     args = parser.parse_args(argv)
+    for define in args.define:
+        if not re.fullmatch(r"PKV_[A-Z0-9_]+=\w+", define):
+            parser.error(f"--define takes PKV_NAME=VALUE, got {define!r}")
+    defines = tuple(args.define)
     sizes = [int(c) for c in args.cluster_sizes.split(",") if c.strip()]
     widths = [int(w) for w in args.warps.split(",") if w.strip()]
     if not widths or any(w not in (4, 8) for w in widths):
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for (spec, lengths, _), warps in ((case, w) for case in CASES for w in widths):
         if warps == 8 and spec.head_dim > 128:
             continue
-        engine = engine_for(spec, warps=warps, pdl=False)  # PDL: --pdl
+        engine = engine_for(spec, warps=warps, pdl=False, defines=defines)  # PDL: --pdl
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
         for route, options in (("workqueue", {}), ("workqueue", {"chunk_rule": "closed"}), ("workqueue_host", {}),
@@ -81,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{route}{options.get('cluster_size', '')}{'-closed' if 'chunk_rule' in options else ''}"
             check(engine, batch, q, k, v, ref, route, options, label)
         if args.pdl:
-            pdl = engine_for(spec, warps=warps, pdl=True)
+            pdl = engine_for(spec, warps=warps, pdl=True, defines=defines)
             for route, options in (("workqueue", {}), ("buckets", {"num_splits": 4})):
                 # two calls: the first waits before reading its items, the second does not
                 check(pdl, batch, q, k, v, ref, route, options, f"{route}-pdl", calls=2)
         if args.pool:
             for pdl in (False, True) if args.pdl else (False,):
-                pooled = engine_for(spec, warps=warps, pdl=pdl, pool=args.pool)
+                pooled = engine_for(spec, warps=warps, pdl=pdl, pool=args.pool, defines=defines)
                 check(pooled, batch, q, k, v, ref, "workqueue", {}, f"workqueue-pool{pooled.pool_units}"
                       f"{'-pdl' if pdl else ''}", calls=3)
     return 1 if failures else 0
