@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also launch the GPU-planned queue with this pool share (DecodeEngine(pool=...)), three "
                              "times (with --pdl as well under PDL)")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="a preprocessor define for every module (development builds, e.g. PKV_FULLRING=1); "
+                        help="a preprocessor define for every module (development builds, e.g. PKV_L2HINT=256); "
                              "repeatable")
     args = parser.parse_args(argv)
     for define in args.define:

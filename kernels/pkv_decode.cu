@@ -69,12 +69,6 @@
 #ifndef PKV_L2HINT
 #define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
 #endif
-#ifndef PKV_FULLRING
-#define PKV_FULLRING 0  // 1 (development): tile t + STAGES issued after tile t's compute, all STAGES in flight
-#endif
-#ifndef PKV_DEEP_K
-#define PKV_DEEP_K 0  // 1 (development): K one pipeline stage deeper than V (KSTAGES = STAGES + 1) where it fits
-#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -97,23 +91,6 @@ constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
-// PKV_DEEP_K (development; measured 4-16 % slower, benchmarks/NOTES.md v17): K's ring one stage
-// deeper than V's (4 and 3 stages at D <= 128), since a tile's K is needed first (QK before PV),
-// so that 3 to 5 half-tiles are in flight between waits instead of 2 to 4 (8 warps: 96-160 KB
-// instead of 64-128 KB; 224 KB of shared memory, 112 KB at 4 warps, still two CTAs per SM). Not
-// with the pool's claims (they count STAGES ahead), TMA (one mbarrier per K+V stage) or D = 256.
-constexpr bool DEEP_K = PKV_DEEP_K && !PKV_POOL && !PKV_TMA && D <= 128;
-constexpr int KSTAGES = DEEP_K ? STAGES + 1 : STAGES;
-// The shipped loop issues tile t + STAGES - 1 at the top of iteration t, after the barrier that
-// says tile t landed, so while it waits for a tile at most STAGES - 1 tiles are in flight (8 warps:
-// 128 KB) and the stage just computed sits idle until the next tile lands. PKV_FULLRING
-// (development, not yet measured; benchmarks/NOTES.md v17) issues tile t + STAGES into that stage
-// right after a second barrier at the end of iteration t, so all STAGES tiles are in flight while
-// the loop waits (192 KB), for the cost of that barrier. Not with the pool's claims (they count
-// STAGES - 1 ahead), TMA (its own loop) or DEEP_K.
-constexpr bool FULLRING = PKV_FULLRING && !PKV_POOL && !PKV_TMA && !DEEP_K;
-// Tiles the prologue loads (and the loop stays ahead by): K's STAGES - 1 (KSTAGES - 1), or STAGES.
-constexpr int PRO = FULLRING ? STAGES : KSTAGES - 1;
 constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
@@ -134,7 +111,7 @@ static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping"
 
 // Shared memory of the decode kernel: the K/V pipeline, reused after the loop for the
 // cross-warp combine (WARPS x 16 rows x OBUF_STRIDE floats + small row arrays).
-constexpr int PIPE_BYTES = (Q_ELEMS + (KSTAGES + STAGES) * STAGE_ELEMS) * 2;
+constexpr int PIPE_BYTES = (Q_ELEMS + 2 * STAGES * STAGE_ELEMS) * 2;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
 // PKV_TMA: 1024 bytes more, so the kernel can align the pipeline to the 1024-byte period of
 // the 128-byte TMA swizzle.
@@ -531,7 +508,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
   kv_t* sQ = smem;
   kv_t* sK = smem + Q_ELEMS;
-  kv_t* sV = sK + KSTAGES * STAGE_ELEMS;
+  kv_t* sV = sK + STAGES * STAGE_ELEMS;
   const kv_t* kbase = p.k + (long long)head * D;
   const kv_t* vbase = p.v + (long long)head * D;
   const int* pages = p.kv_indices + it.page_base;
@@ -627,9 +604,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   const unsigned sp_b = (unsigned)p.kv_sp * 2u, st_b = (unsigned)p.kv_st * 2u;
   const char* kbytes = reinterpret_cast<const char*>(kbase);
   const char* vbytes = reinterpret_cast<const char*>(vbase);
-  // kv: which of the tile's K (1) and V (2) to load (with DEEP_K they go in different iterations).
-  auto issue = [&](int tile, const int (&pg)[LOADS], int part, int kv) {
-    const unsigned dK = smem_u32(sK + (tile % KSTAGES) * STAGE_ELEMS);
+  auto issue = [&](int tile, const int (&pg)[LOADS], int part) {
+    const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_ELEMS);
     const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
@@ -643,8 +619,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       // src-size 0 never reads
       const unsigned long long off =
           (unsigned long long)(unsigned)pg[i] * sp_b + ((unsigned)(tok & P_mask) * st_b + lc * 16u);
-      if (kv & 1) cp_async16(dK + so, kbytes + off, valid);
-      if (kv & 2) cp_async16(dV + so, vbytes + off, valid);
+      cp_async16(dK + so, kbytes + off, valid);
+      cp_async16(dV + so, vbytes + off, valid);
     }
   };
 
@@ -661,19 +637,19 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // With p.early bit 1 (DecodeEngine early_kv), their loads into shared memory are issued before
   // the wait too, but for the item's last page: the page that a decode step's append, the kernel
   // before this one, may be writing.
-  int pg_next[LOADS];  // the page ids of the next tile to load (K's, with DEEP_K): t + PRO at iteration t
-  int pg[PRO][LOADS];
+  int pg_next[LOADS];  // the page ids of the next tile to load: t + STAGES - 1 at iteration t
+  int pg[STAGES - 1][LOADS];
   if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < PRO; ++s)
+    for (int s = 0; s < STAGES - 1; ++s)
       if (s < ntiles) fetch_pages(s, pg[s]);
-    if (PRO < ntiles) fetch_pages(PRO, pg_next);
+    if (STAGES - 1 < ntiles) fetch_pages(STAGES - 1, pg_next);
     // Early K/V: uncommitted until the first commit below, so they join tile 0's group (waiting
     // for a tile still waits for all of its loads).
     if (early_kv) {
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s)
-        if (early_stage(s)) issue(s, pg[s], 1, 3);
+        if (early_stage(s)) issue(s, pg[s], 1);
     }
   }
   grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
@@ -740,29 +716,18 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   } else
 #endif
   {
-    // One commit group per tile; with DEEP_K one per half-tile, in the order the loop continues
-    // (K0 V0 K1 V1 K2, then V2 K3 V3 K4 ...), so the wait for tile t's V leaves 3 groups in flight.
 #pragma unroll
-    for (int s = 0; s < PRO; ++s) {
-      const int part = early_kv && s < STAGES - 1 && early_stage(s) ? 2 : 0;
-      if (has_tile(s)) issue(s, pg[s], part, DEEP_K ? 1 : 3);
+    for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per tile
+      const int part = early_kv && early_stage(s) ? 2 : 0;
+      if (has_tile(s)) issue(s, pg[s], part);
       cp_async_commit();
-      if (DEEP_K && s < STAGES - 1) {
-        if (has_tile(s)) issue(s, pg[s], part, 2);
-        cp_async_commit();
-      }
     }
   }
 
-  // Whether tile t + PRO exists and its page ids are in pg_next. Ring entries past the
+  // Whether tile t + STAGES - 1 exists and its page ids are in pg_next. Ring entries past the
   // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
   // than asking has_tile of a later one, whose ring slot may hold an older claim.
-  bool ahead = has_tile(PRO);
-  // DEEP_K: whether V of tile t + STAGES - 1 exists, and its page ids (K's of one iteration ago).
-  bool v_ahead = DEEP_K && has_tile(STAGES - 1);
-  int pg_v[LOADS];
-#pragma unroll
-  for (int i = 0; i < LOADS; ++i) pg_v[i] = pg[DEEP_K ? STAGES - 1 : 0][i];
+  bool ahead = has_tile(STAGES - 1);
   for (int t = 0; has_tile(t); ++t) {
 #if PKV_TMA
     if constexpr (TMA) {
@@ -788,34 +753,20 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     } else
 #endif
     {
-      cp_async_wait<FULLRING ? STAGES - 1 : DEEP_K ? 2 * STAGES - 3 : STAGES - 2>();
+      cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
       if (PKV_TRACE && t == 0) stamp(2);
-      if constexpr (DEEP_K) {
-        if (v_ahead) issue(t + STAGES - 1, pg_v, 0, 2);
-        cp_async_commit();
-        v_ahead = ahead;
-        if (ahead) {
-          issue(t + KSTAGES - 1, pg_next, 0, 1);
-#pragma unroll
-          for (int i = 0; i < LOADS; ++i) pg_v[i] = pg_next[i];
-          ahead = has_tile(t + KSTAGES);
-          if (ahead) fetch_pages(t + KSTAGES, pg_next);  // used one iteration later
-        }
-        cp_async_commit();
-      } else if constexpr (!FULLRING) {
-        if (ahead) {
-          issue(t + STAGES - 1, pg_next, 0, 3);
-          ahead = has_tile(t + STAGES);
-          if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
-        }
-        cp_async_commit();
+      if (ahead) {
+        issue(t + STAGES - 1, pg_next, 0);
+        ahead = has_tile(t + STAGES);
+        if (ahead) fetch_pages(t + STAGES, pg_next);  // used one iteration later
       }
+      cp_async_commit();
     }
     const int t_hi = tile_hi(t);
     const int tok0 = tile_lo(t) + warp * 16;
     if (tok0 < t_hi) {  // warp-uniform: skip warps whose 16 tokens all lie past the tile's bound
-      const kv_t* k_st = sK + (t % KSTAGES) * STAGE_ELEMS;
+      const kv_t* k_st = sK + (t % STAGES) * STAGE_ELEMS;
       const kv_t* v_st = sV + (t % STAGES) * STAGE_ELEMS;
       float s[2][4];
 #pragma unroll
@@ -890,15 +841,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
         mma16816(o[2 * dp], pa, b0, b1);
         mma16816(o[2 * dp + 1], pa, b2, b3);
       }
-    }
-    if constexpr (FULLRING) {
-      __syncthreads();  // every warp is done with stage t % STAGES: tile t + STAGES goes there now
-      if (ahead) {
-        issue(t + STAGES, pg_next, 0, 3);
-        ahead = has_tile(t + STAGES + 1);
-        if (ahead) fetch_pages(t + STAGES + 1, pg_next);  // used one iteration later
-      }
-      cp_async_commit();
     }
     if (!PKV_POOL_NOCLAIM && tid == 0 && !pool_done) {  // the claim in flight is tile t + STAGES + 1's; claim the next
       const int u = t + STAGES + 1;
@@ -1020,9 +962,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 using pkv::Params;
 
 // Launch facts the host reads from the module (never restated in Python): dynamic shared
-// memory per decode CTA, threads per CTA, tokens per pipeline stage, V's stages, planner tile,
-// K's stages.
-extern "C" __device__ const int pkv_config[6] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32, pkv::KSTAGES};
+// memory per decode CTA, threads per CTA, tokens per pipeline stage, pipeline stages (of K and of
+// V each), planner tile.
+extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32};
 
 #if PKV_TRACE
 // Records of PKV_TRACE builds: TRACE_FIELDS words each, appended in the order CTAs finish.

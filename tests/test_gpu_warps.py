@@ -102,8 +102,8 @@ def test_module_facts(head_dim):
 
     engine = engine8(AttentionSpec(32, 8, head_dim, 16, "float16"))
     mod = engine.module
-    assert (mod.threads, mod.tile, mod.stages, mod.k_stages) == (32 * WARPS, stage_tokens(WARPS), 3, 3)
-    assert mod.smem_bytes == (mod.k_stages + mod.stages) * mod.tile * head_dim * 2  # the K and V rings
+    assert (mod.threads, mod.tile, mod.stages) == (32 * WARPS, stage_tokens(WARPS), 3)
+    assert mod.smem_bytes == 2 * mod.stages * mod.tile * head_dim * 2  # the K and V rings
     assert engine.target_items == mod.occupancy * engine.num_sms
     assert engine.min_chunk_tiles == min_chunk_tiles_for(WARPS) == 4
     if head_dim == 128:  # 192 KB: one CTA per SM
@@ -118,8 +118,8 @@ def test_four_warp_module_facts(head_dim):
 
     engine = engine_for(AttentionSpec(32, 8, head_dim, 16, "float16"))
     mod = engine.module
-    assert (mod.stages, mod.k_stages) == ((2, 2) if head_dim == 256 else (3, 3))
-    assert mod.smem_bytes >= (mod.k_stages + mod.stages) * mod.tile * head_dim * 2
+    assert mod.stages == (2 if head_dim == 256 else 3)
+    assert mod.smem_bytes >= 2 * mod.stages * mod.tile * head_dim * 2
     assert engine.target_items == mod.occupancy * engine.num_sms
     if head_dim <= 128 and engine.capability[0] >= 9:  # 228 KB per SM (an A100's 164 KB holds one)
         assert mod.occupancy >= 2

@@ -357,8 +357,6 @@ class _Module:
     smem_allowed: dict = field(default_factory=dict)
     #: the CuPy RawModule (its globals, e.g. pkv_trace of a PKV_TRACE build)
     raw: Any = None
-    #: K's pipeline stages (``stages`` is V's): one more where the kernel's DEEP_K holds
-    k_stages: int = 0
 
 
 def _set_function_attribute(function: int, attribute: int, value: int) -> None:
@@ -393,8 +391,8 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tu
             raise PKVError(f"compiling {KERNEL_FILE} for {dtype}/head_dim {head_dim}/warps {warps} failed: "
                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") from exc
         raw = module.get_global("pkv_config")
-        config = cupy.ndarray((6,), dtype=cupy.int32, memptr=raw).get().tolist()
-        smem, threads, tile, stages, plan_tile, k_stages = config
+        config = cupy.ndarray((5,), dtype=cupy.int32, memptr=raw).get().tolist()
+        smem, threads, tile, stages, plan_tile = config
         require(plan_tile == planner.TILE_TOKENS,
                 f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {planner.TILE_TOKENS}")
         require(tile == stage_tokens(warps), f"kernel tile {tile} != {stage_tokens(warps)} tokens for {warps} warps")
@@ -422,7 +420,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, defines: tu
                                f"use cluster_size <= 8")
     cluster_functions = {c: functions[f"pkv_decode_cluster{c}"].ptr for c in planner.CLUSTER_SIZES}
     return _Module(functions, smem, threads, tile, stages, max(1, occupancy), cluster_functions, cluster16_error,
-                   smem_optin, {ptr: smem for ptr in cluster_functions.values()}, module, k_stages)
+                   smem_optin, {ptr: smem for ptr in cluster_functions.values()}, module)
 
 
 @dataclass
