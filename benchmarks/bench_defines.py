@@ -19,10 +19,12 @@ The defines (benchmarks/NOTES.md):
   PKV_FIXED_MERGER=1 (at 09eb4bd only) each group's last split merges after the others' release adds
   PKV_EARLY_STAGES=N early K/V loads of the first min(N, STAGES - 1) tiles only
   PKV_L2HINT=128|256 K/V loads (cp.async) with that L2 prefetch size
-  PKV_DEEP_K=1       (at 8ee897f-8c41957 only) K's ring one stage deeper than V's (4 and 3 stages;
+  PKV_DEEP_K=1       (at 8ee897f-dff547b only) K's ring one stage deeper than V's (4 and 3 stages;
                      measured 4-16 % slower)
-  PKV_FULLRING=1     (at 76b02aa-8c41957 only) tile t + STAGES loaded right after tile t's compute
+  PKV_FULLRING=1     (at 76b02aa-dff547b only) tile t + STAGES loaded right after tile t's compute
                      (a second barrier), every stage of the ring in flight; measured 1-9 % slower
+  PKV_WARPRING=1     (at 21a364f only) each warp loads its own 16 token rows and waits only for
+                     them (cp.async.wait_group + __syncwarp), no CTA barrier per tile; neutral
   PKV_ADDR64=1       (at 21873eb only) K/V addresses by v16's 64-bit math
   PKV_PAGES32=1      (at 0ee8c07 only) page-id loads by unsigned offsets off a 64-bit table address
   PKV_SMEM_PAD=N     (at 76bb9c9-0ee8c07 only) N more bytes of unused shared memory per CTA

@@ -69,9 +69,6 @@
 #ifndef PKV_L2HINT
 #define PKV_L2HINT 0  // 128 | 256 (development): cp.async with that L2 prefetch size
 #endif
-#ifndef PKV_WARPRING
-#define PKV_WARPRING 0  // 1 (development): each warp loads its own 16 token rows; no CTA barrier per tile
-#endif
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
@@ -94,13 +91,6 @@ constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
-// PKV_WARPRING (development; benchmarks/NOTES.md v18): each warp's cp.async loads are the 16 token
-// rows that the warp itself computes (rows warp * 16 .. + 15 of a tile), so a warp waits for its
-// own loads (cp.async.wait_group, then __syncwarp) and refills its own slice of a stage after its
-// own compute: no CTA barrier in the loop, and a warp issues its next tile as soon as its own rows
-// landed, not when the CTA's slowest thread's did. Not with the pool (its claims are published by
-// the loop's barriers) or TMA (warp 0 loads every tile).
-constexpr bool WARPRING = PKV_WARPRING && !PKV_POOL && !PKV_TMA;
 constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
@@ -568,11 +558,9 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   }
 #endif
 
-  // This thread's load slots: chunk lc of token rows lr + ROW_STEP * i (WARPRING: of its warp's 16).
-  constexpr int ROW_STEP = WARPRING ? 32 / CHUNKS : ROWS_PER_PASS;
-  static_assert(!WARPRING || ROW_STEP * LOADS == 16, "WARPRING: a warp's loads cover its 16 rows");
+  // This thread's load slots: chunk c of token rows r0 + ROWS_PER_PASS * i.
   const int lc = tid % CHUNKS;
-  const int lr = WARPRING ? warp * 16 + lane / CHUNKS : tid / CHUNKS;
+  const int lr = tid / CHUNKS;
 
   // Tiles: the item's own ntiles stages of [lo, hi), then (pooled) stages of the group's pool
   // [pool_lo, pool_hi) that this CTA claimed: their first tokens wait in pool_ring (claim k at
@@ -594,7 +582,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
-      const int tok = t0 + lr + ROW_STEP * i;
+      const int tok = t0 + lr + ROWS_PER_PASS * i;
       pg[i] = tok < t1 ? __ldg(pages + (tok >> p.log2_page)) : 0;
     }
   };
@@ -622,7 +610,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     const int t0 = tile_lo(tile), t1 = tile_hi(tile);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
-      const int t = lr + ROW_STEP * i;
+      const int t = lr + ROWS_PER_PASS * i;
       const int tok = t0 + t;
       const bool valid = tok < t1;
       if (part != 0 && (part == 2) != (valid && (tok >> p.log2_page) == last_page)) continue;
@@ -704,7 +692,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       const int g = idx / CHUNKS, c = idx - g * CHUNKS;
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
       if (g < G) val = ld_nc_v4(p.q + row * p.q_sb + (long long)(head * G + g) * p.q_sh + c * 8);
-      *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;  // visible after the loop's first barrier (WARPRING: the one before the loop)
+      *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;  // visible after the loop's first barrier
     }
   } else {
     const int g0 = lane >> 2, g1 = g0 + 8, c = (lane & 3) * 2;
@@ -740,7 +728,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   // pool's end (-1) are never written, so the look-ahead stops at the first missing tile rather
   // than asking has_tile of a later one, whose ring slot may hold an older claim.
   bool ahead = has_tile(STAGES - 1);
-  if constexpr (WARPRING && Q_SMEM) __syncthreads();  // Q in shared memory, written by every warp
   for (int t = 0; has_tile(t); ++t) {
 #if PKV_TMA
     if constexpr (TMA) {
@@ -767,11 +754,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 #endif
     {
       cp_async_wait<STAGES - 2>();
-      if constexpr (WARPRING) {
-        __syncwarp();  // this warp's rows of tile t landed; its rows of tile t - 1 are free again
-      } else {
-        __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
-      }
+      __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
       if (PKV_TRACE && t == 0) stamp(2);
       if (ahead) {
         issue(t + STAGES - 1, pg_next, 0);

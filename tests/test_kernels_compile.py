@@ -124,36 +124,6 @@ def test_the_pool_build_compiles_without_spills(tmp_path, arch, warps):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch, warps, head_dim", [("sm_90", 8, 128), ("sm_80", 4, 128), ("sm_90", 4, 256)])
-def test_the_warpring_build_compiles_without_spills(tmp_path, arch, warps, head_dim):
-    """PKV_WARPRING=1 (development: each warp loads and waits for its own rows) compiles its decode
-    kernels without spilling, and its decode kernel's loop has no CTA barrier: one bar.sync fewer
-    than the shipped kernel, where Q is in registers; at head_dim 256 (Q in shared memory) one
-    barrier before the loop takes its place (tests/test_gpu_warpring.py checks outputs on the GPU)."""
-    spec = AttentionSpec(32, 8, head_dim, 16, "float16")
-    source = str(kernels_dir() / "pkv_decode.cu")
-    ptx = {}
-    for defines in ((), ("PKV_WARPRING=1",)):
-        out = tmp_path / f"x{len(defines)}"
-        cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(out.with_suffix(".cubin")),
-               *compile_options(spec, warps, defines), source]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
-        for name in ("pkv_decode", "pkv_decode_fused"):
-            assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
-        proc = subprocess.run([nvcc_path(), "-ptx", f"-arch={arch}", "-o", str(out.with_suffix(".ptx")),
-                               *compile_options(spec, warps, defines), source], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        text = out.with_suffix(".ptx").read_text()
-        body = text[text.index(".entry pkv_decode("):]
-        ptx[defines] = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
-    count = lambda body: body.count("bar.sync") + body.count("barrier.sync")  # CTA barriers
-    assert count(ptx[("PKV_WARPRING=1",)]) == count(ptx[()]) - (head_dim < 256)
-    assert "bar.warp.sync" in ptx[("PKV_WARPRING=1",)]
-
-
-@needs_nvcc
 @pytest.mark.parametrize("warps", [4, 8])
 def test_the_tma_build_compiles_for_hopper_without_spills(tmp_path, warps):
     """PKV_TMA=1 (development: K/V by tensor-map boxes) compiles for sm_90 without spilling, and
