@@ -273,6 +273,38 @@ def print_comparison(table: list, tag: str) -> None:
               f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
 
 
+def paired_ratios(df):
+    """Each development variant ``X-TAG`` (X a shipped queue, wq or wq8) against X, per case: the
+    ratio of their times in each round (the variants of a round run interleaved, side by side),
+    as its median, min and max over the rounds, and the rounds in which X-TAG was faster. Rounds
+    missing either variant are left out. Columns: case, variant, base, median, min, max, faster,
+    rounds (below 1 is faster)."""
+    import pandas as pd
+
+    per_round = df.pivot_table(index=["case", "repeat"], columns="variant", values="time_us", sort=False)
+    rows = []
+    for variant in per_round.columns:
+        base, sep, tag = variant.partition("-")
+        if not sep or not tag or base not in SHIPPED or base not in per_round.columns:
+            continue
+        for case, both in per_round[[base, variant]].dropna().groupby(level="case", sort=False):
+            ratio = both[variant] / both[base]
+            rows.append({"case": case, "variant": variant, "base": base, "median": ratio.median(),
+                         "min": ratio.min(), "max": ratio.max(), "faster": int((ratio < 1).sum()),
+                         "rounds": len(ratio)})
+    return pd.DataFrame(rows, columns=["case", "variant", "base", "median", "min", "max", "faster", "rounds"])
+
+
+def print_paired(df) -> None:
+    """paired_ratios as one line per case and variant."""
+    table = paired_ratios(df)
+    if table.empty:
+        return
+    print("\npaired per-round ratios, variant / its shipped queue (median [min, max], rounds faster):")
+    for r in table.itertuples():
+        print(f"  {r.case:<14} {r.variant:<18} {r.median:.3f} [{r.min:.3f}, {r.max:.3f}]  {r.faster}/{r.rounds}")
+
+
 def within_tolerance(med: dict, info: dict, dtype: str) -> dict:
     """The medians of the variants whose output passed the float64 check."""
     from gpu_support import TOLERANCE

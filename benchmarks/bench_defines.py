@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_common import (add_baselines, add_plain_read, add_queue, bench_args, comparison_row,  # noqa: E402
-                          first_line, load_baselines, planning_adder, print_comparison, queue_name,
-                          read_ceiling_gbps, timed_cases, write_rows)
+                          first_line, load_baselines, planning_adder, print_comparison, print_paired,
+                          queue_name, read_ceiling_gbps, timed_cases, write_rows)
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
@@ -140,7 +140,10 @@ def main() -> int:
                                                 t_start):
         table.append(comparison_row(label, floor, med, ok, lambda n: any(n.endswith(f"-{t}") for t in tags.values())))
     print_comparison(table, tag)
-    write_rows(rows, args.out, f"bench_{file_tag}", t_start)
+    import pandas as pd
+
+    path = write_rows(rows, args.out, f"bench_{file_tag}", t_start)
+    print_paired(pd.read_parquet(path))
     return 0
 
 

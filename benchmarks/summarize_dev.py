@@ -16,6 +16,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import print_paired  # noqa: E402
 from trace_cta import call_table  # noqa: E402
 DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
 
@@ -46,6 +47,8 @@ def main() -> int:
         print(table.round(1).to_string())
         checked = df[~df["variant"].str.startswith("read")]  # read*: not attention, never checked
         print(f"max rel err vs float64 over the attention variants: {checked['rel_err'].max():.1e}")
+        if path.stem.startswith("bench_defines_") and "repeat" in df:
+            print_paired(df)
     for path in sorted(DEV.glob("bench_stream_*.parquet")):
         df = pd.read_parquet(path)
         med = df.groupby(["mb", "variant"], sort=False)["time_us"].median().unstack()

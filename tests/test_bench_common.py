@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -97,3 +98,27 @@ def test_replay_latency_engine_options_parse_and_reach_engine_for(monkeypatch):
     replay_latency.engine_with({"early_kv": False})
     engine.engine_for("spec", warps=8)  # as pkv-workqueue asks for its 8-warp module
     assert seen == [("spec", {"early_kv": False, "warps": 8})]
+
+
+def test_paired_ratios_pair_each_round_with_its_shipped_queue():
+    """Ratios are taken round by round (the variants of a round ran interleaved), only for a
+    development variant against its own shipped queue: never a baseline whose name has a dash, a
+    variant without its base, or a round that lacks either of the two."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for case, scale in (("B=1 N=4096", 10.0), ("B=1 N=32768", 36.0)):
+        for repeat in range(5):
+            base = scale * (1 + 0.2 * rng.random())  # rounds differ by far more than the variants do
+            times = {"wq8": base, "wq8-x": base * (0.95 if repeat != 2 else 1.02), "wq": base * 1.1,
+                     "vllm-fa3": base * 1.2, "wq4-y": base, "read": base * 0.9}
+            if case == "B=1 N=32768" and repeat == 4:
+                del times["wq8"]  # a round without the base: left out
+            rows += [{"case": case, "repeat": repeat, "variant": v, "time_us": t} for v, t in times.items()]
+    table = bench_common.paired_ratios(pd.DataFrame(rows))
+    assert set(table["variant"]) == {"wq8-x"} and set(table["base"]) == {"wq8"}
+    first, second = table.itertuples()
+    assert (first.case, first.rounds, first.faster) == ("B=1 N=4096", 5, 4)
+    assert (second.case, second.rounds, second.faster) == ("B=1 N=32768", 4, 3)
+    for r in (first, second):
+        assert r.median == pytest.approx(0.95) and r.min == pytest.approx(0.95) and r.max == pytest.approx(1.02)
+    assert bench_common.paired_ratios(pd.DataFrame(rows).query("variant != 'wq8-x'")).empty
