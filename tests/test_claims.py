@@ -263,6 +263,50 @@ def test_engine_verdicts_flag_a_ceiling_the_kernel_outran():
     assert "Caution: pkv-workqueue read faster than that ceiling in 2 step(s) (up to 105.7 %, B16xN32768)" in said
 
 
+def eager_case(host: dict, trace: str, loop: bool = True) -> pd.DataFrame:
+    """bench_kernels eager rows: host = {backend: (host_us, host_loop_us)}."""
+    frames = []
+    for backend, (single, looped) in host.items():
+        extra = {"host_us": single, **({"host_loop_us": looped} if loop else {})}
+        frames.append(timing({(backend, None): 50.0}, experiment="bench_kernels", trace=trace, seeds=(0,),
+                             protocols=("eager",), steps=1, repeats=5, noise=0.0, **extra))
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_engine_host_cost_judges_the_back_to_back_loop():
+    """The eager target is judged on host_loop_us (per case median, every case under 15 us), with
+    the single call after a synchronisation and the baselines' loop costs said beside it."""
+    kernel = bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4)
+    fast = [kernel, eager_case({"pkv-workqueue": (22.0, 9.0), "trtllm-xqa": (110.0, 60.0),
+                                "flashinfer-tc": (80.0, 40.0)}, "B1xN4096"),
+            eager_case({"pkv-workqueue": (30.0, 11.0), "trtllm-xqa": (120.0, 70.0)}, "B64xN1024")]
+    host = claims.engine_verdicts(bench_results(fast))["host"]
+    assert host["measured"] and host["holds"] and host["cases"] == 2 and host["above"] == []
+    assert host["median_us"] == pytest.approx(10.0) and host["worst"] == {"case": "B64xN1024", "us": 11.0}
+    assert host["single_us"] == {"median": 26.0, "min": 22.0, "max": 30.0}
+    assert host["baselines"] == {"flashinfer-tc": 40.0, "trtllm-xqa": 65.0}
+    said = claims.engine_verdicts(bench_results(fast))["sentences"][-1]
+    assert said.startswith("Eager use: one run() call with a reused plan costs 10.0 us") and ": holds;" in said
+    assert "flashinfer-tc 40.0 us, trtllm-xqa 65.0 us" in said
+    slow = fast + [eager_case({"pkv-workqueue": (40.0, 16.5)}, "B16xN8192")]
+    host = claims.engine_verdicts(bench_results(slow))["host"]
+    assert not host["holds"] and host["above"] == ["B16xN8192"] and host["worst"]["us"] == 16.5
+    assert "does not hold" in claims.engine_verdicts(bench_results(slow))["sentences"][-1]
+
+
+def test_engine_host_cost_of_a_run_without_the_loop_is_not_measured():
+    """A run made before host_loop_us existed (or with the loop off) is "not measured" for the
+    target, and its single-call host time is said as what it is."""
+    for frames in ([eager_case({"pkv-workqueue": (22.0, None)}, "B1xN4096", loop=False)],
+                   [eager_case({"pkv-workqueue": (22.0, np.nan)}, "B1xN4096")]):
+        out = claims.engine_verdicts(bench_results(frames))
+        assert not out["host"]["measured"] and "holds" not in out["host"]
+        assert out["sentences"] == ["Eager use: not measured as the target asks (host time per call in a loop of "
+                                    "back-to-back run() calls, host_loop_us, which this run predates); one call right "
+                                    "after a synchronisation takes 22.0 us (case medians 22.0-22.0 us)."]
+    assert claims.engine_verdicts(make_results())["host"] == {"target_us": 15.0, "measured": False}
+
+
 def test_engine_verdicts_without_bench_rows_say_not_measured():
     out = claims.engine_verdicts(make_results())
     assert not any(m["measured"] for m in out["mid_range"]) and out["ceiling"] == [] and out["floor"] == {}

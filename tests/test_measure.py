@@ -342,6 +342,11 @@ class FakeDevice(TorchDevice):
             self.log.events.append(("queue", cycles))
         super().queue_ahead(cycles)
 
+    def synchronize(self):
+        if self.log is not None:
+            self.log.events.append(("sync",))
+        super().synchronize()
+
     def empty_cache(self):
         self.emptied += 1
 
@@ -435,12 +440,39 @@ def test_harness_interleaves_every_backend_once_per_round():
     log = Log()
     device = FakeDevice(l2_bytes=0)
     case = case_with(["flashinfer-tc", "vllm-fa3", "trtllm-xqa"])
-    settings_ = Settings(layers=1, repeats=3, warmup=1, calls_per_graph=2, protocols=("eager",))
+    settings_ = Settings(layers=1, repeats=3, warmup=1, calls_per_graph=2, protocols=("eager",), eager_loop_calls=0)
     run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
     eager_runs = [e[1] for e in log.events if e[0] == "run" and e[2] == "main"]
     timed = eager_runs[3:]  # after each backend's warm-up call
     rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
     assert len(rounds) == 4 and all(sorted(r) == ["flashinfer-tc", "trtllm-xqa", "vllm-fa3"] for r in rounds)
+
+
+def test_eager_rows_time_a_back_to_back_loop_after_the_single_call():
+    """Each eager visit: the timed call between a synchronisation and its event, then
+    eager_loop_calls calls back to back (no synchronisation between them, each on the next copy),
+    then one synchronisation; host_loop_us is set on eager rows only."""
+    log = Log()
+    case_bytes = case_with(["a"]).batch.kv_bytes
+    device = FakeDevice(l2_bytes=case_bytes * 4, log=log)  # 3 x L2 / case: 12 copies
+    case = case_with(["pkv-workqueue"])
+    settings_ = Settings(layers=2, repeats=2, warmup=1, calls_per_graph=2, protocols=("eager", "step"),
+                         eager_loop_calls=3)
+    rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
+    frame = raw_frame(rows)
+    eager = frame[frame["protocol"] == "eager"]
+    assert len(eager) == 2 and (eager["host_loop_us"] > 0).all() and (eager["host_us"] > 0).all()
+    assert frame[frame["protocol"] != "eager"]["host_loop_us"].isna().all()
+    # the event stream of one eager visit: sync, record, run, record, sync, run x 3, sync
+    kinds = [e[0] for e in log.events if e[0] in ("sync", "record", "run", "plan")]
+    visit = ["sync", "record", "run", "record", "sync", "run", "run", "run", "sync"]
+    starts = [i for i in range(len(kinds)) if kinds[i:i + len(visit)] == visit]
+    assert len(starts) == 3  # the warm-up round and the two recorded ones
+    runs = [e for e in log.events if e[0] == "run"]
+    main_runs = [copy_index(device, e[3]) for e in runs if e[2] == "main"]
+    assert all(b == (a + 1) % len(device.copies) for a, b in zip(main_runs[-4:], main_runs[-3:]))
+    with pytest.raises(PKVError, match="eager_loop_calls must be >= 0"):
+        Settings(eager_loop_calls=-1)
 
 
 def test_harness_walks_cold_copies_across_backends_and_graphs():
@@ -469,7 +501,7 @@ def test_kernel_rows_queue_each_replay_behind_the_spin_before_its_first_event():
     rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None))
     assert len(rows) == 2 * 3 and all(r["status"] == "ok" for r in rows)
     timed = [e[0] for e in log.events[next(i for i, e in enumerate(log.events) if e[0] in ("queue", "event")):]
-             if e[0] != "event"]
+             if e[0] not in ("event", "sync")]
     # every window: the spin, then the start event, the graph's calls, the end event; warm-up rounds too
     windows = [timed[i:i + 5] for i in range(0, len(timed), 5)]
     assert len(windows) == 2 * (1 + 3)
@@ -562,7 +594,8 @@ def test_a_failure_mid_run_keeps_earlier_repeats_and_says_which_repeat():
     log = Log()
     device = FakeDevice(l2_bytes=0)
     rows = run_case(case_with(["flashinfer-tc"]), device, make_factory(log, {"flashinfer-tc": {"fail": "second-eager"}}),
-                    Settings(repeats=4, warmup=0, protocols=("eager",)), RunContext("r", log=lambda m: None))
+                    Settings(repeats=4, warmup=0, protocols=("eager",), eager_loop_calls=0),
+                    RunContext("r", log=lambda m: None))
     frame = raw_frame(rows)
     ok, failed = frame[frame["status"] == "ok"], frame[frame["status"] == "failed"]
     assert len(ok) == 2 and len(failed) == 1 and "eager repeat 2" in failed["reason"].iloc[0]

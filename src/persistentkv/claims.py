@@ -691,6 +691,9 @@ ENGINE_CEILING = 0.92
 ENGINE_CEILING_BYTES = 256 * 2**20
 #: ...and no bench_kernels case may fall below this fraction of the fastest baseline's speed.
 ENGINE_FLOOR = 0.97
+#: Eager use: the host time of one run() call with a reused plan, in a loop of calls made back to
+#: back as a serving loop makes them (bench_kernels' eager rows, host_loop_us), stays under this.
+ENGINE_HOST_US = 15.0
 
 
 def engine_verdicts(results: Results) -> dict:
@@ -743,14 +746,46 @@ def engine_verdicts(results: Results) -> dict:
                         "min": {"case": str(worst.trace), "ratio": float(worst.ratio), "lo": float(worst.lo),
                                 "hi": float(worst.hi), "baseline": str(worst.ref_backend)},
                         "holds": not below}
+    out["host"] = engine_host(bench)
     out["sentences"] = _engine_sentences(out)
+    return out
+
+
+def engine_host(bench: pd.DataFrame) -> dict:
+    """ENGINE_BACKEND's host cost per run() call on bench_kernels' eager rows: per case, the median
+    over rounds of host_loop_us (the back-to-back loop; the target ENGINE_HOST_US is about it) and of
+    host_us (one call right after a synchronisation, for context); then the median and the worst
+    case over the cases, and the baselines' loop medians measured beside it. ``measured`` is False
+    when the run has no loop column (runs made before it existed) or no eager rows of ours."""
+    out = {"target_us": ENGINE_HOST_US, "measured": False}
+    if bench.empty or not {"protocol", "backend", "host_us"} <= set(bench.columns):
+        return out
+    eager = bench[(bench["protocol"] == "eager") & (bench.get("status", "ok") == "ok")]
+    mine = eager[eager["backend"] == ENGINE_BACKEND]
+    single = pd.to_numeric(mine["host_us"], errors="coerce").groupby(mine["trace"]).median().dropna()
+    if not single.empty:
+        out["single_us"] = {"median": float(single.median()), "min": float(single.min()), "max": float(single.max())}
+    if "host_loop_us" not in eager:
+        return out
+    loops = pd.to_numeric(eager["host_loop_us"], errors="coerce")
+    per_case = loops.groupby([eager["backend"], eager["trace"]]).median().dropna()
+    if ENGINE_BACKEND not in per_case.index.get_level_values(0):
+        return out
+    loop = per_case.loc[ENGINE_BACKEND]
+    out.update(measured=True, cases=int(loop.size), median_us=float(loop.median()),
+               worst={"case": str(loop.idxmax()), "us": float(loop.max())},
+               above=sorted(str(t) for t, v in loop.items() if v >= ENGINE_HOST_US),
+               holds=bool(loop.max() < ENGINE_HOST_US),
+               baselines={b: float(per_case.loc[b].median()) for b in analysis.BASELINES
+                          if b in per_case.index.get_level_values(0)})
     return out
 
 
 def _engine_sentences(entry: dict) -> list[str]:
     who = entry["backend"]
     mid = [m for m in entry["mid_range"] if m["measured"]]
-    if not mid and not entry["ceiling"] and not entry["floor"]:
+    host = entry.get("host", {})
+    if not mid and not entry["ceiling"] and not entry["floor"] and "single_us" not in host:
         return [f"Not measured: no bench_kernels kernel rows of {who}."]
     said = []
     if mid:
@@ -779,6 +814,20 @@ def _engine_sentences(entry: dict) -> list[str]:
                     f"{entry['floor_target']:g}x of the fastest baseline (lowest {low['case']}, "
                     f"{fmt_ratio(low['ratio'], low['lo'], low['hi'])} against {low['baseline']}): "
                     f"{'holds' if f['holds'] else 'does not hold'}.")
+    if host:
+        single = host.get("single_us")
+        once = (f"; one call right after a synchronisation takes {single['median']:.1f} us "
+                f"(case medians {single['min']:.1f}-{single['max']:.1f} us)") if single else ""
+        if host["measured"]:
+            others = ", ".join(f"{b} {us:.1f} us" for b, us in sorted(host["baselines"].items(), key=lambda kv: kv[1]))
+            said.append(f"Eager use: one run() call with a reused plan costs {host['median_us']:.1f} us of host time "
+                        f"in a loop of back-to-back calls (median over {host['cases']} cases; worst "
+                        f"{host['worst']['case']} {host['worst']['us']:.1f} us) against a target of under "
+                        f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}{once}."
+                        + (f" The baselines in the same loop: {others}." if others else ""))
+        elif single:
+            said.append(f"Eager use: not measured as the target asks (host time per call in a loop of back-to-back "
+                        f"run() calls, host_loop_us, which this run predates){once}.")
     return said
 
 

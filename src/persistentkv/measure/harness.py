@@ -54,6 +54,8 @@ class Settings:
     protocols: tuple[str, ...] = PROTOCOLS
     seed: int = 0
     max_copies: int = 64   # graphs per backend = copies; only sub-3 MB cases want more
+    #: eager rows: run() calls of the back-to-back host loop after the single timed call (0: none)
+    eager_loop_calls: int = 8
     #: recorded rounds of the step protocol (None: ``repeats``). Step rows are eager host loops, the
     #: noisiest rows, and cheap (one plan + the layers); the extra rounds time step rows only.
     step_repeats: int | None = None
@@ -61,6 +63,7 @@ class Settings:
     def __post_init__(self):
         require(self.repeats >= 1, f"repeats must be >= 1, got {self.repeats}")
         require(self.kernel_queue_cycles >= 0, f"kernel_queue_cycles must be >= 0, got {self.kernel_queue_cycles}")
+        require(self.eager_loop_calls >= 0, f"eager_loop_calls must be >= 0, got {self.eager_loop_calls}")
         require(self.step_repeats is None or self.step_repeats >= 1,
                 f"step_repeats must be >= 1, got {self.step_repeats}")
 
@@ -85,6 +88,7 @@ class Settings:
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
                    kernel_queue_cycles=int(m.get("kernel_queue_cycles", 0)),
+                   eager_loop_calls=int(m.get("eager_loop_calls", cls.eager_loop_calls)),
                    protocols=tuple(protocols), seed=seed,
                    step_repeats=None if quick or step is None else int(step))
 
@@ -390,7 +394,8 @@ def _measure(protocol: str, b: Bound, case: Case, device, settings: Settings, cu
     if protocol == "kernel":
         return kernel_once(device, b.replays, cursor, settings.calls_per_graph, settings.kernel_queue_cycles)
     if protocol == "eager":
-        return eager_once(device, lambda c: b.backend.run(q, copies.pair(c), b.plan, b.out), cursor)
+        return eager_once(device, lambda c: b.backend.run(q, copies.pair(c), b.plan, b.out), cursor,
+                          settings.eager_loop_calls)
     if protocol == "step":
         sb = b.step_backend
         return step_once(device, lambda: sb.plan(batch), lambda p, c: sb.run(q, copies.pair(c), p, b.out),
@@ -414,7 +419,8 @@ def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, 
     return raw_row(**base, backend=b.variant.name, protocol=protocol, repeat=repeat,
                    **{**{"num_splits": b.variant.num_splits}, **b.fields},
                    time_us=fields["time_us"], wall_us=fields.get("wall_us", float("nan")),
-                   host_us=fields.get("host_us", float("nan")), layers=layers, per_layer_us=per_layer,
+                   host_us=fields.get("host_us", float("nan")),
+                   host_loop_us=fields.get("host_loop_us", float("nan")), layers=layers, per_layer_us=per_layer,
                    frac_of_ceiling=frac_of_ceiling(case.batch.kv_bytes, per_layer, ceiling), status="ok")
 
 

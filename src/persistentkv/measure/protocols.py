@@ -10,7 +10,10 @@ kernel     device time of run() alone: CUDA-graph replays of ``calls_per_graph``
            first event is stamped when the GPU starts the graph, not while the host is still
            submitting it (benchmarks/NOTES.md, "the kernel window"; 0 turns the spin off).
 eager      CUDA events around one Python run() call (plan reused): time_us is the event time,
-           host_us the host (CPU) time of the call itself, before any synchronisation.
+           host_us the host (CPU) time of the call itself, before any synchronisation. Then
+           ``loop_calls`` more calls back to back, as a serving loop makes them (no
+           synchronisation between them, each on the next copy): host_loop_us is the host time
+           per call of that loop, what a layer's attention costs the CPU in a decode step.
 step       synchronized wall clock of plan + ``layers`` x run (layers cycling over the copies):
            what one decode step of an L-layer model spends in attention. time_us is the whole
            step; per_layer_us = time_us / layers.
@@ -43,7 +46,7 @@ def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, c
     return {"time_us": per_call_us(start.elapsed_ms(end), calls), "layers": 1}
 
 
-def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor) -> dict:
+def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor, loop_calls: int = 0) -> dict:
     copy = cursor.next_copy()
     device.synchronize()
     start, end = device.event(), device.event()
@@ -53,7 +56,15 @@ def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor) -> dic
     host_us = (time.perf_counter() - t0) * 1e6
     end.record()
     device.synchronize()
-    return {"time_us": start.elapsed_ms(end) * 1e3, "host_us": host_us, "layers": 1}
+    fields = {"time_us": start.elapsed_ms(end) * 1e3, "host_us": host_us, "layers": 1}
+    if loop_calls > 0:
+        copies = [cursor.next_copy() for _ in range(loop_calls)]
+        t0 = time.perf_counter()
+        for copy in copies:
+            run_on(copy)
+        fields["host_loop_us"] = (time.perf_counter() - t0) * 1e6 / loop_calls
+        device.synchronize()
+    return fields
 
 
 def step_once(device, plan: Callable[[], object], run_on: Callable[[object, int], None], layers: int,

@@ -37,6 +37,7 @@ RAW_COLUMNS: dict[str, str] = {
     "time_us": "float64",
     "wall_us": "float64",
     "host_us": "float64",
+    "host_loop_us": "float64",
     "layers": "int64",
     "per_layer_us": "float64",
     "read_ceiling_gbps": "float64",
@@ -68,7 +69,7 @@ PROTOCOLS = ("kernel", "eager", "step", "published")
 STATUSES = ("ok", "unavailable", "failed")
 CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
 
-_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling",
+_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling",
                  "launches", "decode_ctas", "merge_state_bytes")
 
 
