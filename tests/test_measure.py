@@ -429,6 +429,15 @@ def test_bench_repeats_apply_to_bench_kernels_settings_only(config):
     assert Settings.from_config(trimmed, bench=True).repeats == m["repeats"]
 
 
+def test_eager_loop_calls_come_from_the_config_with_a_default(config):
+    m = config["measure"]
+    assert Settings.from_config(config).eager_loop_calls == m["eager_loop_calls"] == 8
+    zero = {**config, "measure": {**m, "eager_loop_calls": 0}}
+    assert Settings.from_config(zero).eager_loop_calls == 0
+    trimmed = {**config, "measure": {k: v for k, v in m.items() if k != "eager_loop_calls"}}
+    assert Settings.from_config(trimmed).eager_loop_calls == Settings().eager_loop_calls
+
+
 def test_step_repeats_come_from_config_and_quick_drops_them(config):
     assert Settings.from_config(config).step_repeats == config["measure"]["step_repeats"]
     assert Settings.from_config(config, quick=True).step_repeats is None
