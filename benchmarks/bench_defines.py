@@ -48,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
@@ -140,10 +142,8 @@ def main() -> int:
                                                 t_start):
         table.append(comparison_row(label, floor, med, ok, lambda n: any(n.endswith(f"-{t}") for t in tags.values())))
     print_comparison(table, tag)
-    import pandas as pd
-
-    path = write_rows(rows, args.out, f"bench_{file_tag}", t_start)
-    print_paired(pd.read_parquet(path))
+    write_rows(rows, args.out, f"bench_{file_tag}", t_start)
+    print_paired(pd.DataFrame(rows))
     return 0
 
 
