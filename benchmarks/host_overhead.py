@@ -1,13 +1,25 @@
-"""Host cost of one eager run() call with a reused plan (the issue's budget: < 15 us).
+"""Host cost of one eager run() call with a reused plan (the issue's budget: < 15 us), taken apart.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py [--out host_overhead.parquet] [--repeats 20]
 
-Times N back-to-back run() calls on a small problem whose kernels are shorter than the host
-work, so the wall time per call is the host's; reports the median of several batches of calls.
+For each case (a short kernel, B=1 x 4K, and a long one, B=1 x 128K) and each way of calling it,
+times loops of N back-to-back calls that start right after a synchronisation (N = 8: what
+bench_kernels' eager rows time; 32: one decode step's layers; 200: a warm steady state) and
+reports the host time per call, median over ``--repeats`` loops with its quartiles:
+
+- ``run``: engine.run(q, (k, v), plan, out) with the checks' key, the cache alternating between
+  two copies as the harness's cold copies do;
+- ``run_nocheck``: the same with check=False (what the key costs is the difference);
+- ``launch``: the decode launch alone (cuLaunchKernelEx through ctypes, or CuPy's launchKernel),
+  its arguments already set: the driver's share;
+- ``python_key``: the checks' key built and compared on the host, nothing launched: the host's
+  Python speed, comparable across machines (the same work on the development CPU is printed by
+  ``--cpu-only``).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -16,32 +28,99 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from gpu_support import device_case  # noqa: E402
-from persistentkv.engine import engine_for  # noqa: E402
-from persistentkv.spec import AttentionSpec  # noqa: E402
+LOOPS = (8, 32, 200)
+
+
+def key_of(q, k, v, out, plan):
+    """The key engine.run builds (kept in step with it by hand: a timing stand-in only)."""
+    qs, ks, os_ = q.stride(), k.stride(), out.stride()
+    q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    return (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
+            v.device, out.shape, os_, out.dtype, out.device, plan[0], plan[1], (q_ptr | o_ptr) & 3,
+            (k_ptr | v_ptr) & 15)
+
+
+def time_loops(call, sync, repeats: int, loops=LOOPS) -> dict:
+    """{N: [us per call of each of ``repeats`` loops of N calls, each loop started after sync()]}."""
+    samples = {n: [] for n in loops}
+    for _ in range(repeats):
+        for n in loops:
+            sync()
+            t0 = time.perf_counter()
+            for i in range(n):
+                call(i)
+            samples[n].append((time.perf_counter() - t0) / n * 1e6)
+    sync()
+    return samples
+
+
+def summarise(samples: dict, **labels) -> list:
+    rows = []
+    for n, xs in samples.items():
+        xs = sorted(xs)
+        q1, med, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+        rows.append({**labels, "loop_calls": n, "median_us": med, "q1_us": q1, "q3_us": q3, "min_us": xs[0],
+                     "repeats": len(xs)})
+    return rows
+
+
+def python_key_rows(repeats: int) -> list:
+    """The key's cost on CPU tensors (no GPU needed): the host's Python speed."""
+    import torch
+
+    q = torch.zeros((1, 32, 128), dtype=torch.float16)
+    k = torch.zeros((8, 16, 8, 128), dtype=torch.float16)
+    v, out = torch.zeros_like(k), torch.zeros_like(q)
+    plan = (1, 8)
+    last = key_of(q, k, v, out, plan)
+    return summarise(time_loops(lambda i: key_of(q, k, v, out, plan) == last, lambda: None, repeats),
+                     case="cpu tensors", mode="python_key", pdl=False)
 
 
 def main() -> int:
-    import torch
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the rows as parquet here")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cpu-only", action="store_true", help="only the python_key rows (no GPU needed)")
+    args = parser.parse_args()
+    rows = python_key_rows(args.repeats)
+    if not args.cpu_only:
+        import torch
 
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    batch, q, k, v = device_case(spec, [4096], hole_fraction=0.0)
-    out = torch.empty_like(q)
-    pdl_choices = (True, False) if torch.cuda.get_device_capability()[0] >= 9 else (False,)
-    for route, pdl in ((r, p) for r in ("workqueue", "buckets") for p in pdl_choices):
-        engine = engine_for(spec, pdl=pdl)  # PDL: cuLaunchKernelEx through ctypes; else CuPy's launchKernel
-        plan = engine.plan(batch, route)
-        for check in (True, False):
-            samples = []
-            for _ in range(20):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    engine.run(q, (k, v), plan, out, check=check)
-                samples.append((time.perf_counter() - t0) / 200 * 1e6)
-            torch.cuda.synchronize()
-            print(f"{route:10s} pdl={pdl!s:5s} check={check!s:5s} host us per run(): median {statistics.median(samples):.2f} "
-                  f"min {min(samples):.2f}  launches {plan.num_launches}")
+        from gpu_support import device_case
+        from persistentkv.engine import engine_for
+        from persistentkv.spec import AttentionSpec
+
+        spec = AttentionSpec(32, 8, 128, 16, "float16")
+        sync = torch.cuda.synchronize
+        pdl_choices = (True, False) if torch.cuda.get_device_capability()[0] >= 9 else (False,)
+        for case, length in (("B=1 x 4K", 4096), ("B=1 x 128K", 131072)):
+            batch, q, k, v = device_case(spec, [length], hole_fraction=0.0)
+            pairs = [(k, v), (k.clone(), v.clone())]
+            out = torch.empty_like(q)
+            for pdl in pdl_choices:
+                engine = engine_for(spec, pdl=pdl)
+                plan = engine.plan(batch, "workqueue")
+                engine.run(q, pairs[0], plan, out)
+                decode = plan.launches[-1]
+                stream = engine._stream()
+                modes = {
+                    "run": lambda i: engine.run(q, pairs[i & 1], plan, out),
+                    "run_nocheck": lambda i: engine.run(q, pairs[i & 1], plan, out, check=False),
+                    "launch": (lambda i: decode.pdl(stream)) if decode.pdl is not None
+                    else (lambda i: engine._launch(decode, stream)),
+                }
+                for mode, call in modes.items():
+                    rows += summarise(time_loops(call, sync, args.repeats), case=case, mode=mode, pdl=pdl)
+            del pairs, q, k, v, out
+            torch.cuda.empty_cache()
+    for r in rows:
+        print(f"{r['case']:12s} {r['mode']:12s} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
+              f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}")
+    if args.out:
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(args.out, index=False)
     return 0
 
 
