@@ -12,6 +12,9 @@ reports the host time per call, median over ``--repeats`` loops with its quartil
 - ``run_nocheck``: the same with check=False (what the key costs is the difference);
 - ``launch``: the decode launch alone (cuLaunchKernelEx through ctypes, or CuPy's launchKernel),
   its arguments already set: the driver's share;
+- each of the three also ``cold``: the host's caches flushed before every loop (a 256 MiB buffer
+  written) and the cache rotating over 8 copies, as when bench_kernels' eager loop follows the
+  other backends' work;
 - ``python_key``: the checks' key built and compared on the host, nothing launched: the host's
   Python speed, comparable across machines (the same work on the development CPU is printed by
   ``--cpu-only``).
@@ -24,6 +27,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
@@ -40,11 +45,14 @@ def key_of(q, k, v, out, plan):
             (k_ptr | v_ptr) & 15)
 
 
-def time_loops(call, sync, repeats: int, loops=LOOPS) -> dict:
-    """{N: [us per call of each of ``repeats`` loops of N calls, each loop started after sync()]}."""
+def time_loops(call, sync, repeats: int, loops=LOOPS, before=None) -> dict:
+    """{N: [us per call of each of ``repeats`` loops of N calls, each loop started after sync()
+    (and after ``before()``, untimed, when given)]}."""
     samples = {n: [] for n in loops}
     for _ in range(repeats):
         for n in loops:
+            if before is not None:
+                before()
             sync()
             t0 = time.perf_counter()
             for i in range(n):
@@ -92,11 +100,16 @@ def main() -> int:
         from persistentkv.spec import AttentionSpec
 
         spec = AttentionSpec(32, 8, 128, 16, "float16")
+        scratch = np.zeros(256 << 20, dtype=np.uint8)
+
+        def flush():
+            scratch[::64] += 1  # one write per cache line of 256 MiB: the host's caches hold none of run()'s
+
         sync = torch.cuda.synchronize
         pdl_choices = (True, False) if torch.cuda.get_device_capability()[0] >= 9 else (False,)
         for case, length in (("B=1 x 4K", 4096), ("B=1 x 128K", 131072)):
             batch, q, k, v = device_case(spec, [length], hole_fraction=0.0)
-            pairs = [(k, v), (k.clone(), v.clone())]
+            pairs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(7)]
             out = torch.empty_like(q)
             for pdl in pdl_choices:
                 engine = engine_for(spec, pdl=pdl)
@@ -104,18 +117,23 @@ def main() -> int:
                 engine.run(q, pairs[0], plan, out)
                 decode = plan.launches[-1]
                 stream = engine._stream()
+                launch = (lambda i: decode.pdl(stream)) if decode.pdl is not None else (
+                    lambda i: engine._launch(decode, stream))
                 modes = {
                     "run": lambda i: engine.run(q, pairs[i & 1], plan, out),
                     "run_nocheck": lambda i: engine.run(q, pairs[i & 1], plan, out, check=False),
-                    "launch": (lambda i: decode.pdl(stream)) if decode.pdl is not None
-                    else (lambda i: engine._launch(decode, stream)),
+                    "launch": launch,
+                    "run_cold": lambda i: engine.run(q, pairs[i & 7], plan, out),
+                    "run_nocheck_cold": lambda i: engine.run(q, pairs[i & 7], plan, out, check=False),
+                    "launch_cold": launch,
                 }
                 for mode, call in modes.items():
-                    rows += summarise(time_loops(call, sync, args.repeats), case=case, mode=mode, pdl=pdl)
+                    rows += summarise(time_loops(call, sync, args.repeats, before=flush if "cold" in mode else None),
+                                      case=case, mode=mode, pdl=pdl)
             del pairs, q, k, v, out
             torch.cuda.empty_cache()
     for r in rows:
-        print(f"{r['case']:12s} {r['mode']:12s} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
+        print(f"{r['case']:12s} {r['mode']:16s} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
               f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}")
     if args.out:
         import pandas as pd
