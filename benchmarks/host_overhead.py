@@ -5,7 +5,8 @@
 For each case (a short kernel, B=1 x 4K, and a long one, B=1 x 128K) and each way of calling it,
 times loops of N back-to-back calls that start right after a synchronisation (N = 8: what
 bench_kernels' eager rows time; 32: one decode step's layers; 200: a warm steady state) and
-reports the host time per call, median over ``--repeats`` loops with its quartiles:
+reports the host time per call, median over ``--repeats`` loops with its quartiles, and the median
+of each loop's longest call (one stall, or every call slower):
 
 - ``run``: engine.run(q, (k, v), plan, out) with the checks' key, the cache alternating between
   two copies as the harness's cold copies do;
@@ -46,29 +47,33 @@ def key_of(q, k, v, out, plan):
 
 
 def time_loops(call, sync, repeats: int, loops=LOOPS, before=None) -> dict:
-    """{N: [us per call of each of ``repeats`` loops of N calls, each loop started after sync()
-    (and after ``before()``, untimed, when given)]}."""
+    """{N: [(mean us per call, longest call's us) of each of ``repeats`` loops of N calls, each loop
+    started after sync() (and after ``before()``, untimed, when given)]}."""
     samples = {n: [] for n in loops}
+    clock = time.perf_counter
     for _ in range(repeats):
         for n in loops:
             if before is not None:
                 before()
             sync()
-            t0 = time.perf_counter()
+            stamps = [0.0] * (n + 1)
+            stamps[0] = clock()
             for i in range(n):
                 call(i)
-            samples[n].append((time.perf_counter() - t0) / n * 1e6)
+                stamps[i + 1] = clock()
+            calls = [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
+            samples[n].append((sum(calls) / n, max(calls)))
     sync()
     return samples
 
 
 def summarise(samples: dict, **labels) -> list:
     rows = []
-    for n, xs in samples.items():
-        xs = sorted(xs)
+    for n, pairs in samples.items():
+        xs = sorted(mean for mean, _ in pairs)
         q1, med, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
         rows.append({**labels, "loop_calls": n, "median_us": med, "q1_us": q1, "q3_us": q3, "min_us": xs[0],
-                     "repeats": len(xs)})
+                     "max_call_us": statistics.median(longest for _, longest in pairs), "repeats": len(xs)})
     return rows
 
 
@@ -134,7 +139,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     for r in rows:
         print(f"{r['case']:12s} {r['mode']:16s} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
-              f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}")
+              f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}  "
+              f"longest call {r['max_call_us']:.1f}")
     if args.out:
         import pandas as pd
 

@@ -264,7 +264,7 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(earl
     if not early_kv:
         engine.early_kv, engine._early_bits = False, 1
     e = engine._early_bits
-    engine.device = SimpleNamespace(index=0)
+    engine.device, engine._device_index = SimpleNamespace(index=0), 0
     engine._raw_stream = lambda index: 0
     seen = []
     engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append((function, None)))

@@ -69,7 +69,7 @@ class FakeTorch:
 def fake_engine(warps=4):
     engine = cpu_engine(warps=warps)
     engine.torch = FakeTorch()
-    engine.device = SimpleNamespace(index=0)
+    engine.device, engine._device_index = SimpleNamespace(index=0), 0
     engine.pdl = False
     engine.module.functions = {name: SimpleNamespace(ptr=i + 1) for i, name in
                                enumerate(("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan"))}
@@ -250,6 +250,32 @@ def test_run_rechecks_a_misaligned_view_of_the_same_shape():
     with pytest.raises(PKVError, match="q and out must be 4-byte"):
         engine.run(q, (k, v), plan, q_flat[1:1 + q.numel()].view(q.shape))
     engine.run(q, (k, v), plan, out)  # and the good call still runs
+
+
+@pytest.mark.parametrize("route", ["workqueue", "buckets", "cluster"])
+def test_run_writes_every_per_call_value_into_each_launch(route):
+    """run() stores the tensors' pointers and strides into the launches' parameter blocks with two
+    struct stores per decode block and named stores per merge block; every per-call field must then
+    read back as the tensors' own values (views with distinct strides, so a swapped field shows)."""
+    torch, engine, launched, plan, q, k, v, out = torch_engine(lengths=(300, 17, 4100))
+    if route != "workqueue":
+        plan = engine.plan(make_batch(engine.spec, [300, 17, 4100], seed=2), route)
+    qq = torch.zeros((q.shape[0], q.shape[1] + 2, q.shape[2] + 6), dtype=q.dtype)[:, 1:-1, 2:-4]
+    oo = torch.zeros((q.shape[0] + 1, q.shape[1] + 4, q.shape[2] + 4), dtype=q.dtype)[1:, :-4, 4:]
+    kk, vv = (torch.zeros((k.shape[0] + 1, *k.shape[1:]), dtype=k.dtype)[1:] for _ in range(2))
+    assert len({qq.stride(), oo.stride()}) == 2 and kk.data_ptr() % 16 == 0
+    launched.clear()
+    engine.run(qq, (kk, vv), plan, oo)
+    kinds = [launch.kind for launch in launched]
+    assert kinds == [launch.kind for launch in plan.run_launches] and kinds
+    for launch in launched:
+        a = launch.args
+        assert (a.out, a.o_sb, a.o_sh) == (oo.data_ptr(), oo.stride(0), oo.stride(1))
+        if launch.kind != "merge":
+            assert (a.q, a.k, a.v) == (qq.data_ptr(), kk.data_ptr(), vv.data_ptr())
+            assert (a.kv_sp, a.kv_st, a.q_sb, a.q_sh) == (kk.stride(0), kk.stride(1), qq.stride(0), qq.stride(1))
+    if route == "buckets":
+        assert "merge" in kinds
 
 
 def test_pooled_host_queue_uploads_the_pooled_ranges():

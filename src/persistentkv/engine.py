@@ -66,6 +66,7 @@ from __future__ import annotations
 import ctypes
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -207,7 +208,23 @@ def _arg_layout(name: str, fields: list) -> type:
     layout = type(name, (ctypes.Structure,), {"_fields_": [*fields, ("_params", ctypes.c_void_p * len(fields))]})
     layout.offsets = np.array([getattr(layout, f).offset for f, _ in fields], dtype=np.uint64)
     layout.params_offset = layout._params.offset
+    # run() writes a decode block's per-call values with two struct stores (_PTRS at 0, _STRIDES6
+    # at strides_offset), so those fields must lie where the stores put them
+    names = [f for f, _ in fields]
+    if "kv_sp" in names:
+        assert names[:4] == ["q", "k", "v", "out"] and layout.q.offset == 0, name
+        stride_names = [n for n, _ in _STRIDES]
+        start = names.index("kv_sp")
+        assert names[start:start + 6] == stride_names, name
+        layout.strides_offset = layout.kv_sp.offset
+        assert [getattr(layout, n).offset for n in stride_names] == [layout.strides_offset + 8 * i for i in range(6)]
     return layout
+
+
+#: run()'s per-call stores into a decode parameter block: the q, k, v, out pointers (its first four
+#: fields) and the six strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh; at layout.strides_offset)
+_PTRS = struct.Struct("<4Q")
+_STRIDES6 = struct.Struct("<6q")
 
 
 def _arg_block(layout: type, *values):
@@ -321,7 +338,7 @@ class _PDLLaunch:
     """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
     a call rewrites only the stream."""
 
-    __slots__ = ("launch_ex", "attr", "config", "function", "params")
+    __slots__ = ("launch_ex", "attr", "config", "config_ref", "function", "params")
 
     def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
         self.launch_ex = _launch_kernel_ex()
@@ -329,12 +346,13 @@ class _PDLLaunch:
         self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self.attr.value[0] = 1
         self.config = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
+        self.config_ref = ctypes.byref(self.config)  # kept: the config lives as long as this launch
         self.function = ctypes.c_void_p(function)
         self.params = ctypes.c_void_p(params)
 
     def __call__(self, stream: int) -> None:
         self.config.hStream = stream
-        status = self.launch_ex(ctypes.byref(self.config), self.function, self.params, None)
+        status = self.launch_ex(self.config_ref, self.function, self.params, None)
         if status != 0:
             raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch) returned CUresult {status}")
 
@@ -484,9 +502,13 @@ class DevicePlan:
     #: pages the block table addresses (Batch.num_pages): the cache passed to run() must hold them
     num_pages: int = 0
 
+    def __post_init__(self):
+        #: what run() launches, in order (the GPU planner's launch is plan()'s and replan_device()'s)
+        self.run_launches = tuple(l for l in self.launches if l.kind != "plan")
+
     @property
     def num_launches(self) -> int:
-        return sum(1 for l in self.launches if l.kind != "plan")
+        return len(self.run_launches)
 
     def view(self, name: str):
         """The named buffer (``items``, ``num_items``, ``counters``, ``part_o``, ``part_lse``,
@@ -567,6 +589,7 @@ class DecodeEngine:
         self._log2_page = int(math.log2(spec.page_size))
         self._plan_function = self.module.functions["pkv_plan"].ptr
         self._last_check = None
+        self._device_index = self.device.index
 
     # ------------------------------------------------------------------ planning
     def _i32(self, array) -> Any:
@@ -781,7 +804,7 @@ class DecodeEngine:
     def _stream(self) -> int:
         """The raw pointer of torch's current stream on this device (the capture stream inside
         torch.cuda.graph)."""
-        return self._raw_stream(self.device.index)
+        return self._raw_stream(self._device_index)
 
     def _check(self, q, k, v, out, plan: DevicePlan) -> None:
         """Refuse what the kernels cannot run right (run() calls it when its key changes)."""
@@ -824,27 +847,25 @@ class DecodeEngine:
             if key != self._last_check:
                 self._check(q, k, v, out, plan)
                 self._last_check = key
-        stream = self._raw_stream(self.device.index)
+        stream = self._raw_stream(self._device_index)
         maps = self._kv_maps(k, v, k_ptr, v_ptr, ks) if self.tma else None
-        for launch in plan.launches:
-            kind = launch.kind
-            if kind == "plan":
-                continue
+        for launch in plan.run_launches:
             args = launch.args
-            args.out = o_ptr
-            if kind == "merge":
+            if launch.kind == "merge":
+                args.out = o_ptr
                 args.o_sb, args.o_sh = os_[0], os_[1]
+                self._launch(launch, stream)
+                continue
+            _PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr)
+            _STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
+            if maps is not None and launch.kind != "cluster":
+                args.tmk, args.tmv = maps
+            if launch.pdl is not None:
+                args.early = self._early_bits if plan.early_ok else 0
+                launch.pdl(stream)
+                plan.early_ok = True
             else:
-                args.q, args.k, args.v = q_ptr, k_ptr, v_ptr
-                args.kv_sp, args.kv_st, args.q_sb, args.q_sh, args.o_sb, args.o_sh = ks[0], ks[1], qs[0], qs[1], os_[0], os_[1]
-                if maps is not None and kind != "cluster":
-                    args.tmk, args.tmv = maps
-                if launch.pdl is not None:
-                    args.early = self._early_bits if plan.early_ok else 0
-                    launch.pdl(stream)
-                    plan.early_ok = True
-                    continue
-            self._launch(launch, stream)
+                self._launch(launch, stream)
 
     def _kv_maps(self, k, v, k_ptr: int, v_ptr: int, ks) -> tuple:
         """(K map, V map) of this cache (PKV_TMA), made once per (pointers, pages, strides)."""
