@@ -233,7 +233,7 @@ def _arg_block(layout: type, *values):
     cuLaunchKernel copies parameter values at launch (and a graph capture records them), so one
     block per launch is built at plan time and ``run`` only rewrites the per-call values (tensor
     pointers and strides) before handing ``block.address`` (its pointer array) to the driver: a
-    launch costs a few ctypes stores and one driver call. Building a block is one Structure and
+    launch costs two struct stores (pointers, strides) and one driver call. Building a block is one Structure and
     one vector add for the pointer array (a plan builds two of them on its host path)."""
     block = layout(*values)
     base = ctypes.addressof(block)
@@ -323,13 +323,16 @@ def kv_tensor_map(ptr: int, dtype: str, head_dim: int, num_kv_heads: int, page_s
 
 @lru_cache(maxsize=None)
 def _launch_kernel_ex():
-    """libcuda's cuLaunchKernelEx with its argument types, or None where the driver lacks it
-    (looked up once per process)."""
+    """libcuda's cuLaunchKernelEx, or None where the driver lacks it (looked up once per process).
+
+    It has no ``argtypes``: its only caller, _PDLLaunch, passes ctypes objects of the C types
+    (a byref to a CUlaunchConfig, two c_void_p, None for the extra array), which ctypes hands over
+    as they are; declared argument types would convert each of them again on every call (~0.7 us
+    of a run() on the development CPU)."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 
