@@ -52,7 +52,8 @@ def main() -> int:
     for gib in sizes:
         ts = [r["time_us"] for r in rows if r["gib"] == gib]
         t = statistics.median(ts)
-        print(f"{gib:3d} GiB  median {t:9.1f} us  {gib * 2**30 / t / 1e3:7.1f} GB/s  (min {min(ts):.1f}, max {max(ts):.1f})")
+        print(f"{gib:3d} GiB  median {t:9.1f} us  {gib * 2**30 / t / 1e3:7.1f} GB/s  "
+              f"(min {min(ts):.1f}, max {max(ts):.1f})")
     rate, intercept = fit_stream([r["bytes"] for r in rows], [r["time_us"] for r in rows])
     print(f"least squares over {len(rows)} samples: {rate:.1f} GB/s, intercept {intercept:.2f} us")
     if args.out:

@@ -233,8 +233,9 @@ def _arg_block(layout: type, *values):
     cuLaunchKernel copies parameter values at launch (and a graph capture records them), so one
     block per launch is built at plan time and ``run`` only rewrites the per-call values (tensor
     pointers and strides) before handing ``block.address`` (its pointer array) to the driver: a
-    launch costs two struct stores (pointers, strides) and one driver call. Building a block is one Structure and
-    one vector add for the pointer array (a plan builds two of them on its host path)."""
+    launch costs two struct stores (pointers, strides) and one driver call. Building a block is
+    one Structure and one vector add for the pointer array (a plan builds two of them on its host
+    path)."""
     block = layout(*values)
     base = ctypes.addressof(block)
     np.add(layout.offsets, base, out=np.frombuffer(block._params, dtype=np.uint64))
