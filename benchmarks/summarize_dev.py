@@ -96,6 +96,35 @@ def main() -> int:
         print(f"\n{path.stem} (us per call, medians; benchmarks/replay_latency.py: as-is = the old kernel window, "
               f"queued = behind a GPU spin)")
         print(med.round(2).to_string())
+    for path in sorted(DEV.glob("host_overhead_*.parquet")):
+        df = pd.read_parquet(path)
+        table = df.pivot_table(index=["case", "pdl", "loop_calls"], columns="mode", values="median_us", sort=False)
+        print(f"\n{path.stem} (us per run() call on the host, median over loops that each start after a "
+              f"synchronisation; benchmarks/host_overhead.py: *_cold = host caches flushed before each loop)")
+        print(table.round(1).to_string())
+        if "max_call_us" in df:
+            longest = df.pivot_table(index=["case", "pdl", "loop_calls"], columns="mode", values="max_call_us",
+                                     sort=False)
+            print("each loop's longest call (us, median over loops)")
+            print(longest.round(0).to_string())
+    runs = {p.stem: pd.read_parquet(p) for p in sorted(DEV.glob("bench_kernels_*.parquet"))}
+    runs["bench_kernels (committed)"] = pd.read_parquet(ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet")
+    rows = []
+    for name, df in runs.items():
+        k = df[(df.protocol == "kernel") & (df.status == "ok")]
+        med = k.groupby(["trace", "backend"])["time_us"].median().unstack()
+        base = [c for c in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa") if c in med]
+        ratio = med[base].min(axis=1) / med["pkv-workqueue"]
+        row = {"run": name, "read ceiling GB/s": float(k["read_ceiling_gbps"].median())}
+        row.update({case: ratio.get(case) for case in ("B1xN4096", "B1xN8192", "B1xN16384", "B1xN32768",
+                                                       "B2xN16384", "B4xN8192")})
+        if "host_loop_us" in df:
+            loop = df[(df.protocol == "eager") & (df.backend == "pkv-workqueue")].groupby("trace")["host_loop_us"]
+            row.update({"host loop us (median of cases)": loop.median().median(), "worst case": loop.median().max()})
+        rows.append(row)
+    print("\nbench_kernels runs side by side (pkv-workqueue: best baseline / ours, graph-replayed medians; "
+          "the eager loop's host us per run() call)")
+    print(pd.DataFrame(rows).set_index("run").round(3).to_string())
     alone = [pd.read_parquet(p) for p in sorted(DEV.glob("baseline_alone_*.parquet"))]
     if alone:
         df = pd.concat(alone)
