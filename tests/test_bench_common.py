@@ -136,3 +136,36 @@ def test_ceiling_sizes_fit_recovers_rate_and_fixed_cost():
     assert abs(rate - 4600) < 1 and abs(intercept - 3.0) < 1.0
     with pytest.raises(SystemExit, match="two or more sizes"):
         fit_stream([2**30] * 3, [1.0, 2.0, 3.0])
+
+
+def test_host_overhead_loops_time_each_call_and_summarise_the_longest():
+    """benchmarks/host_overhead: each loop runs before() then sync() untimed, then its N calls with
+    a stamp after each; summarise gives the loops' median mean per call, quartiles and the median
+    of each loop's longest call."""
+    import host_overhead
+
+    events, now = [], [0.0]
+
+    def call(i):  # call i of a loop takes i + 1 us; before() and sync() take 100 us, untimed
+        events.append(("call", i))
+        now[0] += i + 1
+
+    def untimed(name):
+        events.append(name)
+        now[0] += 100
+
+    real = host_overhead.time.perf_counter
+    host_overhead.time.perf_counter = lambda: now[0] * 1e-6
+    try:
+        samples = host_overhead.time_loops(call, lambda: untimed("sync"), repeats=2, loops=(2, 3),
+                                           before=lambda: untimed("before"))
+    finally:
+        host_overhead.time.perf_counter = real
+    one_round = ["before", "sync", ("call", 0), ("call", 1), "before", "sync", ("call", 0), ("call", 1), ("call", 2)]
+    assert events == one_round * 2 + ["sync"]
+    assert {n: [tuple(round(x, 6) for x in pair) for pair in pairs] for n, pairs in samples.items()} == {
+        2: [(1.5, 2.0)] * 2, 3: [(2.0, 3.0)] * 2}  # (mean per call, longest call)
+    rows = host_overhead.summarise({8: [(10.0, 50.0), (12.0, 70.0), (11.0, 60.0), (30.0, 200.0)]}, case="c", mode="m")
+    (row,) = rows
+    assert row["median_us"] == 11.5 and row["min_us"] == 10.0 and row["max_call_us"] == 65.0
+    assert row["q1_us"] <= 11.5 <= row["q3_us"] and row["repeats"] == 4 and row["loop_calls"] == 8
