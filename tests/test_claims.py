@@ -264,10 +264,11 @@ def test_engine_verdicts_flag_a_ceiling_the_kernel_outran():
 
 
 def eager_case(host: dict, trace: str, loop: bool = True) -> pd.DataFrame:
-    """bench_kernels eager rows: host = {backend: (host_us, host_loop_us)}."""
+    """bench_kernels eager rows: host = {backend: (host_us, host_loop_us[, host_loop_max_us])}."""
     frames = []
-    for backend, (single, looped) in host.items():
-        extra = {"host_us": single, **({"host_loop_us": looped} if loop else {})}
+    for backend, (single, looped, *longest) in host.items():
+        extra = {"host_us": single, **({"host_loop_us": looped} if loop else {}),
+                 **({"host_loop_max_us": longest[0]} if longest else {})}
         frames.append(timing({(backend, None): 50.0}, experiment="bench_kernels", trace=trace, seeds=(0,),
                              protocols=("eager",), steps=1, repeats=5, noise=0.0, **extra))
     return pd.concat(frames, ignore_index=True)
@@ -292,6 +293,19 @@ def test_engine_host_cost_judges_the_back_to_back_loop():
     host = claims.engine_verdicts(bench_results(slow))["host"]
     assert not host["holds"] and host["above"] == ["B16xN8192"] and host["worst"]["us"] == 16.5
     assert "does not hold" in claims.engine_verdicts(bench_results(slow))["sentences"][-1]
+
+
+def test_engine_host_cost_says_the_loops_longest_call_where_measured():
+    """host_loop_max_us (runs that have it): the per-case medians of the loop's longest call, their
+    median and largest, said after the verdict; a run without the column says nothing of it."""
+    kernel = bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4)
+    frames = [kernel, eager_case({"pkv-workqueue": (22.0, 12.0, 40.0), "trtllm-xqa": (110.0, 60.0, 90.0)}, "B1xN4096"),
+              eager_case({"pkv-workqueue": (30.0, 16.0, 70.0)}, "B64xN1024")]
+    out = claims.engine_verdicts(bench_results(frames))
+    assert out["host"]["longest_us"] == {"median": 55.0, "max": 70.0}  # ours only, not the baseline's 90
+    assert "The loop's longest call takes 55.0 us (median over cases; up to 70.0 us)." in out["sentences"][-1]
+    without = claims.engine_verdicts(bench_results([kernel, eager_case({"pkv-workqueue": (22.0, 12.0)}, "B1xN4096")]))
+    assert "longest_us" not in without["host"] and "longest call" not in without["sentences"][-1]
 
 
 def test_engine_host_cost_of_a_run_without_the_loop_is_not_measured():

@@ -755,7 +755,9 @@ def engine_host(bench: pd.DataFrame) -> dict:
     """ENGINE_BACKEND's host cost per run() call on bench_kernels' eager rows: per case, the median
     over rounds of host_loop_us (the back-to-back loop; the target ENGINE_HOST_US is about it) and of
     host_us (one call right after a synchronisation, for context); then the median and the worst
-    case over the cases, and the baselines' loop medians measured beside it. ``measured`` is False
+    case over the cases, and the baselines' loop medians measured beside it; ``longest_us`` (where
+    the run has host_loop_max_us) the median and the largest over cases of the loop's longest
+    call. ``measured`` is False
     when the run has no loop column (runs made before it existed) or no eager rows of ours."""
     out = {"target_us": ENGINE_HOST_US, "measured": False}
     if bench.empty or not {"protocol", "backend", "host_us"} <= set(bench.columns):
@@ -778,6 +780,10 @@ def engine_host(bench: pd.DataFrame) -> dict:
                holds=bool(loop.max() < ENGINE_HOST_US),
                baselines={b: float(per_case.loc[b].median()) for b in analysis.BASELINES
                           if b in per_case.index.get_level_values(0)})
+    if "host_loop_max_us" in mine:  # the loop's longest call: one stall, or every call slower
+        longest = pd.to_numeric(mine["host_loop_max_us"], errors="coerce").groupby(mine["trace"]).median().dropna()
+        if not longest.empty:
+            out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
     return out
 
 
@@ -824,6 +830,8 @@ def _engine_sentences(entry: dict) -> list[str]:
                         f"in a loop of back-to-back calls (median over {host['cases']} cases; worst "
                         f"{host['worst']['case']} {host['worst']['us']:.1f} us) against a target of under "
                         f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}{once}."
+                        + (f" The loop's longest call takes {host['longest_us']['median']:.1f} us (median over "
+                           f"cases; up to {host['longest_us']['max']:.1f} us)." if "longest_us" in host else "")
                         + (f" The baselines in the same loop: {others}." if others else ""))
         elif single:
             said.append(f"Eager use: not measured as the target asks (host time per call in a loop of back-to-back "

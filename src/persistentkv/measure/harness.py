@@ -420,7 +420,8 @@ def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, 
                    **{**{"num_splits": b.variant.num_splits}, **b.fields},
                    time_us=fields["time_us"], wall_us=fields.get("wall_us", float("nan")),
                    host_us=fields.get("host_us", float("nan")),
-                   host_loop_us=fields.get("host_loop_us", float("nan")), layers=layers, per_layer_us=per_layer,
+                   host_loop_us=fields.get("host_loop_us", float("nan")),
+                   host_loop_max_us=fields.get("host_loop_max_us", float("nan")), layers=layers, per_layer_us=per_layer,
                    frac_of_ceiling=frac_of_ceiling(case.batch.kv_bytes, per_layer, ceiling), status="ok")
 
 

@@ -13,7 +13,8 @@ eager      CUDA events around one Python run() call (plan reused): time_us is th
            host_us the host (CPU) time of the call itself, before any synchronisation. Then
            ``loop_calls`` more calls back to back, as a serving loop makes them (no
            synchronisation between them, each on the next copy): host_loop_us is the host time
-           per call of that loop, what a layer's attention costs the CPU in a decode step.
+           per call of that loop, what a layer's attention costs the CPU in a decode step, and
+           host_loop_max_us its longest call (one stall, or every call slower).
 step       synchronized wall clock of plan + ``layers`` x run (layers cycling over the copies):
            what one decode step of an L-layer model spends in attention. time_us is the whole
            step; per_layer_us = time_us / layers.
@@ -59,10 +60,14 @@ def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor, loop_c
     fields = {"time_us": start.elapsed_ms(end) * 1e3, "host_us": host_us, "layers": 1}
     if loop_calls > 0:
         copies = [cursor.next_copy() for _ in range(loop_calls)]
-        t0 = time.perf_counter()
-        for copy in copies:
+        clock = time.perf_counter
+        stamps = [0.0] * (loop_calls + 1)
+        stamps[0] = clock()
+        for i, copy in enumerate(copies):
             run_on(copy)
-        fields["host_loop_us"] = (time.perf_counter() - t0) * 1e6 / loop_calls
+            stamps[i + 1] = clock()
+        fields["host_loop_us"] = (stamps[-1] - stamps[0]) * 1e6 / loop_calls
+        fields["host_loop_max_us"] = max(b - a for a, b in zip(stamps, stamps[1:])) * 1e6
         device.synchronize()
     return fields
 

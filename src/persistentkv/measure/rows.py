@@ -38,6 +38,7 @@ RAW_COLUMNS: dict[str, str] = {
     "wall_us": "float64",
     "host_us": "float64",
     "host_loop_us": "float64",
+    "host_loop_max_us": "float64",
     "layers": "int64",
     "per_layer_us": "float64",
     "read_ceiling_gbps": "float64",
@@ -69,8 +70,8 @@ PROTOCOLS = ("kernel", "eager", "step", "published")
 STATUSES = ("ok", "unavailable", "failed")
 CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
 
-_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling",
-                 "launches", "decode_ctas", "merge_state_bytes")
+_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "per_layer_us",
+                 "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
 
 
 def one_line(text: object) -> str:
