@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -489,6 +490,97 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
 # ---------------------------------------------------------------------------------------------
 # Registry and writing
 
+# ---------------------------------------------------------------------------------------------
+# 8. The engine against its targets: the bench_kernels grid, and run()'s host cost
+
+_GRID_NAME = re.compile(r"^B(\d+)xN(\d+)$")
+
+
+def data_engine_grid(results: Results) -> pd.DataFrame:
+    """bench_kernels' equal-length cases (traces ``B{b}xN{n}``): claims.ENGINE_BACKEND's speedup
+    over the fastest baseline (kernel protocol, 95 % bootstrap interval) and the mid-range target
+    of the cell where the engine issue sets one. Columns: batch_size, tokens, ratio, lo, hi,
+    baseline, target (NaN where none)."""
+    cells = [c for c in claims._cells(results, "bench_kernels", "kernel", holdout=False)
+             if claims.ENGINE_BACKEND in c.point]
+    per = analysis.ratios(cells, "baseline-best", backends=[claims.ENGINE_BACKEND])
+    out = []
+    for r in per.itertuples():
+        m = _GRID_NAME.match(str(r.trace))
+        if m is None:  # ragged cases (B8-ragged, B8-bimodal) have no place in the grid
+            continue
+        b, n = int(m.group(1)), int(m.group(2))
+        out.append({"batch_size": b, "tokens": n, "ratio": float(r.ratio), "lo": float(r.lo), "hi": float(r.hi),
+                    "baseline": str(r.ref_backend), "target": claims.ENGINE_MID_RANGE.get((b, n), np.nan)})
+    return pd.DataFrame(out, columns=["batch_size", "tokens", "ratio", "lo", "hi", "baseline", "target"])
+
+
+def data_engine_host(results: Results) -> pd.DataFrame:
+    """bench_kernels' eager rows: the per-case median host time per run() call of the back-to-back
+    loop (host_loop_us) of every backend. Columns: backend, trace, host_loop_us (empty for runs
+    made before the column existed)."""
+    bench = results.bench
+    cols = ["backend", "trace", "host_loop_us"]
+    if bench.empty or "host_loop_us" not in bench or "protocol" not in bench:
+        return pd.DataFrame(columns=cols)
+    eager = bench[(bench["protocol"] == "eager") & (bench.get("status", "ok") == "ok")]
+    loops = pd.to_numeric(eager["host_loop_us"], errors="coerce")
+    med = loops.groupby([eager["backend"], eager["trace"]]).median().dropna()
+    return med.rename("host_loop_us").reset_index()[cols]
+
+
+def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
+    title = f"{claims.ENGINE_BACKEND} against the fastest baseline, and run()'s host cost"
+    if grid.empty and host.empty:
+        return placeholder(title, not_measured(hw, "bench_kernels"))
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    with style():
+        fig = Figure(figsize=(WIDTH, 3.3), layout="constrained")
+        left, right = fig.subplots(1, 2, width_ratios=(1.45, 1))
+        if grid.empty:
+            left.set_axis_off()
+            left.text(0.5, 0.5, not_measured(hw, "kernel rows"), ha="center", va="center", color="#b03030",
+                      fontsize=8, transform=left.transAxes)
+        else:
+            table = grid.pivot_table(index="batch_size", columns="tokens", values="ratio")
+            lo, hi = float(np.nanmin(table.to_numpy())), float(np.nanmax(table.to_numpy()))
+            norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.95), vmax=max(hi, 1.05))
+            sns.heatmap(table, ax=left, annot=True, fmt=".2f", cmap="RdBu", norm=norm, cbar=False,
+                        annot_kws={"fontsize": 6.5}, linewidths=0.5, linecolor="white")
+            cols, rows = list(table.columns), list(table.index)
+            for r in grid.dropna(subset=["target"]).itertuples():
+                x, y = cols.index(r.tokens), rows.index(r.batch_size)
+                met = r.ratio >= r.target
+                left.add_patch(Rectangle((x, y), 1, 1, fill=False, lw=1.6, ec="black" if met else "#b03030"))
+            left.set_xticklabels([f"{c // 1024}K" if c >= 1024 else str(c) for c in cols], rotation=0)
+            left.set_yticklabels([str(b) for b in rows], rotation=0)
+            left.grid(False)
+            left.set_xlabel("tokens per row")
+            left.set_ylabel("batch size B")
+            left.set_title("speedup over the fastest baseline (kernel time)")
+        if host.empty:
+            right.set_axis_off()
+            right.text(0.5, 0.5, not_measured(hw, "host_loop_us"), ha="center", va="center", color="#b03030",
+                       fontsize=8, transform=right.transAxes)
+        else:
+            order = _order(host["backend"])
+            sns.stripplot(data=host, x="backend", y="host_loop_us", order=order, hue="backend", hue_order=order,
+                          palette={b: color(b) for b in order}, legend=False, size=3, jitter=0.25, ax=right)
+            right.axhline(claims.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
+            right.set_yscale("log")
+            right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            right.set_xlabel("")
+            right.set_ylabel("host us per run() call")
+            right.tick_params(axis="x", rotation=60)
+            for label in right.get_xticklabels():
+                label.set_ha("right")
+            right.set_title(f"eager host cost (target < {claims.ENGINE_HOST_US:g} us)")
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
 @dataclass(frozen=True)
 class FigureSpec:
     name: str
@@ -523,6 +615,13 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Every step the adaptive backend ran, placed by its longest row and batch size, coloured by the route "
                "the frozen policy chose.",
                lambda r: fig_policy(data_policy(r), r.hw)),
+    FigureSpec("engine", "The engine against its targets",
+               "Left: pkv-workqueue's speedup over the fastest baseline on each equal-length case of bench_kernels "
+               "(median kernel time under CUDA-graph replay, cold L2; blue = faster, red = slower); outlined cells "
+               "carry the mid-range targets (1.4x at B=1 x 4K, else 1.25x), black where the speedup reaches it, red "
+               "where it falls short. Right: host time per run() call in a loop of back-to-back calls with a reused "
+               "plan, one point per case and backend; the dashed line is the 15 us target.",
+               lambda r: fig_engine(data_engine_grid(r), data_engine_host(r), r.hw)),
     FigureSpec("validation", "Validation status",
                "Relative error of every backend against the float64 reference at sampled steps (GPU) and of the "
                "NumPy executor per route (cpu:...); the bar marks the tolerance.",
