@@ -17,8 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import print_paired  # noqa: E402
+from persistentkv.analysis import BASELINES  # noqa: E402
 from trace_cta import call_table  # noqa: E402
 DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
+
+
+def kernel_medians(bench: pd.DataFrame):
+    """A bench_kernels run's ok kernel rows, their median us per (trace x backend), and the
+    baselines present."""
+    k = bench[(bench.protocol == "kernel") & (bench.status == "ok")]
+    med = k.groupby(["trace", "backend"])["time_us"].median().unstack()
+    return k, med, [c for c in BASELINES if c in med]
 
 
 def main() -> int:
@@ -111,9 +120,7 @@ def main() -> int:
     runs["bench_kernels (committed)"] = pd.read_parquet(ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet")
     rows = []
     for name, df in runs.items():
-        k = df[(df.protocol == "kernel") & (df.status == "ok")]
-        med = k.groupby(["trace", "backend"])["time_us"].median().unstack()
-        base = [c for c in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa") if c in med]
+        k, med, base = kernel_medians(df)
         ratio = med[base].min(axis=1) / med["pkv-workqueue"]
         row = {"run": name, "read ceiling GB/s": float(k["read_ceiling_gbps"].median())}
         row.update({case: ratio.get(case) for case in ("B1xN4096", "B1xN8192", "B1xN16384", "B1xN32768",
@@ -130,10 +137,7 @@ def main() -> int:
         df = pd.concat(alone)
         print("\nbaselines, one process each (median us per call)")
         print(df.groupby(["case", "backend"], sort=False)["time_us"].median().unstack().round(1).to_string())
-    bench = pd.read_parquet(ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet")
-    k = bench[(bench.protocol == "kernel") & (bench.status == "ok")]
-    med = k.groupby(["trace", "backend"])["time_us"].median().unstack()
-    base = [c for c in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa") if c in med]
+    k, med, base = kernel_medians(runs["bench_kernels (committed)"])
     out = pd.DataFrame({"best_baseline": med[base].min(axis=1), "which": med[base].idxmin(axis=1),
                         "pkv-workqueue": med["pkv-workqueue"]})
     out["speedup"] = out["best_baseline"] / out["pkv-workqueue"]

@@ -751,26 +751,35 @@ def engine_verdicts(results: Results) -> dict:
     return out
 
 
+def eager_case_medians(bench: pd.DataFrame, column: str) -> pd.Series:
+    """Per (backend, trace), the median over rounds of ``column`` on bench_kernels' eager rows
+    with status ok (NaN rows dropped); an empty Series where the rows or the column are absent."""
+    if bench.empty or not {"protocol", "backend", "trace", column} <= set(bench.columns):
+        return pd.Series(dtype=float, index=pd.MultiIndex.from_arrays([[], []], names=["backend", "trace"]))
+    eager = bench[(bench["protocol"] == "eager") & (bench.get("status", "ok") == "ok")]
+    values = pd.to_numeric(eager[column], errors="coerce")
+    return values.groupby([eager["backend"], eager["trace"]]).median().dropna()
+
+
 def engine_host(bench: pd.DataFrame) -> dict:
     """ENGINE_BACKEND's host cost per run() call on bench_kernels' eager rows: per case, the median
     over rounds of host_loop_us (the back-to-back loop; the target ENGINE_HOST_US is about it) and of
     host_us (one call right after a synchronisation, for context); then the median and the worst
     case over the cases, and the baselines' loop medians measured beside it; ``longest_us`` (where
     the run has host_loop_max_us) the median and the largest over cases of the loop's longest
-    call. ``measured`` is False
-    when the run has no loop column (runs made before it existed) or no eager rows of ours."""
+    call. ``measured`` is False when the run has no loop column (runs made before it existed) or
+    no eager rows of ours."""
     out = {"target_us": ENGINE_HOST_US, "measured": False}
-    if bench.empty or not {"protocol", "backend", "host_us"} <= set(bench.columns):
-        return out
-    eager = bench[(bench["protocol"] == "eager") & (bench.get("status", "ok") == "ok")]
-    mine = eager[eager["backend"] == ENGINE_BACKEND]
-    single = pd.to_numeric(mine["host_us"], errors="coerce").groupby(mine["trace"]).median().dropna()
+
+    def ours(column: str) -> pd.Series:
+        per_case = eager_case_medians(bench, column)
+        mine = ENGINE_BACKEND in per_case.index.get_level_values(0)
+        return per_case.loc[ENGINE_BACKEND] if mine else pd.Series(dtype=float)
+
+    single = ours("host_us")
     if not single.empty:
         out["single_us"] = {"median": float(single.median()), "min": float(single.min()), "max": float(single.max())}
-    if "host_loop_us" not in eager:
-        return out
-    loops = pd.to_numeric(eager["host_loop_us"], errors="coerce")
-    per_case = loops.groupby([eager["backend"], eager["trace"]]).median().dropna()
+    per_case = eager_case_medians(bench, "host_loop_us")
     if ENGINE_BACKEND not in per_case.index.get_level_values(0):
         return out
     loop = per_case.loc[ENGINE_BACKEND]
@@ -780,10 +789,9 @@ def engine_host(bench: pd.DataFrame) -> dict:
                holds=bool(loop.max() < ENGINE_HOST_US),
                baselines={b: float(per_case.loc[b].median()) for b in analysis.BASELINES
                           if b in per_case.index.get_level_values(0)})
-    if "host_loop_max_us" in mine:  # the loop's longest call: one stall, or every call slower
-        longest = pd.to_numeric(mine["host_loop_max_us"], errors="coerce").groupby(mine["trace"]).median().dropna()
-        if not longest.empty:
-            out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
+    longest = ours("host_loop_max_us")  # the loop's longest call: one stall, or every call slower
+    if not longest.empty:
+        out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
     return out
 
 
