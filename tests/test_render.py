@@ -60,8 +60,8 @@ def test_missing_data_renders_placeholders_that_say_so(empty, tmp_path):
 
 def test_figures_are_byte_stable(measured, tmp_path):
     _, results, _ = measured
-    a = figures.render_all(results, tmp_path / "a", "svg", only=["trace_ratios", "policy"])
-    b = figures.render_all(results, tmp_path / "b", "svg", only=["trace_ratios", "policy"])
+    a = figures.render_all(results, tmp_path / "a", "svg", only=["trace_ratios", "policy", "engine"])
+    b = figures.render_all(results, tmp_path / "b", "svg", only=["trace_ratios", "policy", "engine"])
     for x, y in zip(a, b):
         assert x.read_bytes() == y.read_bytes()
 
