@@ -32,7 +32,9 @@ The defines (benchmarks/NOTES.md):
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel
-without early K/V loads; PKV_EARLY_ALL=1+early_kv=0 is allowed but loads nothing early).
+without early K/V loads; PKV_EARLY_ALL=1+early_kv=0 is allowed but loads nothing early), or
+pool=U, DecodeEngine(pool=U/16): the pooled queue (PKV_POOL=1+PKV_POOL_NOPROLOGUE=1+pool=2: its
+claims from the loop only; correct only while every pooled item has more than STAGES stages).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
@@ -64,15 +66,20 @@ ENGINE_SWITCHES = ("early_kv", "pdl")
 
 def variant_build(entry: str) -> tuple[tuple[str, ...], dict]:
     """A '+'-joined --define entry as (kernel defines, DecodeEngine switches): PKV_* parts are
-    defines, NAME=0|1 parts (NAME in ENGINE_SWITCHES) engine switches; anything else a ValueError."""
+    defines, NAME=0|1 parts (NAME in ENGINE_SWITCHES) engine switches, pool=U the pool share U/16;
+    anything else a ValueError."""
     defines, options = [], {}
     for part in entry.split("+"):
         if part.startswith("PKV_"):
             defines.append(part)
             continue
         name, _, value = part.partition("=")
+        if name == "pool" and value.isdigit() and 0 < int(value) < 16:
+            options["pool"] = int(value) / 16
+            continue
         if name not in ENGINE_SWITCHES or value not in ("0", "1"):
-            raise ValueError(f"{part!r} is neither PKV_NAME[=VALUE] nor one of {', '.join(ENGINE_SWITCHES)} =0|1")
+            raise ValueError(f"{part!r} is neither PKV_NAME[=VALUE], pool=U (1..15) nor one of "
+                             f"{', '.join(ENGINE_SWITCHES)} =0|1")
         options[name] = value == "1"
     return tuple(defines), options
 

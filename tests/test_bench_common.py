@@ -169,3 +169,15 @@ def test_host_overhead_loops_time_each_call_and_summarise_the_longest():
     (row,) = rows
     assert row["median_us"] == 11.5 and row["min_us"] == 10.0 and row["max_call_us"] == 65.0
     assert row["q1_us"] <= 11.5 <= row["q3_us"] and row["repeats"] == 4 and row["loop_calls"] == 8
+
+
+def test_bench_defines_parses_defines_switches_and_pool_shares():
+    import bench_defines
+
+    assert bench_defines.variant_build("PKV_POOL=1+PKV_POOL_NOPROLOGUE=1+pool=2") == (
+        ("PKV_POOL=1", "PKV_POOL_NOPROLOGUE=1"), {"pool": 0.125})
+    assert bench_defines.variant_build("early_kv=0") == ((), {"early_kv": False})
+    for bad in ("pool=0", "pool=16", "pool=x", "early_kv=2", "warps=8"):
+        with pytest.raises(ValueError, match="pool=U"):
+            bench_defines.variant_build(bad)
+    assert bench_defines.variant_tag("pool=2") == "pool2"
