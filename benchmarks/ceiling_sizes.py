@@ -1,13 +1,13 @@
-"""The read-ceiling kernel at several sizes: is the run's ceiling (4 GiB) below the streaming rate?
+"""The read-ceiling kernel at several sizes: how far below the streaming rate is one size's rate?
 
     python benchmarks/ceiling_sizes.py [--gib 1,4,16,32] [--repeats 10] [--rounds 2] [--out F.parquet]
 
-bench_kernels scales every time by the read kernel over 4 GiB (persistentkv.ceiling). A kernel
-that reads much more (B=64 x 128K: 34 GB) was measured above that ceiling by 0.1-0.3 % in two
-runs. If the ceiling's fixed costs (launch, ramp-up, tail) explain it, the time grows linearly in
-the bytes with an intercept of a few us; this prints each size's median time and GB/s, and the
-least-squares line through all samples: its slope (the streaming rate without fixed costs) and
-intercept. Sizes run in interleaved rounds so drift hits all of them.
+Until 69acc25 bench_kernels scaled every time by the read kernel's median over 4 GiB, and a kernel
+that reads much more (B=64 x 128K: 34 GB) was measured above it by 0.1-0.3 % in two runs. This
+prints each size's median time and GB/s and the least-squares line through all samples: its slope
+(the streaming rate without fixed costs) and intercept. At 69acc25 the intercept was ~12 us and
+the slope 1.1 % above the 4 GiB rate, so the run's ceiling is now the slope over 4 and 16 GiB
+(persistentkv.ceiling.stream_gbps). Sizes run in interleaved rounds so drift hits all of them.
 """
 
 from __future__ import annotations
@@ -17,19 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
-
-
-def fit_stream(nbytes, times_us) -> tuple[float, float]:
-    """(GB/s of the least-squares slope, intercept in us) of time = intercept + bytes / rate."""
-    x, y = np.asarray(nbytes, dtype=float), np.asarray(times_us, dtype=float)
-    if len(set(x.tolist())) < 2:
-        raise SystemExit("fit_stream needs samples at two or more sizes")
-    slope, intercept = np.polyfit(x, y, 1)  # us per byte, us
-    return float(1e-3 / slope), float(intercept)  # 1/slope bytes per us = 1e-3/slope GB/s
 
 
 def main() -> int:
@@ -40,7 +30,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.gib.split(",")]
-    from persistentkv.ceiling import measure_read
+    from persistentkv.ceiling import fit_stream, measure_read
     from persistentkv.measure.device import TorchDevice
 
     device = TorchDevice()

@@ -124,20 +124,6 @@ def test_paired_ratios_pair_each_round_with_its_shipped_queue():
     assert bench_common.paired_ratios(pd.DataFrame(rows).query("variant != 'wq8-x'")).empty
 
 
-def test_ceiling_sizes_fit_recovers_rate_and_fixed_cost():
-    """benchmarks/ceiling_sizes.fit_stream: time = intercept + bytes / rate, fitted over noisy
-    samples at several sizes, gives back the rate and the fixed cost; one size cannot."""
-    from ceiling_sizes import fit_stream
-
-    rng = np.random.default_rng(7)
-    sizes = np.repeat([1, 4, 16, 32], 10) * 2**30
-    times = 3.0 + sizes / 4600e3 + rng.normal(0, 0.5, sizes.size)  # 4600 GB/s = 4600e3 bytes per us
-    rate, intercept = fit_stream(sizes, times)
-    assert abs(rate - 4600) < 1 and abs(intercept - 3.0) < 1.0
-    with pytest.raises(SystemExit, match="two or more sizes"):
-        fit_stream([2**30] * 3, [1.0, 2.0, 3.0])
-
-
 def test_host_overhead_loops_time_each_call_and_summarise_the_longest():
     """benchmarks/host_overhead: each loop runs before() then sync() untimed, then its N calls with
     a stamp after each; summarise gives the loops' median mean per call, quartiles and the median

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from persistentkv import ceiling
+from persistentkv.errors import PKVError
 from persistentkv.measure.rows import raw_frame
 
 
@@ -37,6 +38,81 @@ def test_ceiling_rows_from_samples_and_failures():
     assert copy["frac_of_ceiling"].iloc[0] == pytest.approx(0.5)
     failed = raw_frame(ceiling.ceiling_rows([], {"read-ceiling": "cupy cannot be imported"}, "rid", "x"))
     assert failed["status"].tolist() == ["failed"] and math.isnan(failed["read_ceiling_gbps"].iloc[0])
+
+
+def test_fit_stream_recovers_rate_and_fixed_cost():
+    """time = intercept + bytes / rate, fitted over noisy samples at several sizes, gives back the
+    rate and the fixed cost; one size, or times that do not grow, cannot."""
+    rng = np.random.default_rng(7)
+    sizes = np.repeat([1, 4, 16, 32], 10) * 2**30
+    times = 3.0 + sizes / 4600e3 + rng.normal(0, 0.5, sizes.size)  # 4600 GB/s = 4600e3 bytes per us
+    rate, intercept = ceiling.fit_stream(sizes, times)
+    assert abs(rate - 4600) < 1 and abs(intercept - 3.0) < 1.0
+    with pytest.raises(PKVError, match="two or more sizes"):
+        ceiling.fit_stream([2**30] * 3, [1.0, 2.0, 3.0])
+    with pytest.raises(PKVError, match="do not grow"):
+        ceiling.fit_stream([2**30, 2**32], [10.0, 5.0])
+
+
+def _reads(times_by_size, first=0):
+    """read-ceiling samples, repeats numbered on across sizes."""
+    out = []
+    for nbytes, times in times_by_size:
+        for t in times:
+            out.append(ceiling.CeilingSample("read-ceiling", first + len(out), nbytes, t))
+    return out
+
+
+def test_stream_gbps_is_the_slope_over_two_sizes_and_the_median_over_one():
+    # 12 us fixed, 4500 GB/s streaming: 4 GiB alone reads at ~4441 GB/s, the slope recovers 4500
+    four, sixteen = 4 * 2**30, 16 * 2**30
+    two = _reads([(four, [12.0 + four / 4500e3] * 3), (sixteen, [12.0 + sixteen / 4500e3] * 3)])
+    rate, fixed = ceiling.stream_fit(two)
+    assert rate == pytest.approx(4500.0) and fixed == pytest.approx(12.0)
+    assert ceiling.stream_gbps(two) == pytest.approx(4500.0)
+    one = [s for s in two if s.bytes_moved == four]
+    assert ceiling.stream_fit(one) is None
+    assert ceiling.stream_gbps(one) == pytest.approx(four / (12.0 + four / 4500e3) / 1e3)
+    assert ceiling.stream_gbps(one) < 4450.0
+    # copy samples never enter the fit
+    assert ceiling.stream_gbps(one + [ceiling.CeilingSample("copy-ceiling", 0, sixteen, 1.0)]) == ceiling.stream_gbps(one)
+    rows = raw_frame(ceiling.ceiling_rows(two, {}, "rid", "bench_kernels"))
+    assert np.allclose(rows["read_ceiling_gbps"], 4500.0) and (rows["frac_of_ceiling"] < 1.0).all()
+
+
+class _FakeDevice:
+    def __init__(self):
+        self.emptied = 0
+
+    def empty_cache(self):
+        self.emptied += 1
+
+
+def test_measure_ceilings_fits_two_sizes_and_keeps_the_first_when_the_second_fails(monkeypatch):
+    def fake_read(device, nbytes, repeats, warmup):
+        if nbytes > 2**34:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB\nmore")
+        return [ceiling.CeilingSample("read-ceiling", r, nbytes, 10.0 + nbytes / 4000e3) for r in range(repeats)]
+
+    def fake_copy(device, nbytes, repeats, warmup):
+        return [ceiling.CeilingSample("copy-ceiling", r, 2 * nbytes, 2 * nbytes / 3000e3) for r in range(repeats)]
+
+    monkeypatch.setattr(ceiling, "measure_read", fake_read)
+    monkeypatch.setattr(ceiling, "measure_copy", fake_copy)
+    logged = []
+    samples, failures = ceiling.measure_ceilings(_FakeDevice(), repeats=3, log=logged.append)
+    reads = [s for s in samples if s.backend == "read-ceiling"]
+    assert failures == {} and [s.repeat for s in reads] == list(range(6))
+    assert {s.bytes_moved for s in reads} == {ceiling.READ_BYTES, ceiling.STREAM_BYTES}
+    assert ceiling.stream_gbps(samples) == pytest.approx(4000.0)
+    assert any("streaming rate" in line and "fixed 10.0 us" in line for line in logged)
+
+    device, logged = _FakeDevice(), []
+    samples, failures = ceiling.measure_ceilings(device, repeats=3, stream_bytes=2**35, log=logged.append)
+    assert failures == {} and device.emptied == 1
+    assert {s.bytes_moved for s in samples if s.backend == "read-ceiling"} == {ceiling.READ_BYTES}
+    assert any("over 32 GiB: not measured (RuntimeError: CUDA out of memory" in line for line in logged)
+    assert ceiling.stream_gbps(samples) == pytest.approx(ceiling.READ_BYTES / (10.0 + ceiling.READ_BYTES / 4000e3) / 1e3)
 
 
 def test_run_read_ceiling_is_the_higher_median_and_renumbering_moves_repeats_on():

@@ -105,15 +105,20 @@ def test_harness_end_to_end_on_a_small_case():
 
 
 def test_ceilings_are_plausible():
-    from persistentkv.ceiling import measure_ceilings, median_gbps
+    from persistentkv.ceiling import measure_ceilings, median_gbps, stream_fit
     from persistentkv.measure.device import TorchDevice
 
     samples, failures = measure_ceilings(TorchDevice("cuda"), repeats=3, warmup=1, read_bytes=2**30,
-                                         copy_bytes=2**29, log=print)
+                                         copy_bytes=2**29, stream_bytes=2**32, log=print)
     if "read-ceiling" in failures:
         pytest.skip(f"read ceiling not measurable here: {failures['read-ceiling']}")
     assert 100 < median_gbps(samples) < 20_000
     assert 50 < median_gbps(samples, "copy-ceiling") < 20_000
+    reads = [s for s in samples if s.backend == "read-ceiling"]
+    assert sorted({s.bytes_moved for s in reads}) == [2**30, 2**32] and len({s.repeat for s in reads}) == len(reads)
+    rate, fixed = stream_fit(samples)
+    big = median_gbps([s for s in reads if s.bytes_moved == 2**32])
+    assert big <= rate * 1.01 and rate < big * 1.2 and fixed > -5.0  # the slope streams at least as fast
 
 
 def test_validation_rows_pass_for_available_baselines():

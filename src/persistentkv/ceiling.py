@@ -1,7 +1,13 @@
 """Bandwidth ceilings measured in the same process as the timings they scale.
 
-read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads over >= 4 GB that
-               XOR-reduces what it reads (so no load can be dropped); GB/s = bytes / time.
+read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads that XOR-reduces what it
+               reads (so no load can be dropped), timed over 4 GiB and over 16 GiB; the ceiling
+               is the streaming rate, the slope of the least-squares line time = fixed + bytes /
+               rate through both sizes' samples (:func:`stream_gbps`), so that the read kernel's
+               own launch, ramp-up and tail are not counted against the bytes. On one H200 that
+               fixed part was ~12 us: 4 GiB alone read at 4468 GB/s, the slope at 4516
+               (benchmarks/NOTES.md, "The read ceiling's fixed cost"). A GPU without room for
+               the second size gets the median of the first (logged).
 copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsync D2D);
                bytes moved = read + written = 2 x buffer size.
 
@@ -9,10 +15,10 @@ Each repeat is timed with CUDA events after warm-up launches; the rows (backend 
 / ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into every GPU output. A GPU
 command measures both ceilings before its cases and again after them (the later repeats numbered
 on from the earlier ones), and the run's read ceiling, ``read_ceiling_gbps`` of every row, is the
-higher of the two medians (:func:`run_read_gbps`): what the GPU streamed when it streamed best in
-that run. Measured once, at the start, it varied between 4146 and 4504 GB/s from run to run on one
-H200 while the attention kernels' times did not, and one run's kernels read faster than it
-(benchmarks/NOTES.md, "Where v15 stands").
+higher of the two measurements (:func:`run_read_gbps`): what the GPU streamed when it streamed
+best in that run. Measured once, at the start, it varied between 4146 and 4504 GB/s from run to
+run on one H200 while the attention kernels' times did not, and one run's kernels read faster
+than it (benchmarks/NOTES.md, "Where v15 stands").
 
 The kernel is compiled with CuPy (RawModule, NVRTC) and launched on torch's current stream, on
 memory torch owns (shared through DLPack, no copy).
@@ -31,6 +37,7 @@ from .errors import PKVError, require
 KERNEL_FILE = "ceiling.cu"
 KERNEL_NAME = "read_ceiling"
 READ_BYTES = 4 * 2**30      # >= 4 GB: 70x the H200's 60 MB L2, so L2 hits are negligible
+STREAM_BYTES = 16 * 2**30   # the second size of the fit (4x the first: the slope's lever)
 COPY_BYTES = 2 * 2**30      # per buffer; 4 GiB moved per copy
 THREADS = 256
 BLOCKS_PER_SM = 8           # 2048 resident threads per SM on sm_80/sm_90
@@ -135,11 +142,36 @@ def median_gbps(samples: list[CeilingSample], backend: str = "read-ceiling") -> 
     return float(np.median(values)) if values else math.nan
 
 
+def fit_stream(nbytes, times_us) -> tuple[float, float]:
+    """(GB/s of the least-squares slope, intercept in us) of time = intercept + bytes / rate;
+    a PKVError below two distinct sizes."""
+    x, y = np.asarray(nbytes, dtype=float), np.asarray(times_us, dtype=float)
+    require(len(set(x.tolist())) >= 2, "fit_stream needs samples at two or more sizes")
+    slope, intercept = np.polyfit(x, y, 1)  # us per byte, us
+    require(slope > 0, f"read times do not grow with the bytes read (slope {slope:.3g} us/B)")
+    return float(1e-3 / slope), float(intercept)  # 1/slope bytes per us = 1e-3/slope GB/s
+
+
+def stream_fit(samples: list[CeilingSample]) -> tuple[float, float] | None:
+    """(rate GB/s, fixed us) of the read-ceiling samples when they span two or more sizes, else None."""
+    reads = [s for s in samples if s.backend == "read-ceiling" and math.isfinite(s.gbps)]
+    if len({s.bytes_moved for s in reads}) < 2:
+        return None
+    return fit_stream([s.bytes_moved for s in reads], [s.time_us for s in reads])
+
+
+def stream_gbps(samples: list[CeilingSample]) -> float:
+    """The read ceiling of one measurement: the fitted streaming rate (:func:`stream_fit`) when its
+    samples span two sizes, else their median GB/s (NaN without samples)."""
+    fit = stream_fit(samples)
+    return fit[0] if fit is not None else median_gbps(samples)
+
+
 def run_read_gbps(phases) -> float:
     """The run's read ceiling from the samples of each of its ceiling measurements (``phases``: one
-    list of samples per measurement): the highest median read GB/s, NaN when no phase has one."""
-    medians = [m for m in (median_gbps(list(p)) for p in phases) if math.isfinite(m)]
-    return max(medians) if medians else math.nan
+    list of samples per measurement): the highest :func:`stream_gbps`, NaN when no phase has one."""
+    rates = [m for m in (stream_gbps(list(p)) for p in phases) if math.isfinite(m)]
+    return max(rates) if rates else math.nan
 
 
 def renumbered(samples, first: int) -> list[CeilingSample]:
@@ -150,8 +182,11 @@ def renumbered(samples, first: int) -> list[CeilingSample]:
 
 
 def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int = READ_BYTES,
-                     copy_bytes: int = COPY_BYTES, log=print) -> tuple[list[CeilingSample], dict[str, str]]:
-    """(samples, {backend: reason}) - a ceiling that cannot be measured gives a reason, not a crash."""
+                     copy_bytes: int = COPY_BYTES, stream_bytes: int | None = STREAM_BYTES,
+                     log=print) -> tuple[list[CeilingSample], dict[str, str]]:
+    """(samples, {backend: reason}) - a ceiling that cannot be measured gives a reason, not a crash.
+    The read kernel runs over ``read_bytes`` and then ``stream_bytes`` (None: the first size only);
+    a second size that does not fit in memory is skipped, logged, and the first size's median stands."""
     samples: list[CeilingSample] = []
     failures: dict[str, str] = {}
     for backend, fn, nbytes in (("read-ceiling", measure_read, read_bytes), ("copy-ceiling", measure_copy, copy_bytes)):
@@ -164,9 +199,22 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
         except Exception as exc:
             failures[backend] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             device.empty_cache()
+    if "read-ceiling" not in failures and stream_bytes and stream_bytes != read_bytes:
+        try:
+            first = 1 + max((x.repeat for x in samples if x.backend == "read-ceiling"), default=-1)
+            samples += renumbered(measure_read(device, stream_bytes, repeats, warmup), first)
+        except Exception as exc:  # most likely out of memory; the first size still gives a ceiling
+            device.empty_cache()
+            log(f"read-ceiling over {stream_bytes / 2**30:g} GiB: not measured ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); the ceiling is the "
+                f"{read_bytes / 2**30:g} GiB median")
     for backend in ("read-ceiling", "copy-ceiling"):
         if backend in failures:
             log(f"{backend}: not measured ({failures[backend]})")
+        elif backend == "read-ceiling" and (fit := stream_fit(samples)) is not None:
+            log(f"read-ceiling: {fit[0]:.0f} GB/s streaming rate (least squares over "
+                f"{read_bytes / 2**30:g} and {stream_bytes / 2**30:g} GiB, {repeats} repeats each; fixed "
+                f"{fit[1]:.1f} us; {read_bytes / 2**30:g} GiB alone {median_gbps([x for x in samples if x.bytes_moved == read_bytes]):.0f} GB/s)")
         else:
             log(f"{backend}: {median_gbps(samples, backend):.0f} GB/s (median of {repeats})")
     return samples, failures
@@ -175,10 +223,10 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
 def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str,
                  read_gbps: float | None = None) -> list[dict]:
     """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling.
-    ``read_gbps``: the run's read ceiling (default the median read GB/s of ``samples``)."""
+    ``read_gbps``: the run's read ceiling (default :func:`stream_gbps` of ``samples``)."""
     from .measure.rows import raw_row
 
-    read = median_gbps(samples) if read_gbps is None else float(read_gbps)
+    read = stream_gbps(samples) if read_gbps is None else float(read_gbps)
     common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
                   num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
                   protocol="ceiling", layers=1, read_ceiling_gbps=read)

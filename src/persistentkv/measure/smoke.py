@@ -46,7 +46,8 @@ def run_smoke(spec: AttentionSpec, variants: tuple[Variant, ...], device, run_id
     if ceilings:
         from ..ceiling import ceiling_rows, measure_ceilings
 
-        samples, failures = measure_ceilings(device, repeats=3, warmup=1, read_bytes=2**30, copy_bytes=2**29, log=log)
+        samples, failures = measure_ceilings(device, repeats=3, warmup=1, read_bytes=2**30, copy_bytes=2**29,
+                                             stream_bytes=2**32, log=log)
         trows += ceiling_rows(samples, failures, run_id, "smoke")
     if timing:
         settings = Settings(repeats=3, warmup=1, calls_per_graph=10, protocols=("kernel", "eager"))

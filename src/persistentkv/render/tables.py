@@ -99,12 +99,21 @@ def _prov_field(results: Results, key: str) -> str | None:
 
 
 def read_ceiling_gbps(results: Results) -> float | None:
-    """Median read ceiling measured on this hardware (bench ceiling rows, else the raw column)."""
+    """Read ceiling measured on this hardware: the median over runs of each run's ceiling (the
+    ``read_ceiling_gbps`` of its read-ceiling rows, a streaming rate fitted over two sizes; a
+    median of the samples' GB/s would mix the sizes), else of the samples' GB/s, else of the raw
+    column."""
     import numpy as np
+    import pandas as pd
 
     ceil = results.ceilings
     if not ceil.empty and "kv_bytes" in ceil and "per_layer_us" in ceil:
         rc = ceil[ceil["backend"] == "read-ceiling"]
+        if "read_ceiling_gbps" in rc and "run_id" in rc:
+            per_run = pd.to_numeric(rc["read_ceiling_gbps"], errors="coerce").groupby(rc["run_id"]).median()
+            per_run = per_run[np.isfinite(per_run.to_numpy(float))]
+            if per_run.size:
+                return float(per_run.median())
         vals = (rc["kv_bytes"] / rc["per_layer_us"] / 1e3).to_numpy(float)
         vals = vals[np.isfinite(vals)]
         if vals.size:
