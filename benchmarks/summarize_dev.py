@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_common import print_paired  # noqa: E402
 from persistentkv.analysis import BASELINES  # noqa: E402
+from persistentkv.ceiling import fit_stream  # noqa: E402
 from trace_cta import call_table  # noqa: E402
 DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
 
@@ -69,6 +70,16 @@ def main() -> int:
               f"cold buffers; wq8 = the 8-warp queue at B=1 over the same KV bytes; then % of the 1 GB read ceiling)")
         print(pd.concat([floor.rename("floor"), med], axis=1).round(1).to_string())
         print(frac.astype(int).to_string())
+    for path in sorted(DEV.glob("ceiling_sizes_*.parquet")):
+        df = pd.read_parquet(path)
+        by = df.groupby("gib")["time_us"]
+        table = pd.DataFrame({"median us": by.median(), "min": by.min(), "max": by.max()})
+        table["GB/s"] = table.index.to_series() * 2**30 / table["median us"] / 1e3
+        rate, fixed = fit_stream(df["bytes"], df["time_us"])
+        print(f"\n{path.stem} (benchmarks/ceiling_sizes.py: the read kernel at each size, CUDA events per launch, "
+              f"sizes interleaved over rounds)")
+        print(table.round(1).to_string())
+        print(f"least squares over {len(df)} samples: {rate:.0f} GB/s streaming rate, {fixed:.1f} us fixed")
     for path in sorted(DEV.glob("trace_cta_*.parquet")):
         df = pd.read_parquet(path)
         if "variant" not in df:  # the first trace run had one module per warp count
