@@ -6,8 +6,9 @@ Until 69acc25 bench_kernels scaled every time by the read kernel's median over 4
 that reads much more (B=64 x 128K: 34 GB) was measured above it by 0.1-0.3 % in two runs. This
 prints each size's median time and GB/s and the least-squares line through all samples: its slope
 (the streaming rate without fixed costs) and intercept. At 69acc25 the intercept was ~12 us and
-the slope 1.1 % above the 4 GiB rate, so the run's ceiling is now the slope over 4 and 16 GiB
-(persistentkv.ceiling.stream_gbps). Sizes run in interleaved rounds so drift hits all of them.
+the slope 1.1 % above the 4 GiB rate, so the run's ceiling is now the read kernel's median over
+16 GiB, where those ~12 us are 0.3 % (persistentkv.ceiling.ceiling_gbps; a slope fitted per run
+over five samples a size proved unsteady). Sizes run in interleaved rounds so drift hits all.
 """
 
 from __future__ import annotations

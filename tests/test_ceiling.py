@@ -63,21 +63,28 @@ def _reads(times_by_size, first=0):
     return out
 
 
-def test_stream_gbps_is_the_slope_over_two_sizes_and_the_median_over_one():
-    # 12 us fixed, 4500 GB/s streaming: 4 GiB alone reads at ~4441 GB/s, the slope recovers 4500
+def test_ceiling_is_the_largest_sizes_median_and_the_fit_only_informs():
+    # 12 us fixed, 4500 GB/s streaming: 4 GiB reads at ~4441 GB/s, 16 GiB at ~4485, the slope at 4500
     four, sixteen = 4 * 2**30, 16 * 2**30
     two = _reads([(four, [12.0 + four / 4500e3] * 3), (sixteen, [12.0 + sixteen / 4500e3] * 3)])
     rate, fixed = ceiling.stream_fit(two)
     assert rate == pytest.approx(4500.0) and fixed == pytest.approx(12.0)
-    assert ceiling.stream_gbps(two) == pytest.approx(4500.0)
+    at16 = sixteen / (12.0 + sixteen / 4500e3) / 1e3
+    assert ceiling.ceiling_gbps(two) == pytest.approx(at16) and 4480.0 < at16 < 4490.0
+    # a slow spell of the small size tilts the fit above every sample; the ceiling does not move
+    slow = _reads([(four, [12.0 + four / 4300e3] * 3), (sixteen, [12.0 + sixteen / 4500e3] * 3)])
+    assert ceiling.stream_fit(slow)[0] > max(s.gbps for s in slow) + 10
+    assert ceiling.ceiling_gbps(slow) == pytest.approx(at16)
     one = [s for s in two if s.bytes_moved == four]
     assert ceiling.stream_fit(one) is None
-    assert ceiling.stream_gbps(one) == pytest.approx(four / (12.0 + four / 4500e3) / 1e3)
-    assert ceiling.stream_gbps(one) < 4450.0
-    # copy samples never enter the fit
-    assert ceiling.stream_gbps(one + [ceiling.CeilingSample("copy-ceiling", 0, sixteen, 1.0)]) == ceiling.stream_gbps(one)
+    assert ceiling.ceiling_gbps(one) == pytest.approx(four / (12.0 + four / 4500e3) / 1e3)
+    assert math.isnan(ceiling.ceiling_gbps([]))
+    # copy samples never count, however large
+    assert ceiling.ceiling_gbps(one + [ceiling.CeilingSample("copy-ceiling", 0, 4 * sixteen, 1.0)]) == ceiling.ceiling_gbps(one)
     rows = raw_frame(ceiling.ceiling_rows(two, {}, "rid", "bench_kernels"))
-    assert np.allclose(rows["read_ceiling_gbps"], 4500.0) and (rows["frac_of_ceiling"] < 1.0).all()
+    assert np.allclose(rows["read_ceiling_gbps"], at16)
+    assert np.allclose(rows.loc[rows["kv_bytes"] == sixteen, "frac_of_ceiling"], 1.0)
+    assert (rows.loc[rows["kv_bytes"] == four, "frac_of_ceiling"] < 0.995).all()
 
 
 class _FakeDevice:
@@ -104,15 +111,15 @@ def test_measure_ceilings_fits_two_sizes_and_keeps_the_first_when_the_second_fai
     reads = [s for s in samples if s.backend == "read-ceiling"]
     assert failures == {} and [s.repeat for s in reads] == list(range(6))
     assert {s.bytes_moved for s in reads} == {ceiling.READ_BYTES, ceiling.STREAM_BYTES}
-    assert ceiling.stream_gbps(samples) == pytest.approx(4000.0)
-    assert any("streaming rate" in line and "fixed 10.0 us" in line for line in logged)
+    assert ceiling.ceiling_gbps(samples) == pytest.approx(ceiling.STREAM_BYTES / (10.0 + ceiling.STREAM_BYTES / 4000e3) / 1e3)
+    assert any("GB/s over 16 GiB" in line and "4000 GB/s + 10.0 us fixed" in line for line in logged)
 
     device, logged = _FakeDevice(), []
     samples, failures = ceiling.measure_ceilings(device, repeats=3, stream_bytes=2**35, log=logged.append)
     assert failures == {} and device.emptied == 1
     assert {s.bytes_moved for s in samples if s.backend == "read-ceiling"} == {ceiling.READ_BYTES}
     assert any("over 32 GiB: not measured (RuntimeError: CUDA out of memory" in line for line in logged)
-    assert ceiling.stream_gbps(samples) == pytest.approx(ceiling.READ_BYTES / (10.0 + ceiling.READ_BYTES / 4000e3) / 1e3)
+    assert ceiling.ceiling_gbps(samples) == pytest.approx(ceiling.READ_BYTES / (10.0 + ceiling.READ_BYTES / 4000e3) / 1e3)
 
 
 def test_run_read_ceiling_is_the_higher_median_and_renumbering_moves_repeats_on():

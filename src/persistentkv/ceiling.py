@@ -2,12 +2,14 @@
 
 read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads that XOR-reduces what it
                reads (so no load can be dropped), timed over 4 GiB and over 16 GiB; the ceiling
-               is the streaming rate, the slope of the least-squares line time = fixed + bytes /
-               rate through both sizes' samples (:func:`stream_gbps`), so that the read kernel's
-               own launch, ramp-up and tail are not counted against the bytes. On one H200 that
-               fixed part was ~12 us: 4 GiB alone read at 4468 GB/s, the slope at 4516
-               (benchmarks/NOTES.md, "The read ceiling's fixed cost"). A GPU without room for
-               the second size gets the median of the first (logged).
+               is the median GB/s of the largest size (:func:`ceiling_gbps`). The read kernel has
+               a fixed part of its own (launch, ramp-up, tail: ~12 us on one H200, the intercept
+               of its time over 1-32 GiB), 1.2 % of a 4 GiB read but 0.3 % of a 16 GiB one
+               (benchmarks/NOTES.md, "The read ceiling's fixed cost"). The 4 GiB samples are kept
+               (rows) and logged with the least-squares fit over both sizes (:func:`stream_fit`),
+               which is not the ceiling: with five samples per size, a slow spell of the smaller
+               size tilts the slope (one run's fit read 4575 GB/s, above every sample). A GPU
+               without room for the second size gets the median of the first (logged).
 copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsync D2D);
                bytes moved = read + written = 2 x buffer size.
 
@@ -37,7 +39,7 @@ from .errors import PKVError, require
 KERNEL_FILE = "ceiling.cu"
 KERNEL_NAME = "read_ceiling"
 READ_BYTES = 4 * 2**30      # >= 4 GB: 70x the H200's 60 MB L2, so L2 hits are negligible
-STREAM_BYTES = 16 * 2**30   # the second size of the fit (4x the first: the slope's lever)
+STREAM_BYTES = 16 * 2**30   # the ceiling's size: the read kernel's fixed part is ~0.3 % of it
 COPY_BYTES = 2 * 2**30      # per buffer; 4 GiB moved per copy
 THREADS = 256
 BLOCKS_PER_SM = 8           # 2048 resident threads per SM on sm_80/sm_90
@@ -160,17 +162,20 @@ def stream_fit(samples: list[CeilingSample]) -> tuple[float, float] | None:
     return fit_stream([s.bytes_moved for s in reads], [s.time_us for s in reads])
 
 
-def stream_gbps(samples: list[CeilingSample]) -> float:
-    """The read ceiling of one measurement: the fitted streaming rate (:func:`stream_fit`) when its
-    samples span two sizes, else their median GB/s (NaN without samples)."""
-    fit = stream_fit(samples)
-    return fit[0] if fit is not None else median_gbps(samples)
+def ceiling_gbps(samples: list[CeilingSample]) -> float:
+    """The read ceiling of one measurement: the median GB/s of its read-ceiling samples at the
+    largest size among them (NaN without samples)."""
+    reads = [s for s in samples if s.backend == "read-ceiling" and math.isfinite(s.gbps)]
+    if not reads:
+        return math.nan
+    largest = max(s.bytes_moved for s in reads)
+    return median_gbps([s for s in reads if s.bytes_moved == largest])
 
 
 def run_read_gbps(phases) -> float:
     """The run's read ceiling from the samples of each of its ceiling measurements (``phases``: one
-    list of samples per measurement): the highest :func:`stream_gbps`, NaN when no phase has one."""
-    rates = [m for m in (stream_gbps(list(p)) for p in phases) if math.isfinite(m)]
+    list of samples per measurement): the highest :func:`ceiling_gbps`, NaN when no phase has one."""
+    rates = [m for m in (ceiling_gbps(list(p)) for p in phases) if math.isfinite(m)]
     return max(rates) if rates else math.nan
 
 
@@ -186,7 +191,8 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
                      log=print) -> tuple[list[CeilingSample], dict[str, str]]:
     """(samples, {backend: reason}) - a ceiling that cannot be measured gives a reason, not a crash.
     The read kernel runs over ``read_bytes`` and then ``stream_bytes`` (None: the first size only);
-    a second size that does not fit in memory is skipped, logged, and the first size's median stands."""
+    the ceiling is the larger size's median (:func:`ceiling_gbps`). A second size that does not fit
+    in memory is skipped, logged, and the first size's median stands."""
     samples: list[CeilingSample] = []
     failures: dict[str, str] = {}
     for backend, fn, nbytes in (("read-ceiling", measure_read, read_bytes), ("copy-ceiling", measure_copy, copy_bytes)):
@@ -212,9 +218,10 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
         if backend in failures:
             log(f"{backend}: not measured ({failures[backend]})")
         elif backend == "read-ceiling" and (fit := stream_fit(samples)) is not None:
-            log(f"read-ceiling: {fit[0]:.0f} GB/s streaming rate (least squares over "
-                f"{read_bytes / 2**30:g} and {stream_bytes / 2**30:g} GiB, {repeats} repeats each; fixed "
-                f"{fit[1]:.1f} us; {read_bytes / 2**30:g} GiB alone {median_gbps([x for x in samples if x.bytes_moved == read_bytes]):.0f} GB/s)")
+            small = median_gbps([x for x in samples if x.bytes_moved == read_bytes])
+            log(f"read-ceiling: {ceiling_gbps(samples):.0f} GB/s over {stream_bytes / 2**30:g} GiB (median of "
+                f"{repeats}; {read_bytes / 2**30:g} GiB: {small:.0f} GB/s; least squares over both: "
+                f"{fit[0]:.0f} GB/s + {fit[1]:.1f} us fixed)")
         else:
             log(f"{backend}: {median_gbps(samples, backend):.0f} GB/s (median of {repeats})")
     return samples, failures
@@ -223,10 +230,10 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
 def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str,
                  read_gbps: float | None = None) -> list[dict]:
     """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling.
-    ``read_gbps``: the run's read ceiling (default :func:`stream_gbps` of ``samples``)."""
+    ``read_gbps``: the run's read ceiling (default :func:`ceiling_gbps` of ``samples``)."""
     from .measure.rows import raw_row
 
-    read = stream_gbps(samples) if read_gbps is None else float(read_gbps)
+    read = ceiling_gbps(samples) if read_gbps is None else float(read_gbps)
     common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
                   num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
                   protocol="ceiling", layers=1, read_ceiling_gbps=read)

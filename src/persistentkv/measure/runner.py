@@ -40,17 +40,17 @@ def _ceilings(device, quick: bool):
 def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[dict]:
     """The ceilings measured before and after ``body(ceiling_gbps)`` (which runs the cases and
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
-    run's read ceiling (ceiling.run_read_gbps: the higher streaming rate), after the ceiling rows of both
+    run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
     measurements. A ceiling fails only if neither measurement has it."""
-    from ..ceiling import ceiling_rows, renumbered, run_read_gbps, stream_gbps
+    from ..ceiling import ceiling_rows, renumbered, run_read_gbps, ceiling_gbps
     from .statistics import frac_of_ceiling
 
     before, failed_before = _ceilings(device, quick)
-    rows = body(stream_gbps(before))
+    rows = body(ceiling_gbps(before))
     after, failed_after = _ceilings(device, quick)
     after = renumbered(after, 1 + max((s.repeat for s in before), default=-1))
     read = run_read_gbps([before, after])
-    log(f"read ceiling: {stream_gbps(before):.0f} GB/s before the cases, {stream_gbps(after):.0f} after; "
+    log(f"read ceiling: {ceiling_gbps(before):.0f} GB/s before the cases, {ceiling_gbps(after):.0f} after; "
         f"the run's: {read:.0f}")
     measured = {s.backend for s in before + after}
     failures = {b: why for b, why in {**failed_after, **failed_before}.items() if b not in measured}

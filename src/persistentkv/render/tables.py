@@ -100,9 +100,8 @@ def _prov_field(results: Results, key: str) -> str | None:
 
 def read_ceiling_gbps(results: Results) -> float | None:
     """Read ceiling measured on this hardware: the median over runs of each run's ceiling (the
-    ``read_ceiling_gbps`` of its read-ceiling rows, a streaming rate fitted over two sizes; a
-    median of the samples' GB/s would mix the sizes), else of the samples' GB/s, else of the raw
-    column."""
+    ``read_ceiling_gbps`` of its read-ceiling rows, the largest size's rate; a median of the
+    samples' GB/s would mix the sizes), else of the samples' GB/s, else of the raw column."""
     import numpy as np
     import pandas as pd
 
