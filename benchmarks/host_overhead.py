@@ -38,7 +38,8 @@ LOOPS = (8, 32, 200)
 
 
 def key_of(q, k, v, out, plan):
-    """The key engine.run builds (kept in step with it by hand: a timing stand-in only)."""
+    """The key engine.run builds inline (a timing stand-in; tests/test_engine_plan_layout.py checks it
+    is the key run() stores)."""
     qs, ks, os_ = q.stride(), k.stride(), out.stride()
     q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     return (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,

@@ -320,3 +320,18 @@ def test_host_routes_upload_through_pinned_memory_without_a_sync(route):
     assert decodes and all(args_of(l.args)["items"] == plan.buffers["items"].data_ptr() for l in decodes)
     assert all(args_of(l.args)["kv_indices"] == plan.buffers["kv_indices"].data_ptr() for l in decodes)
     assert launched == []  # host plans launch nothing before run()
+
+
+def test_host_overhead_times_the_key_run_builds():
+    """benchmarks/host_overhead.key_of restates run()'s check key (run() builds it inline, where a
+    call would cost host time); it must stay the key run() stores, or python_key times something else."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import host_overhead
+
+    torch, engine, launched, plan, q, k, v, out = torch_engine()
+    engine.run(q, (k, v), plan, out)
+    assert engine._last_check == host_overhead.key_of(q, k, v, out, (plan.batch_size, plan.num_pages))
+    assert engine._last_check != host_overhead.key_of(q, k, v, out, (plan.batch_size, plan.num_pages + 1))
