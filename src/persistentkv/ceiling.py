@@ -8,8 +8,9 @@ read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads that XO
                (benchmarks/NOTES.md, "The read ceiling's fixed cost"). The 4 GiB samples are kept
                (rows) and logged with the least-squares fit over both sizes (:func:`stream_fit`),
                which is not the ceiling: with five samples per size, a slow spell of the smaller
-               size tilts the slope (one run's fit read 4575 GB/s, above every sample). A GPU
-               without room for the second size gets the median of the first (logged).
+               size tilts the slope (one run's fit gave 4614 GB/s and 83 us fixed, against 4516
+               and 12 from 120 samples over 1-32 GiB). A GPU without room for the second size
+               gets the median of the first (logged).
 copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsync D2D);
                bytes moved = read + written = 2 x buffer size.
 

@@ -42,7 +42,7 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
     run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
     measurements. A ceiling fails only if neither measurement has it."""
-    from ..ceiling import ceiling_rows, renumbered, run_read_gbps, ceiling_gbps
+    from ..ceiling import ceiling_gbps, ceiling_rows, renumbered, run_read_gbps
     from .statistics import frac_of_ceiling
 
     before, failed_before = _ceilings(device, quick)
