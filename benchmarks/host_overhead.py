@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -50,19 +49,15 @@ def key_of(q, k, v, out, plan):
 def time_loops(call, sync, repeats: int, loops=LOOPS, before=None) -> dict:
     """{N: [(mean us per call, longest call's us) of each of ``repeats`` loops of N calls, each loop
     started after sync() (and after ``before()``, untimed, when given)]}."""
+    from persistentkv.measure.protocols import timed_calls
+
     samples = {n: [] for n in loops}
-    clock = time.perf_counter
     for _ in range(repeats):
         for n in loops:
             if before is not None:
                 before()
             sync()
-            stamps = [0.0] * (n + 1)
-            stamps[0] = clock()
-            for i in range(n):
-                call(i)
-                stamps[i + 1] = clock()
-            calls = [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
+            calls = timed_calls(call, range(n))
             samples[n].append((sum(calls) / n, max(calls)))
     sync()
     return samples

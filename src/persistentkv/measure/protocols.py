@@ -59,17 +59,23 @@ def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor, loop_c
     device.synchronize()
     fields = {"time_us": start.elapsed_ms(end) * 1e3, "host_us": host_us, "layers": 1}
     if loop_calls > 0:
-        copies = [cursor.next_copy() for _ in range(loop_calls)]
-        clock = time.perf_counter
-        stamps = [0.0] * (loop_calls + 1)
-        stamps[0] = clock()
-        for i, copy in enumerate(copies):
-            run_on(copy)
-            stamps[i + 1] = clock()
-        fields["host_loop_us"] = (stamps[-1] - stamps[0]) * 1e6 / loop_calls
-        fields["host_loop_max_us"] = max(b - a for a, b in zip(stamps, stamps[1:])) * 1e6
+        calls = timed_calls(run_on, [cursor.next_copy() for _ in range(loop_calls)])
+        fields["host_loop_us"] = sum(calls) / loop_calls
+        fields["host_loop_max_us"] = max(calls)
         device.synchronize()
     return fields
+
+
+def timed_calls(fn: Callable[[object], None], args) -> list[float]:
+    """Host us of each call ``fn(a)`` for ``a`` in ``args`` (a sequence), made back to back with one
+    clock stamp after each: the eager loop's timing, shared with benchmarks/host_overhead.py."""
+    clock = time.perf_counter
+    stamps = [0.0] * (len(args) + 1)
+    stamps[0] = clock()
+    for i, a in enumerate(args):
+        fn(a)
+        stamps[i + 1] = clock()
+    return [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
 
 
 def step_once(device, plan: Callable[[], object], run_on: Callable[[object, int], None], layers: int,
