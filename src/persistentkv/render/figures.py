@@ -488,9 +488,6 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry and writing
-
-# ---------------------------------------------------------------------------------------------
 # 8. The engine against its targets: the bench_kernels grid, and run()'s host cost
 
 _GRID_NAME = re.compile(r"^B(\d+)xN(\d+)$")
@@ -577,6 +574,9 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
         fig.suptitle(title, fontsize=9)
     return fig
 
+
+# ---------------------------------------------------------------------------------------------
+# Registry and writing
 
 @dataclass(frozen=True)
 class FigureSpec:
