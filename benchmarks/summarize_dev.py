@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_common import print_paired  # noqa: E402
 from persistentkv.analysis import BASELINES  # noqa: E402
 from persistentkv.ceiling import fit_stream  # noqa: E402
+from persistentkv.claims import ENGINE_MID_RANGE, eager_case_medians  # noqa: E402
 from trace_cta import call_table  # noqa: E402
 DEV = ROOT / "results" / "nvidia-h200" / "kernel_dev"
 
@@ -134,11 +135,10 @@ def main() -> int:
         k, med, base = kernel_medians(df)
         ratio = med[base].min(axis=1) / med["pkv-workqueue"]
         row = {"run": name, "read ceiling GB/s": float(k["read_ceiling_gbps"].median())}
-        row.update({case: ratio.get(case) for case in ("B1xN4096", "B1xN8192", "B1xN16384", "B1xN32768",
-                                                       "B2xN16384", "B4xN8192")})
+        row.update({case: ratio.get(case) for case in (f"B{b}xN{n}" for b, n in ENGINE_MID_RANGE)})
         if "host_loop_us" in df:
-            loop = df[(df.protocol == "eager") & (df.backend == "pkv-workqueue")].groupby("trace")["host_loop_us"]
-            row.update({"host loop us (median of cases)": loop.median().median(), "worst case": loop.median().max()})
+            loop = eager_case_medians(df, "host_loop_us").loc["pkv-workqueue"]
+            row.update({"host loop us (median of cases)": loop.median(), "worst case": loop.max()})
         rows.append(row)
     print("\nbench_kernels runs side by side (pkv-workqueue: best baseline / ours, graph-replayed medians; "
           "the eager loop's host us per run() call)")
