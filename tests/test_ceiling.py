@@ -95,7 +95,7 @@ class _FakeDevice:
         self.emptied += 1
 
 
-def test_measure_ceilings_fits_two_sizes_and_keeps_the_first_when_the_second_fails(monkeypatch):
+def test_measure_ceilings_reads_two_sizes_and_keeps_the_first_when_the_second_fails(monkeypatch):
     def fake_read(device, nbytes, repeats, warmup):
         if nbytes > 2**34:
             raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB\nmore")
