@@ -19,11 +19,18 @@ of each loop's longest call (one stall, or every call slower):
 - ``python_key``: the checks' key built and compared on the host, nothing launched: the host's
   Python speed, comparable across machines (the same work on the development CPU is printed by
   ``--cpu-only``).
+
+``--per-cpu P`` instead pins the timing thread to each CPU in turn (P passes, each in a seeded
+shuffled order, plus one unpinned entry per pass) and times ``run`` (B=1 x 4K, loops of 8) there:
+whether the host's slow spells follow the CPU the thread runs on (a CPU shared with interrupts or
+with a busy sibling thread) or the time (the host's other tenants). Each row carries the CPU's core
+and sibling ids, whether it is local to the GPU, and the interrupts it served during its loops.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -86,14 +93,116 @@ def python_key_rows(repeats: int) -> list:
                      case="cpu tensors", mode="python_key", pdl=False)
 
 
+def cpu_topology() -> dict:
+    """{cpu: (core_id, thread_siblings_list)} from sysfs ({} where sysfs does not say)."""
+    topo = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            topo[cpu] = (int((base / "core_id").read_text()), (base / "thread_siblings_list").read_text().strip())
+        except OSError:
+            topo[cpu] = (-1, "")
+    return topo
+
+
+def parse_cpulist(text: str) -> set:
+    """"0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus(bus_id: str) -> set:
+    """CPUs sysfs names local to the GPU at PCI ``bus_id`` (empty where it does not say)."""
+    bus = bus_id.lower()
+    for name in (bus, bus[4:] if bus.count(":") == 2 and len(bus.split(":")[0]) == 8 else bus):
+        try:
+            return parse_cpulist(Path(f"/sys/bus/pci/devices/{name}/local_cpulist").read_text())
+        except OSError:
+            continue
+    return set()
+
+
+def irq_counts() -> list:
+    """Interrupts served so far by each CPU (summed over /proc/interrupts' lines; [] where unreadable)."""
+    try:
+        lines = Path("/proc/interrupts").read_text().splitlines()
+    except OSError:
+        return []
+    ncpu = len(lines[0].split())
+    totals = [0] * ncpu
+    for line in lines[1:]:
+        fields = line.split()[1:1 + ncpu]
+        for i, f in enumerate(fields):
+            if f.isdigit():
+                totals[i] += int(f)
+    return totals
+
+
+def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 0) -> list:
+    """``call`` timed in loops of 8 with the thread pinned to each CPU in turn (module docstring)."""
+    import random
+
+    cpus = sorted(os.sched_getaffinity(0))
+    topo = cpu_topology()
+    rng = random.Random(seed)
+    rows = []
+    try:
+        for p in range(passes):
+            order = cpus[:]
+            rng.shuffle(order)
+            for cpu in order + [None]:
+                os.sched_setaffinity(0, cpus if cpu is None else {cpu})
+                for _ in range(32):  # warm on this CPU
+                    call(0)
+                sync()
+                before = irq_counts()
+                samples = time_loops(call, sync, repeats, loops=(8,))
+                after = irq_counts()
+                core, siblings = topo.get(cpu, (-1, "")) if cpu is not None else (-1, "")
+                irqs = after[cpu] - before[cpu] if cpu is not None and cpu < len(after) and before else -1
+                rows += summarise(samples, case="B=1 x 4K", mode="run_pinned" if cpu is not None else "run_unpinned",
+                                  pdl=True, cpu=-1 if cpu is None else cpu, core_id=core, siblings=siblings,
+                                  gpu_local=cpu in local if cpu is not None else None, irqs=irqs, pass_=p)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as parquet here")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cpu-only", action="store_true", help="only the python_key rows (no GPU needed)")
+    parser.add_argument("--per-cpu", type=int, default=0, metavar="P",
+                        help="P passes of run() pinned to each CPU in turn (see the module docstring)")
     args = parser.parse_args()
     rows = python_key_rows(args.repeats)
-    if not args.cpu_only:
+    if args.per_cpu:
+        import torch
+
+        from gpu_support import device_case
+        from persistentkv.engine import engine_for
+        from persistentkv.spec import AttentionSpec
+
+        spec = AttentionSpec(32, 8, 128, 16, "float16")
+        batch, q, k, v = device_case(spec, [4096], hole_fraction=0.0)
+        pairs = [(k, v), (k.clone(), v.clone())]
+        out = torch.empty_like(q)
+        engine = engine_for(spec)
+        plan = engine.plan(batch, "workqueue")
+        props = torch.cuda.get_device_properties(0)
+        bus = getattr(props, "pci_bus_id", None)
+        bus_id = (f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+                  if isinstance(bus, int) else "")
+        local = gpu_local_cpus(bus_id) if bus_id else set()
+        print(f"GPU at {bus_id or '?'}; CPUs local to it: {sorted(local) or 'not said'}; topology {cpu_topology()}")
+        rows += per_cpu_rows(lambda i: engine.run(q, pairs[i & 1], plan, out), torch.cuda.synchronize,
+                             args.per_cpu, args.repeats, local)
+    elif not args.cpu_only:
         import torch
 
         from gpu_support import device_case
@@ -134,7 +243,8 @@ def main() -> int:
             del pairs, q, k, v, out
             torch.cuda.empty_cache()
     for r in rows:
-        print(f"{r['case']:12s} {r['mode']:16s} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
+        where = f" cpu={r['cpu']:3d} pass={r['pass_']}" if "cpu" in r else ""
+        print(f"{r['case']:12s} {r['mode']:16s}{where} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
               f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}  "
               f"longest call {r['max_call_us']:.1f}")
     if args.out:

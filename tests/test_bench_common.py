@@ -155,6 +155,42 @@ def test_host_overhead_loops_time_each_call_and_summarise_the_longest(monkeypatc
     assert row["q1_us"] <= 11.5 <= row["q3_us"] and row["repeats"] == 4 and row["loop_calls"] == 8
 
 
+def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(monkeypatch):
+    """--per-cpu: every pass times the call on each CPU (pinned while its loops run) and once
+    unpinned, and the thread's affinity is the whole set again afterwards, also when a call fails."""
+    import host_overhead
+
+    assert host_overhead.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert host_overhead.parse_cpulist("") == set()
+    cpus = {0, 1, 2}
+    affinity = [set(cpus)]
+    monkeypatch.setattr(host_overhead.os, "sched_getaffinity", lambda pid: set(affinity[-1]) if pid == 0 else None)
+    monkeypatch.setattr(host_overhead.os, "sched_setaffinity", lambda pid, s: affinity.append(set(s)))
+    monkeypatch.setattr(host_overhead, "cpu_topology", lambda: {c: (c // 2, f"{c // 2 * 2}-{c // 2 * 2 + 1}") for c in cpus})
+    monkeypatch.setattr(host_overhead, "irq_counts", lambda: [0, 0, 0])
+    seen = []
+    rows = host_overhead.per_cpu_rows(lambda i: seen.append(frozenset(affinity[-1])), lambda: None, passes=2,
+                                      repeats=3, local={1, 2})
+    assert len(rows) == 2 * (len(cpus) + 1)
+    for p in range(2):
+        pinned = [r for r in rows if r["pass_"] == p and r["mode"] == "run_pinned"]
+        assert sorted(r["cpu"] for r in pinned) == sorted(cpus)
+        assert [r["cpu"] for r in rows if r["pass_"] == p and r["mode"] == "run_unpinned"] == [-1]
+        assert {r["cpu"]: r["gpu_local"] for r in pinned} == {0: False, 1: True, 2: True}
+        assert {r["cpu"]: r["core_id"] for r in pinned} == {0: 0, 1: 0, 2: 1}
+    assert all(r["repeats"] == 3 and r["loop_calls"] == 8 for r in rows)
+    # every call ran pinned to one CPU or on the whole set; 3 cpus + unpinned, 32 warm + 3 x 8 timed each
+    assert set(seen) == {frozenset({c}) for c in cpus} | {frozenset(cpus)} and len(seen) == 2 * 4 * (32 + 24)
+    assert affinity[-1] == cpus
+
+    def failing(i):
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError):
+        host_overhead.per_cpu_rows(failing, lambda: None, passes=1, repeats=1, local=set())
+    assert affinity[-1] == cpus
+
+
 def test_bench_defines_parses_defines_switches_and_pool_shares():
     import bench_defines
 
