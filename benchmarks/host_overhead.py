@@ -21,7 +21,7 @@ of each loop's longest call (one stall, or every call slower):
   ``--cpu-only``).
 
 ``--per-cpu P`` instead pins the timing thread to each CPU in turn (P passes, each in a seeded
-shuffled order, plus one unpinned entry per pass) and times ``run`` (B=1 x 4K, loops of 8) there:
+shuffled order, plus one unpinned entry per pass) and times ``run`` (B=1 x 4K, loops of 8) and the harness's CPU probe there:
 whether the host's slow spells follow the CPU the thread runs on (a CPU shared with interrupts or
 with a busy sibling thread) or the time (the host's other tenants). Each row carries the CPU's core
 and sibling ids, whether it is local to the GPU, and the interrupts it served during its loops.
@@ -142,9 +142,13 @@ def irq_counts() -> list:
     return totals
 
 
-def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 0) -> list:
-    """``call`` timed in loops of 8 with the thread pinned to each CPU in turn (module docstring)."""
+def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 0, probe=None) -> list:
+    """``call`` timed in loops of 8 with the thread pinned to each CPU in turn (module docstring),
+    each row with ``probe_us``: the harness's CPU probe (persistentkv.measure.host_cpu) there."""
     import random
+
+    if probe is None:
+        from persistentkv.measure.host_cpu import probe_us as probe
 
     cpus = sorted(os.sched_getaffinity(0))
     topo = cpu_topology()
@@ -159,6 +163,7 @@ def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 
                 for _ in range(32):  # warm on this CPU
                     call(0)
                 sync()
+                probed = probe()
                 before = irq_counts()
                 samples = time_loops(call, sync, repeats, loops=(8,))
                 after = irq_counts()
@@ -166,7 +171,8 @@ def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 
                 irqs = after[cpu] - before[cpu] if cpu is not None and cpu < len(after) and before else -1
                 rows += summarise(samples, case="B=1 x 4K", mode="run_pinned" if cpu is not None else "run_unpinned",
                                   pdl=True, cpu=-1 if cpu is None else cpu, core_id=core, siblings=siblings,
-                                  gpu_local=cpu in local if cpu is not None else None, irqs=irqs, pass_=p)
+                                  gpu_local=cpu in local if cpu is not None else None, irqs=irqs, pass_=p,
+                                  probe_us=probed)
     finally:
         os.sched_setaffinity(0, cpus)
     return rows

@@ -170,7 +170,7 @@ def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(m
     monkeypatch.setattr(host_overhead, "irq_counts", lambda: [0, 0, 0])
     seen = []
     rows = host_overhead.per_cpu_rows(lambda i: seen.append(frozenset(affinity[-1])), lambda: None, passes=2,
-                                      repeats=3, local={1, 2})
+                                      repeats=3, local={1, 2}, probe=lambda: 5.0 + min(affinity[-1]))
     assert len(rows) == 2 * (len(cpus) + 1)
     for p in range(2):
         pinned = [r for r in rows if r["pass_"] == p and r["mode"] == "run_pinned"]
@@ -178,6 +178,7 @@ def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(m
         assert [r["cpu"] for r in rows if r["pass_"] == p and r["mode"] == "run_unpinned"] == [-1]
         assert {r["cpu"]: r["gpu_local"] for r in pinned} == {0: False, 1: True, 2: True}
         assert {r["cpu"]: r["core_id"] for r in pinned} == {0: 0, 1: 0, 2: 1}
+        assert {r["cpu"]: r["probe_us"] for r in pinned} == {0: 5.0, 1: 6.0, 2: 7.0}  # probed on that CPU
     assert all(r["repeats"] == 3 and r["loop_calls"] == 8 for r in rows)
     # every call ran pinned to one CPU or on the whole set; 3 cpus + unpinned, 32 warm + 3 x 8 timed each
     assert set(seen) == {frozenset({c}) for c in cpus} | {frozenset(cpus)} and len(seen) == 2 * 4 * (32 + 24)
@@ -187,7 +188,7 @@ def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(m
         raise RuntimeError("launch failed")
 
     with pytest.raises(RuntimeError):
-        host_overhead.per_cpu_rows(failing, lambda: None, passes=1, repeats=1, local=set())
+        host_overhead.per_cpu_rows(failing, lambda: None, passes=1, repeats=1, local=set(), probe=lambda: 1.0)
     assert affinity[-1] == cpus
 
 

@@ -308,6 +308,30 @@ def test_engine_host_cost_says_the_loops_longest_call_where_measured():
     assert "longest_us" not in without["host"] and "longest call" not in without["sentences"][-1]
 
 
+def test_engine_host_cost_says_where_the_timing_thread_ran():
+    """Runs with host_cpu: how many of our eager rounds ran pinned, on how many CPUs, and the probe's
+    range there; an unpinned run says so; a run without the column says nothing of it."""
+    kernel = bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4)
+    eager = eager_case({"pkv-workqueue": (22.0, 9.0), "trtllm-xqa": (110.0, 60.0)}, "B1xN4096")
+    ours = eager["backend"] == "pkv-workqueue"
+    n = int(ours.sum())
+    probe = np.full(len(eager), 500.0)  # the baseline's rounds: not ours, not said
+    probe[ours.to_numpy()] = np.linspace(70.0, 110.0, n)
+    pinned = eager.assign(host_cpu=np.where(ours, np.arange(len(eager)) % 2 + 3, 0), host_probe_us=probe)
+    out = claims.engine_verdicts(bench_results([kernel, pinned]))
+    assert out["host"]["pinning"] == {"rounds": n, "pinned": n, "cpus": 2, "probe_us": [70.0, 110.0]}
+    assert ("Every round ran with the timing thread pinned to the CPU a probe found quickest (2 distinct CPUs over "
+            "the run; the probe took 70-110 us there), as every backend's did.") in out["sentences"][-1]
+    partly = pinned.assign(host_cpu=np.where(ours & (np.arange(len(eager)) == 0), -1, pinned["host_cpu"]))
+    said = claims.engine_verdicts(bench_results([kernel, partly]))["sentences"][-1]
+    assert f"{n - 1} of {n} rounds ran with the timing thread pinned" in said
+    loose = eager.assign(host_cpu=-1, host_probe_us=np.nan)
+    said = claims.engine_verdicts(bench_results([kernel, loose]))["sentences"][-1]
+    assert said.endswith("The timing thread was not pinned to a CPU (measure.host_cpu: none).")
+    out = claims.engine_verdicts(bench_results([kernel, eager]))
+    assert "pinning" not in out["host"] and "pinned" not in out["sentences"][-1]
+
+
 def test_engine_host_cost_of_a_run_without_the_loop_is_not_measured():
     """A run made before host_loop_us existed (or with the loop off) is "not measured" for the
     target, and its single-call host time is said as what it is."""

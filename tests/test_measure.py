@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -443,6 +444,135 @@ def test_step_repeats_come_from_config_and_quick_drops_them(config):
     assert Settings.from_config(config, quick=True).step_repeats is None
     trimmed = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "step_repeats"}}
     assert Settings.from_config(trimmed).repeats_of("step") == config["measure"]["repeats"]
+
+
+class FakeAffinity:
+    """sched_getaffinity / sched_setaffinity of one thread, with a probe that reads as ``speed[cpu]``."""
+
+    def __init__(self, cpus, speed):
+        self.current, self.calls, self.speed = set(cpus), [], speed
+
+    def get(self, pid):
+        assert pid == 0
+        return set(self.current)
+
+    def set(self, pid, cpus):
+        assert pid == 0
+        self.current = set(cpus)
+        self.calls.append(frozenset(cpus))
+
+    def probe(self):
+        (cpu,) = self.current  # the probe runs pinned to one CPU
+        return self.speed[cpu]
+
+
+def test_host_cpu_setting_is_checked_in_one_line(config):
+    from persistentkv.measure.host_cpu import check_host_cpu
+
+    assert check_host_cpu("fastest") == "fastest" and check_host_cpu("none") == "none"
+    assert check_host_cpu(3) == 3 and check_host_cpu(" 5 ") == 5
+    for bad in ("fast", -1, True, 2.5, None):
+        with pytest.raises(PKVError, match="host_cpu"):
+            check_host_cpu(bad)
+    assert Settings.from_config(config).host_cpu == config["measure"]["host_cpu"] == "fastest"
+    trimmed = {**config, "measure": {k: v for k, v in config["measure"].items() if k != "host_cpu"}}
+    assert Settings.from_config(trimmed).host_cpu == "none"
+    with pytest.raises(PKVError, match="host_cpu"):
+        Settings.from_config({**config, "measure": {**config["measure"], "host_cpu": "quickest"}})
+
+
+def test_host_pinner_picks_the_quickest_cpu_each_time_and_restores(monkeypatch):
+    from persistentkv.measure import host_cpu
+    from persistentkv.measure.host_cpu import HostPinner
+
+    aff = FakeAffinity({0, 1, 2, 3}, {0: 10.5, 1: 6.7, 2: 6.9, 3: 10.1})
+    pinner = HostPinner("fastest", log=lambda m: None, probe=aff.probe, get_affinity=aff.get, set_affinity=aff.set)
+    assert pinner.pin() == (1, 6.7) and aff.current == {1}
+    assert set(aff.calls[:4]) == {frozenset({c}) for c in range(4)}  # every CPU probed, pinned alone
+    aff.speed.update({1: 11.0, 3: 6.6})  # the host's state moves: the next round goes elsewhere
+    assert pinner.pin() == (3, 6.6) and aff.current == {3}
+    pinner.restore()
+    assert aff.current == {0, 1, 2, 3}
+
+    fixed = HostPinner(2, log=lambda m: None, probe=aff.probe, get_affinity=aff.get, set_affinity=aff.set)
+    assert fixed.pin() == (2, 6.9)
+    fixed.restore()
+    with pytest.raises(PKVError, match="may run on CPUs \\[0, 1, 2, 3\\] only"):
+        HostPinner(7, log=lambda m: None, probe=aff.probe, get_affinity=aff.get, set_affinity=aff.set)
+
+    none = HostPinner("none", probe=aff.probe, get_affinity=aff.get, set_affinity=aff.set)
+    calls = len(aff.calls)
+    pin = none.pin()
+    assert pin[0] == -1 and math.isnan(pin[1]) and len(aff.calls) == calls  # nothing probed or pinned
+
+    said = []
+    monkeypatch.setattr(host_cpu, "os", types.SimpleNamespace())  # a platform without sched_setaffinity
+    nowhere = HostPinner("fastest", log=said.append)
+    pin = nowhere.pin()
+    assert pin[0] == -1 and math.isnan(pin[1]) and "cannot pin a thread" in said[0]
+    nowhere.restore()
+
+
+def test_the_probe_times_its_workload_best_of_repeats():
+    from persistentkv.measure.host_cpu import probe_us
+
+    ticks = iter([0.0, 5e-6, 10e-6, 13e-6, 20e-6, 29e-6])  # three timings: 5, 3, 9 us
+    assert probe_us(n=10, repeats=3, clock=lambda: next(ticks)) == pytest.approx(3.0)
+    assert 0 < probe_us(n=100, repeats=2) < 1e6
+
+
+def test_harness_rows_say_which_cpu_each_round_ran_on():
+    from persistentkv.measure.host_cpu import HostPinner
+
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    case = case_with(["flashinfer-tc", "pkv-workqueue"])
+    aff = FakeAffinity({0, 1}, {0: 7.0, 1: 9.0})
+    rounds_seen = []
+
+    def probe():
+        rounds_seen.append(None)
+        return aff.probe()
+
+    pinner = HostPinner("fastest", log=lambda m: None, probe=probe, get_affinity=aff.get, set_affinity=aff.set)
+    settings_ = Settings(layers=1, repeats=3, warmup=1, calls_per_graph=2, protocols=("eager", "kernel"))
+    ctx = RunContext("r", log=lambda m: None, pinner=pinner)
+    frame = raw_frame(run_case(case, device, make_factory(log, {}), settings_, ctx))
+    assert (frame["status"] == "ok").all() and (frame["host_cpu"] == 0).all()
+    assert (frame["host_probe_us"] == 7.0).all()
+    assert len(rounds_seen) == 2 * (1 + 3)  # both CPUs probed before each of the 4 rounds (1 warm-up)
+    unpinned = raw_frame(run_case(case, device, make_factory(log, {}), settings_, RunContext("r", log=lambda m: None)))
+    assert (unpinned["host_cpu"] == -1).all() and unpinned["host_probe_us"].isna().all()
+
+
+def test_run_cases_pins_from_the_settings_and_restores_the_affinity_after_a_failure(monkeypatch):
+    from persistentkv.measure import harness
+
+    aff = FakeAffinity({0, 1, 2}, {0: 9.0, 1: 9.0, 2: 6.0})
+    made = []
+
+    class Pinner(harness.HostPinner):
+        def __init__(self, mode, log=print):
+            made.append(mode)
+            super().__init__(mode, log=log, probe=aff.probe, get_affinity=aff.get, set_affinity=aff.set)
+
+    monkeypatch.setattr(harness, "HostPinner", Pinner)
+    log = Log()
+    device = FakeDevice(l2_bytes=0)
+    settings_ = Settings(layers=1, repeats=2, warmup=0, calls_per_graph=2, protocols=("eager",), host_cpu="fastest")
+    ctx = RunContext("r", log=lambda m: None)
+    rows = harness.run_cases([case_with(["pkv-workqueue"])], device, make_factory(log, {}), settings_, ctx,
+                             progress=False)
+    assert made == ["fastest"] and {r["host_cpu"] for r in rows} == {2}
+    assert aff.current == {0, 1, 2} and ctx.pinner is None
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(harness, "run_case", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        harness.run_cases([case_with(["pkv-workqueue"])], device, make_factory(log, {}), settings_, ctx, progress=False)
+    assert aff.current == {0, 1, 2} and ctx.pinner is None
 
 
 def test_harness_interleaves_every_backend_once_per_round():

@@ -792,6 +792,15 @@ def engine_host(bench: pd.DataFrame) -> dict:
     longest = ours("host_loop_max_us")  # the loop's longest call: one stall, or every call slower
     if not longest.empty:
         out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
+    if "host_cpu" in bench.columns:  # where the timing thread ran (measure.host_cpu; runs since the column)
+        rows = bench[(bench["protocol"] == "eager") & (bench["backend"] == ENGINE_BACKEND)
+                     & (bench.get("status", "ok") == "ok")]
+        cpu = pd.to_numeric(rows["host_cpu"], errors="coerce")
+        pinned = rows[cpu >= 0]
+        probe = pd.to_numeric(pinned.get("host_probe_us", pd.Series(dtype=float)), errors="coerce").dropna()
+        out["pinning"] = {"rounds": int(len(rows)), "pinned": int(len(pinned)),
+                          "cpus": int(pinned["host_cpu"].nunique()),
+                          "probe_us": [float(probe.min()), float(probe.max())] if not probe.empty else None}
     return out
 
 
@@ -840,11 +849,26 @@ def _engine_sentences(entry: dict) -> list[str]:
                         f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}{once}."
                         + (f" The loop's longest call takes {host['longest_us']['median']:.1f} us (median over "
                            f"cases; up to {host['longest_us']['max']:.1f} us)." if "longest_us" in host else "")
-                        + (f" The baselines in the same loop: {others}." if others else ""))
+                        + (f" The baselines in the same loop: {others}." if others else "")
+                        + _pinning_sentence(host.get("pinning")))
         elif single:
             said.append(f"Eager use: not measured as the target asks (host time per call in a loop of back-to-back "
                         f"run() calls, host_loop_us, which this run predates){once}.")
     return said
+
+
+def _pinning_sentence(pinning: dict | None) -> str:
+    """Where the eager rows' timing thread ran ('' for runs that do not say)."""
+    if not pinning or not pinning["rounds"]:
+        return ""
+    if not pinning["pinned"]:
+        return " The timing thread was not pinned to a CPU (measure.host_cpu: none)."
+    probe = pinning["probe_us"]
+    where = f"; the probe took {probe[0]:.0f}-{probe[1]:.0f} us there" if probe else ""
+    share = "Every round" if pinning["pinned"] == pinning["rounds"] else \
+        f"{pinning['pinned']} of {pinning['rounds']} rounds"
+    return (f" {share} ran with the timing thread pinned to the CPU a probe found quickest "
+            f"({pinning['cpus']} distinct CPUs over the run{where}), as every backend's did.")
 
 
 def published_rows(results: Results) -> list[dict]:

@@ -16,7 +16,9 @@ For each case:
    and its graphs hold); for FlashInfer the published instance is the plain (non-graph) wrapper
    the paper timed.
 4. Rounds (persistentkv.measure.schedule): every variant once per round in a seeded shuffled
-   order, all protocols per visit; warm-up rounds are discarded.
+   order, all protocols per visit; warm-up rounds are discarded. Before each round the timing
+   thread is pinned per ``measure.host_cpu`` (persistentkv.measure.host_cpu: the quickest CPU of
+   a probe, by default), and the round's rows record the CPU and its probe time.
 
 Anything a backend raises (import, compile, capture, run, out of memory) becomes a ``failed`` row
 with the reason, for that protocol (or all of them when planning fails); after an OOM the
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 from ..backends.registry import PKV_ROUTES
 from ..errors import PKVError, require
+from .host_cpu import HostPinner, check_host_cpu
 from .protocols import eager_once, kernel_once, published_once, step_once
 from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
 from .rows import PROTOCOLS, availability, case_fields, one_line, raw_row
@@ -59,8 +62,11 @@ class Settings:
     #: recorded rounds of the step protocol (None: ``repeats``). Step rows are eager host loops, the
     #: noisiest rows, and cheap (one plan + the layers); the extra rounds time step rows only.
     step_repeats: int | None = None
+    #: where the timing thread runs: "fastest" (re-chosen each round), "none" or a CPU number
+    host_cpu: str | int = "none"
 
     def __post_init__(self):
+        check_host_cpu(self.host_cpu)
         require(self.repeats >= 1, f"repeats must be >= 1, got {self.repeats}")
         require(self.kernel_queue_cycles >= 0, f"kernel_queue_cycles must be >= 0, got {self.kernel_queue_cycles}")
         require(self.eager_loop_calls >= 0, f"eager_loop_calls must be >= 0, got {self.eager_loop_calls}")
@@ -90,7 +96,8 @@ class Settings:
                    kernel_queue_cycles=int(m.get("kernel_queue_cycles", 0)),
                    eager_loop_calls=int(m.get("eager_loop_calls", cls.eager_loop_calls)),
                    protocols=tuple(protocols), seed=seed,
-                   step_repeats=None if quick or step is None else int(step))
+                   step_repeats=None if quick or step is None else int(step),
+                   host_cpu=check_host_cpu(m.get("host_cpu", cls.host_cpu)))
 
 
 def experiment_protocols(config: dict, experiment: str) -> tuple[str, ...]:
@@ -135,6 +142,8 @@ class RunContext:
     read_ceiling_gbps: float = float("nan")
     log: Callable[[str], None] = print
     reported_unavailable: set = field(default_factory=set)
+    #: pins the timing thread before each round (run_cases makes one from Settings.host_cpu)
+    pinner: HostPinner | None = None
 
 
 # -- what a plan tells the rows ------------------------------------------------------------------
@@ -317,8 +326,10 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
         _prepare_protocols(b, case, device, factory, settings, copies, q, gather_index)
         bound.append(b)
 
-    # 4. interleaved rounds
+    # 4. interleaved rounds, each on the CPU the pinner picks for it
     for rnd in rounds(len(bound), settings.rounds, settings.warmup, settings.seed, case_index):
+        host_cpu, probe = ctx.pinner.pin() if ctx.pinner is not None else (-1, float("nan"))
+        where = {"host_cpu": host_cpu, "host_probe_us": probe}
         for i in rnd.order:
             b = bound[i]
             for protocol in settings.protocols:
@@ -333,7 +344,8 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
                     continue
                 if rnd.warmup:
                     continue
-                rows.append(_timing_row(base, b, protocol, rnd.repeat, fields, ctx.read_ceiling_gbps, case))
+                rows.append(_timing_row({**base, **where}, b, protocol, rnd.repeat, fields, ctx.read_ceiling_gbps,
+                                        case))
     for b in bound:
         for protocol, (status, reason) in b.skip.items():
             rows.append(status_row(b.variant, status, reason, protocol, **{k: v for k, v in b.fields.items()
@@ -427,11 +439,21 @@ def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, 
 
 def run_cases(cases: list[Case], device, factory: BackendFactory, settings: Settings, ctx: RunContext,
               progress: bool = True) -> list[dict]:
-    """Every case in turn (tqdm progress bar); returns all raw rows."""
+    """Every case in turn (tqdm progress bar); returns all raw rows. The timing thread is pinned
+    per ``settings.host_cpu`` while the cases run (unless ``ctx.pinner`` is set already) and its
+    affinity restored after them."""
     from tqdm import tqdm
 
+    own = ctx.pinner is None
+    if own:
+        ctx.pinner = HostPinner(settings.host_cpu, log=ctx.log)
     rows: list[dict] = []
-    for index, case in enumerate(tqdm(cases, desc="cases", unit="case", disable=not progress)):
-        rows += run_case(case, device, factory, settings, ctx, case_index=index)
+    try:
+        for index, case in enumerate(tqdm(cases, desc="cases", unit="case", disable=not progress)):
+            rows += run_case(case, device, factory, settings, ctx, case_index=index)
+    finally:
+        if own:
+            ctx.pinner.restore()
+            ctx.pinner = None
     return rows
 

@@ -39,6 +39,8 @@ RAW_COLUMNS: dict[str, str] = {
     "host_us": "float64",
     "host_loop_us": "float64",
     "host_loop_max_us": "float64",
+    "host_cpu": "int64",
+    "host_probe_us": "float64",
     "layers": "int64",
     "per_layer_us": "float64",
     "read_ceiling_gbps": "float64",
@@ -70,8 +72,8 @@ PROTOCOLS = ("kernel", "eager", "step", "published")
 STATUSES = ("ok", "unavailable", "failed")
 CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
 
-_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "per_layer_us",
-                 "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
+_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "host_probe_us",
+                 "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
 
 
 def one_line(text: object) -> str:
@@ -104,7 +106,7 @@ def raw_row(**fields) -> dict:
     unknown = sorted(set(fields) - set(RAW_COLUMNS))
     require(not unknown, f"unknown raw-row column(s): {', '.join(unknown)}")
     row = {name: (math.nan if name in _NAN_DEFAULTS else None) for name in RAW_COLUMNS}
-    row.update(layers=1, num_splits=-1, repeat=-1, reason="", status="ok")
+    row.update(layers=1, num_splits=-1, repeat=-1, host_cpu=-1, reason="", status="ok")
     row.update(fields)
     require(row["status"] in STATUSES, f"status must be one of {STATUSES}, got {row['status']!r}")
     require(row["status"] == "ok" or row["reason"], "a row that is not ok needs a reason")

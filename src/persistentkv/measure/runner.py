@@ -68,6 +68,11 @@ def _write(out: str, frame, run_id: str, record: dict) -> None:
 
 
 def _summary(frame) -> None:
+    timed = frame[(frame["status"] == "ok") & (frame["protocol"] != "ceiling")]
+    pinned = timed[timed["host_cpu"] >= 0]
+    if len(pinned):
+        log(f"  timing thread pinned in {len(pinned)} of {len(timed)} timing rows, on {pinned['host_cpu'].nunique()} "
+            f"CPU(s); probe {pinned['host_probe_us'].min():.0f}-{pinned['host_probe_us'].max():.0f} us there")
     bad = frame[frame["status"] != "ok"]
     for (backend, status), group in bad.groupby(["backend", "status"], sort=True):
         log(f"  {backend}: {len(group)} {status} row(s), e.g. {group['reason'].iloc[0]}")
