@@ -29,12 +29,17 @@ The defines (benchmarks/NOTES.md):
   PKV_PAGES32=1      (at 0ee8c07 only) page-id loads by unsigned offsets off a 64-bit table address
   PKV_SMEM_PAD=N     (at 76bb9c9-0ee8c07 only) N more bytes of unused shared memory per CTA
   PKV_CARVEOUT=N     (the same) not a kernel define: the decode kernels' preferred carveout, N %
+  heads=N            (v20) not a define alone: PKV_HEADSPLIT=N built in, and the queue planned for
+                     Hkv * N virtual kv heads of G / N query heads each (N CTAs per kv head and
+                     token range, sharing its K/V bytes through L2), run without the engine's
+                     checks (they would refuse the real cache's Hkv)
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel
 without early K/V loads; PKV_EARLY_ALL=1+early_kv=0 is allowed but loads nothing early), or
 pool=U, DecodeEngine(pool=U/16): the pooled queue (PKV_POOL=1+PKV_POOL_NOPROLOGUE=1+pool=2: its
-claims from the loop only; correct only while every pooled item has more than STAGES stages).
+claims from the loop only; correct only while every pooled item has more than STAGES stages), or
+heads=N (above).
 Same cases, harness and table as bench_warps.py (bench_common.py): every variant checked against
 float64, then CUDA graphs over rotated cold copies, all interleaved:
   wq, wq8           the GPU-planned queue, 4 and 8 warps (the shipped kernel)
@@ -62,14 +67,34 @@ from persistentkv.spec import AttentionSpec  # noqa: E402
 
 
 ENGINE_SWITCHES = ("early_kv", "pdl")
+HEAD_SPLITS = (2, 4, 8, 16)  # heads=N: virtual kv heads per kv head; head_split_spec refuses an N that does not
+                             # divide the group (G = 4 here: 2 and 4)
+
+
+def head_split_spec(spec: AttentionSpec, heads: int) -> AttentionSpec:
+    """The spec the heads=N queue is planned for: Hkv * N kv heads of G / N query heads each."""
+    group = spec.num_qo_heads // spec.num_kv_heads
+    if heads < 1 or group % heads:
+        raise ValueError(f"heads={heads} does not divide the group of {group} query heads per kv head")
+    return AttentionSpec(spec.num_qo_heads, spec.num_kv_heads * heads, spec.head_dim, spec.page_size, spec.dtype)
+
+
+def head_split_batch(batch, vspec: AttentionSpec):
+    """``batch`` on the virtual spec: the same rows, pages and page table."""
+    from persistentkv.cache import Batch
+
+    return Batch(vspec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
 
 
 def variant_build(entry: str) -> tuple[tuple[str, ...], dict]:
     """A '+'-joined --define entry as (kernel defines, DecodeEngine switches): PKV_* parts are
-    defines, NAME=0|1 parts (NAME in ENGINE_SWITCHES) engine switches, pool=U the pool share U/16;
-    anything else a ValueError."""
+    defines, NAME=0|1 parts (NAME in ENGINE_SWITCHES) engine switches, pool=U the pool share U/16,
+    heads=N (N in HEAD_SPLITS) the define PKV_HEADSPLIT=N plus option ``heads`` (main() plans it for
+    Hkv * N virtual kv heads); anything else a ValueError."""
     defines, options = [], {}
     for part in entry.split("+"):
+        if part.startswith("PKV_HEADSPLIT"):
+            raise ValueError(f"{part!r}: say heads=N, which also plans for the virtual kv heads")
         if part.startswith("PKV_"):
             defines.append(part)
             continue
@@ -77,9 +102,13 @@ def variant_build(entry: str) -> tuple[tuple[str, ...], dict]:
         if name == "pool" and value.isdigit() and 0 < int(value) < 16:
             options["pool"] = int(value) / 16
             continue
+        if name == "heads" and value.isdigit() and int(value) in HEAD_SPLITS:
+            options["heads"] = int(value)
+            defines.append(f"PKV_HEADSPLIT={value}")
+            continue
         if name not in ENGINE_SWITCHES or value not in ("0", "1"):
-            raise ValueError(f"{part!r} is neither PKV_NAME[=VALUE], pool=U (1..15) nor one of "
-                             f"{', '.join(ENGINE_SWITCHES)} =0|1")
+            raise ValueError(f"{part!r} is neither PKV_NAME[=VALUE], pool=U (1..15), heads=N "
+                             f"({', '.join(map(str, HEAD_SPLITS))}) nor one of {', '.join(ENGINE_SWITCHES)} =0|1")
         options[name] = value == "1"
     return tuple(defines), options
 
@@ -117,13 +146,18 @@ def main() -> int:
     file_tag = tag.replace("+", "-")  # the device host returns no file whose name holds a plus sign
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engines = {}
+    engines, split_heads = {}, {}  # split_heads: name -> the virtual spec of a heads=N queue
     for warps in warps_list:
         for define in (None, *defines):
             name = queue_name(warps) + (f"-{tags[define]}" if define else "")
             try:
                 kernel_defines, options = builds[define] if define else ((), {})
-                engines[name] = engine_for(spec, warps=warps, defines=kernel_defines, **options)
+                options = dict(options)
+                heads = options.pop("heads", 1)
+                engine_spec = head_split_spec(spec, heads) if heads > 1 else spec
+                engines[name] = engine_for(engine_spec, warps=warps, defines=kernel_defines, **options)
+                if heads > 1:
+                    split_heads[name] = engine_spec
             except Exception as exc:
                 print(f"{name}: no engine ({first_line(exc)})")
     ceiling = read_ceiling_gbps()
@@ -138,13 +172,17 @@ def main() -> int:
         runs = {}
         add = planning_adder(runs)
         for name, engine in engines.items():
-            add_queue(add, batch, name, engine)
+            if name in split_heads:  # planned on the virtual kv heads; the real cache fails the checks' shapes
+                add(name, lambda e=engine, v=split_heads[name]: e.plan(head_split_batch(batch, v), "workqueue"),
+                    lambda q, e=engine: (lambda kv, p, o: e.run(q, kv, p, o, check=False)))
+            else:
+                add_queue(add, batch, name, engine)
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
         return runs
 
     rows, table = [], []
-    any_engine = next(iter(engines.values()))
+    any_engine = next((e for n, e in engines.items() if n not in split_heads), next(iter(engines.values())))
     for label, _, med, ok, floor in timed_cases(any_engine, spec, args, variants_for, ceiling, rows, f"bench_{file_tag}",
                                                 t_start):
         table.append(comparison_row(label, floor, med, ok, lambda n: any(n.endswith(f"-{t}") for t in tags.values())))

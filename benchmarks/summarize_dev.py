@@ -128,6 +128,18 @@ def main() -> int:
                                      sort=False)
             print("each loop's longest call (us, median over loops)")
             print(longest.round(0).to_string())
+    for path in sorted(DEV.glob("host_percpu_*.parquet")):
+        df = pd.read_parquet(path)
+        df = df[df["mode"].str.startswith("run_")]
+        print(f"\n{path.stem} (benchmarks/host_overhead.py --per-cpu: us per run() call, B=1 x 4K, loops of 8, median "
+              f"over loops, the timing thread pinned to each CPU in turn; cpu -1 = unpinned; columns = passes)")
+        print(df.pivot_table(index="cpu", columns="pass_", values="median_us").round(1).to_string())
+        if "probe_us" in df:
+            print("the harness's CPU probe on the same CPU (us, best of three)")
+            print(df.pivot_table(index="cpu", columns="pass_", values="probe_us").round(0).to_string())
+            pinned = df[df["cpu"] >= 0]
+            print(f"correlation of run() and probe over the pinned loops: "
+                  f"{pinned['median_us'].corr(pinned['probe_us']):.3f}")
     runs = {p.stem: pd.read_parquet(p) for p in sorted(DEV.glob("bench_kernels_*.parquet"))}
     runs["bench_kernels (committed)"] = pd.read_parquet(ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet")
     rows = []
@@ -139,6 +151,7 @@ def main() -> int:
         if "host_loop_us" in df:
             loop = eager_case_medians(df, "host_loop_us").loc["pkv-workqueue"]
             row.update({"host loop us (median of cases)": loop.median(), "worst case": loop.max()})
+        row["pinned"] = bool("host_cpu" in df and (df["host_cpu"] >= 0).any())
         rows.append(row)
     print("\nbench_kernels runs side by side (pkv-workqueue: best baseline / ours, graph-replayed medians; "
           "the eager loop's host us per run() call)")

@@ -72,6 +72,14 @@
 #ifndef PKV_RING_STATIC
 #define PKV_RING_STATIC 0  // 1 (development): the pool's ring in static shared memory, before the pipeline
 #endif
+#ifndef PKV_HEADSPLIT
+// N > 1 (development, benchmarks/bench_defines.py heads=N; not TMA): the items name virtual kv
+// heads h' = h * N + s, each with G / N of kv head h's query heads (the planner sees Hkv * N kv
+// heads), and read K/V of kv head h' / N. The N CTAs of one kv head read the same K/V bytes at
+// about the same time, so all but the first should find them in L2; a group that fills the wave
+// this way needs no split of its tokens, hence no merge (NOTES, v20).
+#define PKV_HEADSPLIT 1
+#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -123,7 +131,9 @@ constexpr int SMEM_BYTES = (PIPE_BYTES + RING_BYTES > COMBINE_BYTES ? PIPE_BYTES
                            (PKV_TMA ? 1024 : 0);
 #if PKV_TMA
 static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per token row)");
+static_assert(PKV_HEADSPLIT == 1, "PKV_TMA boxes address the real kv head; PKV_HEADSPLIT needs cp.async");
 #endif
+static_assert(PKV_HEADSPLIT >= 1 && PKV_HEADSPLIT <= 16, "PKV_HEADSPLIT: 1..16 virtual kv heads per kv head");
 // Cluster route: each CTA publishes its normalised state, o [16][D] and lse [16] (fp32, rows >= G
 // unused), in its own shared memory past the combine buffers, so the combine's last reads and the
 // publication never overlap; the cluster's CTAs read it through distributed shared memory.
@@ -509,8 +519,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   kv_t* sQ = smem;
   kv_t* sK = smem + Q_ELEMS;
   kv_t* sV = sK + STAGES * STAGE_ELEMS;
-  const kv_t* kbase = p.k + (long long)head * D;
-  const kv_t* vbase = p.v + (long long)head * D;
+  const kv_t* kbase = p.k + (long long)(head / PKV_HEADSPLIT) * D;
+  const kv_t* vbase = p.v + (long long)(head / PKV_HEADSPLIT) * D;
   const int* pages = p.kv_indices + it.page_base;
 
   // PKV_TMA (decode launches; the cluster route keeps cp.async): warp 0 loads each tile with one

@@ -192,6 +192,50 @@ def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(m
     assert affinity[-1] == cpus
 
 
+def test_bench_defines_head_split_plans_virtual_heads_that_compute_the_real_attention():
+    """heads=N: PKV_HEADSPLIT=N built in; the queue planned for Hkv * N virtual kv heads. Item head h'
+    reads K/V of kv head h' // N (the define) for query heads [h' G/N, (h' + 1) G/N), which is
+    the real attention: executed on the CPU over a cache whose virtual head h' is kv head h' // N,
+    the plan gives the float64 reference of the real spec. At B=4 x 8K the 8-warp queue's 132
+    slots hold every virtual group's 8K tokens in one item, so nothing merges."""
+    import bench_defines
+    from persistentkv.cache import make_batch, random_cache
+    from persistentkv.plan import plan_workqueue, unpack_items
+    from persistentkv.reference import execute_plan, reference_decode
+    from persistentkv.spec import AttentionSpec
+
+    assert bench_defines.variant_build("heads=4") == (("PKV_HEADSPLIT=4",), {"heads": 4})
+    assert bench_defines.variant_build("heads=2+early_kv=0") == (("PKV_HEADSPLIT=2",), {"heads": 2, "early_kv": False})
+    for bad in ("heads=3", "heads=0", "PKV_HEADSPLIT=4"):
+        with pytest.raises(ValueError):
+            bench_defines.variant_build(bad)
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    vspec = bench_defines.head_split_spec(spec, 4)
+    assert (vspec.num_qo_heads, vspec.num_kv_heads, vspec.group_size) == (32, 32, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        bench_defines.head_split_spec(spec, 8)
+
+    rng = np.random.default_rng(7)
+    small = AttentionSpec(8, 2, 64, 16, "float16")  # G = 4
+    batch = make_batch(small, [37, 16, 129], hole_fraction=0.3, seed=int(rng.integers(1 << 30)))
+    k, v = random_cache(small, batch.num_pages, seed=int(rng.integers(1 << 30)))
+    q = rng.standard_normal((batch.batch_size, small.num_qo_heads, small.head_dim))
+    ref = reference_decode(q, k.astype(np.float64), v.astype(np.float64), batch)
+    for heads in (2, 4):
+        vs = bench_defines.head_split_spec(small, heads)
+        vbatch = bench_defines.head_split_batch(batch, vs)
+        plan = plan_workqueue(vbatch, target_items=8)
+        as_kernel_reads = np.repeat(k.astype(np.float64), heads, axis=2), np.repeat(v.astype(np.float64), heads, axis=2)
+        out = execute_plan(plan, q, *as_kernel_reads, vbatch)  # virtual head h' = kv head h' // heads
+        assert np.abs(out - ref).max() < 1e-12
+        items = unpack_items(plan.items)
+        assert set(items["head"][:plan.num_items].tolist()) == set(range(small.num_kv_heads * heads))
+
+    wide = bench_defines.head_split_batch(make_batch(spec, [8192] * 4), vspec)
+    plan = plan_workqueue(wide, target_items=132)
+    assert plan.num_items == 4 * 32 and len(plan.merge_groups) == 0
+
+
 def test_bench_defines_parses_defines_switches_and_pool_shares():
     import bench_defines
 
