@@ -176,6 +176,23 @@ def test_report_is_self_contained(measured, tmp_path):
     assert "torch-sdpa" in html and "synthetic: torch-sdpa skipped" in html   # unavailable with reason
     engine = payload["engine"]
     assert 'id="engine"' in html and all(s.replace("'", "&#39;") in html for s in engine["sentences"])
+    coverage = html[html.index('id="coverage"'):html.index('id="provenance"')]
+    assert "<th>host CPU</th>" in coverage
+    assert "pinned (2 CPUs, probe 150-152 us)" in coverage and "not recorded" in coverage  # bench / gqa_sweep
+
+
+def test_host_cpu_text_says_pinned_unpinned_or_not_recorded():
+    import numpy as np
+    import pandas as pd
+
+    rows = pd.DataFrame({"protocol": ["kernel", "eager", "eager", "ceiling"], "host_cpu": [3, 5, 5, -1],
+                         "host_probe_us": [151.0, 160.4, 149.6, np.nan]})
+    assert report.host_cpu_text(rows) == "pinned (2 CPUs, probe 150-160 us)"  # ceiling rows are not timing rows
+    assert report.host_cpu_text(rows.assign(host_cpu=-1)) == "not pinned"
+    assert report.host_cpu_text(rows.drop(columns=["host_cpu", "host_probe_us"])) == "not recorded"
+    mixed = pd.concat([rows, pd.DataFrame({"protocol": ["step", "step"], "host_cpu": [np.nan, -1]})])
+    assert report.host_cpu_text(mixed) == "pinned (3 of 4 rows, 2 CPUs, probe 150-160 us); 1 row not recorded"
+    assert report.host_cpu_text(rows.iloc[:0]) == ""
 
 
 def test_report_without_measurements_says_so(empty, tmp_path):

@@ -108,8 +108,28 @@ def experiment_rows(results: Results) -> list[dict]:
         out.append({"experiment": exp, "measured": not ok.empty, "rows": int(len(ok)),
                     "backends": ", ".join(figures._order(ok["backend"].unique())) if not ok.empty else "",
                     "protocols": ", ".join(sorted(ok["protocol"].unique())) if not ok.empty else "",
-                    "runs": "; ".join(prov)})
+                    "host_cpu": host_cpu_text(ok), "runs": "; ".join(prov)})
     return out
+
+
+def host_cpu_text(rows: pd.DataFrame) -> str:
+    """Where the timing thread ran for these (ok) rows: pinned (how many CPUs, the probe's range),
+    not pinned, or not recorded (runs before the host_cpu column); '' without timing rows."""
+    timed = rows[rows["protocol"] != "ceiling"] if "protocol" in rows else rows
+    if timed.empty:
+        return ""
+    cpu = pd.to_numeric(timed["host_cpu"], errors="coerce") if "host_cpu" in timed else pd.Series(dtype=float)
+    if cpu.isna().all():
+        return "not recorded"
+    pinned = timed[cpu >= 0]
+    if pinned.empty:
+        return "not pinned"
+    share = "" if len(pinned) == int(cpu.notna().sum()) else f"{len(pinned)} of {int(cpu.notna().sum())} rows, "
+    probe = pd.to_numeric(pinned.get("host_probe_us", pd.Series(dtype=float)), errors="coerce").dropna()
+    where = f", probe {probe.min():.0f}-{probe.max():.0f} us" if not probe.empty else ""
+    unrecorded = int(cpu.isna().sum())
+    rest = f"; {unrecorded} row{'s' if unrecorded != 1 else ''} not recorded" if unrecorded else ""
+    return f"pinned ({share}{pinned['host_cpu'].nunique()} CPUs{where}){rest}"
 
 
 def kernel_rows(kernels) -> list[dict]:

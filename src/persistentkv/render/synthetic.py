@@ -137,6 +137,13 @@ def _trace_steps(name: str, seed: int, stride: int = 8):
     return [(s.index, s.lengths) for s in trace.steps[::stride]]
 
 
+def _pinned(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a run whose timing thread was pinned (measure.host_cpu): two CPUs by round, the
+    probe 150 us + the repeat. The other synthetic experiments lack the columns, as runs from before
+    the column do."""
+    return frame.assign(host_cpu=3 + frame["repeat"] % 2, host_probe_us=150.0 + frame["repeat"])
+
+
 def raw_frames(seeds=HOLDOUT, repeats: int = 3, seed: int = 0) -> dict[str, pd.DataFrame]:
     """experiment -> tidy timing rows (DATA.md, results/{hw}/raw/{experiment}.parquet)."""
     rng = np.random.default_rng(seed)
@@ -146,7 +153,7 @@ def raw_frames(seeds=HOLDOUT, repeats: int = 3, seed: int = 0) -> dict[str, pd.D
         for s in seeds:
             rows += _rows_for("published", trace, s, _trace_steps(trace, s), rng, ("published", "step", "kernel"),
                               repeats)
-    out["published"] = pd.DataFrame(rows)
+    out["published"] = _pinned(pd.DataFrame(rows))
     rows = []
     for trace in ("bimodal_b8", "homogeneous_b8"):
         for s in seeds:
@@ -186,7 +193,7 @@ def bench_frame(repeats: int = 3, seed: int = 1) -> pd.DataFrame:
     rows = []
     for b, n in [(1, 8192), (1, 32768), (1, 65536), (1, 131072), (4, 8192), (16, 4096), (64, 8192)]:
         rows += _rows_for("bench_kernels", f"B{b}xN{n}", 0, [(0, [n] * b)], rng, ("kernel", "eager"), repeats)
-    frame = pd.DataFrame(rows)
+    frame = _pinned(pd.DataFrame(rows))
     # the read kernel at 4 and 16 GiB with a fixed cost of CEILING_FIXED_US: the run's ceiling is the
     # 16 GiB rate (RUN_CEILING_GBPS), which the 4 GiB samples stay below
     sizes = (("read-ceiling", CEILING_GBPS, 4 << 30, CEILING_FIXED_US), ("read-ceiling", CEILING_GBPS, 16 << 30, CEILING_FIXED_US),
