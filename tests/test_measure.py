@@ -513,6 +513,24 @@ def test_host_pinner_picks_the_quickest_cpu_each_time_and_restores(monkeypatch):
     nowhere.restore()
 
 
+def test_host_pinner_carries_on_unpinned_when_the_os_refuses():
+    from persistentkv.measure.host_cpu import HostPinner
+
+    aff = FakeAffinity({0, 1, 2}, {0: 7.0, 1: 6.0, 2: 9.0})
+    said = []
+
+    def refuse_cpu_2(pid, cpus):
+        if cpus == {2}:
+            raise OSError(22, "Invalid argument")
+        aff.set(pid, cpus)
+
+    pinner = HostPinner("fastest", log=said.append, probe=aff.probe, get_affinity=aff.get, set_affinity=refuse_cpu_2)
+    cpu, probe = pinner.pin()
+    assert cpu == -1 and math.isnan(probe) and "pinning failed" in said[0]
+    assert aff.current == {0, 1, 2}  # restored before carrying on
+    assert pinner.pin()[0] == -1 and len(said) == 1  # said once; later rounds are simply unpinned
+
+
 def test_the_probe_times_its_workload_best_of_repeats():
     from persistentkv.measure.host_cpu import probe_us
 

@@ -92,16 +92,22 @@ class HostPinner:
     def pin(self) -> tuple[int, float]:
         if not self.active:
             return -1, math.nan
-        if isinstance(self.mode, int):
-            self._set(0, {self.mode})
-            return self.mode, self.probe()
-        times = {}
-        for cpu in sorted(self._saved):
+        try:
+            if isinstance(self.mode, int):
+                self._set(0, {self.mode})
+                return self.mode, self.probe()
+            times = {}
+            for cpu in sorted(self._saved):
+                self._set(0, {cpu})
+                times[cpu] = self.probe()
+            cpu = min(times, key=times.get)
             self._set(0, {cpu})
-            times[cpu] = self.probe()
-        cpu = min(times, key=times.get)
-        self._set(0, {cpu})
-        return cpu, times[cpu]
+            return cpu, times[cpu]
+        except OSError as exc:  # a CPU taken offline mid-run: carry on unpinned rather than lose the run
+            self.log(f"  measure.host_cpu={self.mode}: pinning failed ({exc}); the rest of the run is not pinned")
+            self.restore()
+            self.active = False
+            return -1, math.nan
 
     def restore(self) -> None:
         if self.active and self._saved is not None:
