@@ -116,14 +116,11 @@ def parse_cpulist(text: str) -> set:
 
 
 def gpu_local_cpus(bus_id: str) -> set:
-    """CPUs sysfs names local to the GPU at PCI ``bus_id`` (empty where it does not say)."""
-    bus = bus_id.lower()
-    for name in (bus, bus[4:] if bus.count(":") == 2 and len(bus.split(":")[0]) == 8 else bus):
-        try:
-            return parse_cpulist(Path(f"/sys/bus/pci/devices/{name}/local_cpulist").read_text())
-        except OSError:
-            continue
-    return set()
+    """CPUs sysfs names local to the GPU at PCI ``bus_id`` (dddd:bb:dd.f; empty where it does not say)."""
+    try:
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus_id.lower()}/local_cpulist").read_text())
+    except OSError:
+        return set()
 
 
 def irq_counts() -> list:

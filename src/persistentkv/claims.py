@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis
+from .measure.host_cpu import pinning
 from .measure.workload import synthetic_name
 from .render.inputs import Results
 
@@ -793,14 +794,10 @@ def engine_host(bench: pd.DataFrame) -> dict:
     if not longest.empty:
         out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
     if "host_cpu" in bench.columns:  # where the timing thread ran (measure.host_cpu; runs since the column)
-        rows = bench[(bench["protocol"] == "eager") & (bench["backend"] == ENGINE_BACKEND)
-                     & (bench.get("status", "ok") == "ok")]
-        cpu = pd.to_numeric(rows["host_cpu"], errors="coerce")
-        pinned = rows[cpu >= 0]
-        probe = pd.to_numeric(pinned.get("host_probe_us", pd.Series(dtype=float)), errors="coerce").dropna()
-        out["pinning"] = {"rounds": int(len(rows)), "pinned": int(len(pinned)),
-                          "cpus": int(pinned["host_cpu"].nunique()),
-                          "probe_us": [float(probe.min()), float(probe.max())] if not probe.empty else None}
+        p = pinning(bench[(bench["protocol"] == "eager") & (bench["backend"] == ENGINE_BACKEND)
+                          & (bench.get("status", "ok") == "ok")])
+        out["pinning"] = {"rounds": p["recorded"] + p["unrecorded"], "pinned": p["pinned"], "cpus": p["cpus"],
+                          "probe_us": p["probe_us"]}
     return out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..io import atomic_write_parquet
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
+from .host_cpu import pinning
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
 from .rows import raw_frame, validation_frame
 from .workload import (bench_grid, default_splits, experiment_cases, load_config, load_trace, sampled_steps,
@@ -69,10 +70,10 @@ def _write(out: str, frame, run_id: str, record: dict) -> None:
 
 def _summary(frame) -> None:
     timed = frame[(frame["status"] == "ok") & (frame["protocol"] != "ceiling")]
-    pinned = timed[timed["host_cpu"] >= 0]
-    if len(pinned):
-        log(f"  timing thread pinned in {len(pinned)} of {len(timed)} timing rows, on {pinned['host_cpu'].nunique()} "
-            f"CPU(s); probe {pinned['host_probe_us'].min():.0f}-{pinned['host_probe_us'].max():.0f} us there")
+    p = pinning(timed)
+    if p["pinned"]:
+        probe = f"; probe {p['probe_us'][0]:.0f}-{p['probe_us'][1]:.0f} us there" if p["probe_us"] else ""
+        log(f"  timing thread pinned in {p['pinned']} of {len(timed)} timing rows, on {p['cpus']} CPU(s){probe}")
     bad = frame[frame["status"] != "ok"]
     for (backend, status), group in bad.groupby(["backend", "status"], sort=True):
         log(f"  {backend}: {len(group)} {status} row(s), e.g. {group['reason'].iloc[0]}")

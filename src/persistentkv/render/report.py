@@ -19,6 +19,7 @@ import pandas as pd
 from .. import analysis, claims
 from ..errors import PKVError, require
 from ..io import atomic_write_text
+from ..measure.host_cpu import pinning
 from . import figures
 from .inputs import EXPERIMENTS, Results
 from .tables import ablation_rows, provenance_rows, read_ceiling_gbps, variants
@@ -118,18 +119,16 @@ def host_cpu_text(rows: pd.DataFrame) -> str:
     timed = rows[rows["protocol"] != "ceiling"] if "protocol" in rows else rows
     if timed.empty:
         return ""
-    cpu = pd.to_numeric(timed["host_cpu"], errors="coerce") if "host_cpu" in timed else pd.Series(dtype=float)
-    if cpu.isna().all():
+    p = pinning(timed)
+    if not p["recorded"]:
         return "not recorded"
-    pinned = timed[cpu >= 0]
-    if pinned.empty:
+    if not p["pinned"]:
         return "not pinned"
-    share = "" if len(pinned) == int(cpu.notna().sum()) else f"{len(pinned)} of {int(cpu.notna().sum())} rows, "
-    probe = pd.to_numeric(pinned.get("host_probe_us", pd.Series(dtype=float)), errors="coerce").dropna()
-    where = f", probe {probe.min():.0f}-{probe.max():.0f} us" if not probe.empty else ""
-    unrecorded = int(cpu.isna().sum())
-    rest = f"; {unrecorded} row{'s' if unrecorded != 1 else ''} not recorded" if unrecorded else ""
-    return f"pinned ({share}{pinned['host_cpu'].nunique()} CPUs{where}){rest}"
+    share = "" if p["pinned"] == p["recorded"] else f"{p['pinned']} of {p['recorded']} rows, "
+    where = f", probe {p['probe_us'][0]:.0f}-{p['probe_us'][1]:.0f} us" if p["probe_us"] else ""
+    n = p["unrecorded"]
+    rest = f"; {n} row{'s' if n != 1 else ''} not recorded" if n else ""
+    return f"pinned ({share}{p['cpus']} CPUs{where}){rest}"
 
 
 def kernel_rows(kernels) -> list[dict]:
