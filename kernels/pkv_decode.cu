@@ -82,8 +82,8 @@
 #endif
 #ifndef PKV_LLMERGE
 // 1 (development, NOTES v21): the fused merge without a fence. A split CTA counts its arrival with
-// a relaxed atomic at the loop's end (in flight during the cross-warp combine); the last merges,
-// the others then store their partial states. The merger tells a stored value from a pending one
+// a relaxed atomic at the loop's end (in flight during the cross-warp combine), which stores its
+// partial state with relaxed stores; the last to arrive merges. The merger tells a stored value from a pending one
 // by a sentinel (all bits set: no arithmetic result, whose NaN is 0x7fffffff), which every slot
 // holds between launches: the engine fills the states when it allocates them, and the merger
 // sets each slot it read back. No release, so no wait for the partial states' stores to reach L2
@@ -235,6 +235,9 @@ __device__ __forceinline__ float4 ld_ll4(const float* p) {
 }
 __device__ __forceinline__ void st_ll(float* p, float v) {
   asm volatile("st.relaxed.gpu.global.f32 [%0], %1;\n" :: "l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_ll2(float* p, float2 v) {
+  asm volatile("st.relaxed.gpu.global.v2.f32 [%0], {%1,%2};\n" :: "l"(p), "f"(v.x), "f"(v.y) : "memory");
 }
 __device__ __forceinline__ void st_ll4(float* p, float4 v) {
   asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1,%2,%3,%4};\n" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
@@ -481,15 +484,14 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n)
 }
 
 #if PKV_LLMERGE
-// merge_group for PKV_LLMERGE, in the merging CTA: split `own`'s state is this CTA's, in shared
-// memory (pub_o [16][D], pub_lse [16]); the others' are read from their slots, polled until no
-// word is the sentinel, and each slot read is set back to it (its o words by the thread that read
-// them; its lse words, which D / 4 threads read, after a barrier). Same fold, same order as
-// merge_group.
-__device__ void merge_group_ll(const Params& p, int row, int head, int base, int n, int own, const float* pub_o,
-                               const float* pub_lse) {
+// merge_group for PKV_LLMERGE: the group's states (this CTA's own among them) are polled until no
+// word is the sentinel, a chunk's pending ones reloaded together (one round trip per pass), and
+// each slot read is set back to it: its o words by the thread that read them, its lse words, which
+// D / 4 threads read, after a barrier. Same fold, same order as merge_group.
+__device__ void merge_group_ll(const Params& p, int row, int head, int base, int n) {
   const int G = p.group_size;
   constexpr int D4 = D / 4;
+  static_assert(MERGE_UNROLL <= 32, "pending splits: one bit each");
   float* lse = p.part_lse + (long long)base * G;
   const float empty = __uint_as_float(LL_EMPTY);
   for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
@@ -502,30 +504,28 @@ __device__ void merge_group_ll(const Params& p, int row, int head, int base, int
       float4 o[MERGE_UNROLL];
 #pragma unroll
       for (int u = 0; u < MERGE_UNROLL; ++u) {
-        const int s = s0 + u;
-        if (s >= n) {
-          l[u] = NEG_INF;
-          o[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        } else if (s == own) {
-          l[u] = pub_lse[g];
-          o[u] = *reinterpret_cast<const float4*>(pub_o + g * D + d);
-        } else {
-          l[u] = ld_ll(lse + s * G + g);
-          o[u] = ld_ll4(col + (long long)s * G * D);
+        const bool ok = s0 + u < n;
+        l[u] = ok ? ld_ll(lse + (s0 + u) * G + g) : NEG_INF;
+        o[u] = ok ? ld_ll4(col + (long long)(s0 + u) * G * D) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      for (long long spins = 0;; ++spins) {  // a split that arrived but has not stored yet: poll again
+        unsigned pending = 0;
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; ++u)
+          if (s0 + u < n && (ll_empty(l[u]) || ll_empty4(o[u]))) pending |= 1u << u;
+        if (!pending) break;
+        if (spins > LL_SPIN_LIMIT) __trap();
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; ++u) {
+          if (pending & (1u << u)) {
+            l[u] = ld_ll(lse + (s0 + u) * G + g);
+            o[u] = ld_ll4(col + (long long)(s0 + u) * G * D);
+          }
         }
       }
 #pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) {
-        const int s = s0 + u;
-        if (s >= n || s == own) continue;
-        long long spins = 0;
-        while (ll_empty(l[u]) || ll_empty4(o[u])) {  // its writer arrived but has not stored yet
-          if (++spins > LL_SPIN_LIMIT) __trap();
-          l[u] = ld_ll(lse + s * G + g);
-          o[u] = ld_ll4(col + (long long)s * G * D);
-        }
-        st_ll4(col + (long long)s * G * D, make_float4(empty, empty, empty, empty));
-      }
+      for (int u = 0; u < MERGE_UNROLL; ++u)
+        if (s0 + u < n) st_ll4(col + (long long)(s0 + u) * G * D, make_float4(empty, empty, empty, empty));
       float mc = m;
 #pragma unroll
       for (int u = 0; u < MERGE_UNROLL; ++u) mc = fmaxf(mc, l[u]);
@@ -545,8 +545,7 @@ __device__ void merge_group_ll(const Params& p, int row, int head, int base, int
     write_merged(p, row, head * G + g, d, acc, den);
   }
   __syncthreads();  // every reader of an lse word has read it
-  for (int i = threadIdx.x; i < n * G; i += THREADS)
-    if (i / G != own) st_ll(lse + i, empty);
+  for (int i = threadIdx.x; i < n * G; i += THREADS) st_ll(lse + i, empty);
 }
 #endif
 
@@ -1037,13 +1036,18 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     const float inv = L > 0.f ? 1.f / L : 0.f;
     const float2 val = make_float2(acc.x * inv, acc.y * inv);
     const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;  // an empty state: o = 0, lse = -inf
-    if (MODE == CLUSTER || (LL && !direct)) {
+    if (MODE == CLUSTER) {
       *reinterpret_cast<float2*>(pub_o + g * D + d) = val;
       if (d == 0) pub_lse[g] = lse;
     } else if (direct) {
       kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
       dst[0] = to_kv(val.x);
       dst[1] = to_kv(val.y);
+    } else if (LL) {  // stored before the CTA knows whether it merges: the others' are on their way
+#if PKV_LLMERGE
+      st_ll2(p.part_o + ((long long)slot * G + g) * D + d, val);
+      if (d == 0) st_ll(p.part_lse + (long long)slot * G + g, lse);
+#endif
     } else {
       *reinterpret_cast<float2*>(p.part_o + ((long long)slot * G + g) * D + d) = val;
       if (d == 0) p.part_lse[(long long)slot * G + g] = lse;
@@ -1063,17 +1067,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     if (last) ll_counter[0] = 0;  // every arrival of this launch came before this one's
     *flag = last;
   }
-  __syncthreads();  // the state in pub_o / pub_lse, and the flag
-  if (*flag) {
-    merge_group_ll(p, row, head, slot - it.split, it.nsplit, it.split, pub_o, pub_lse);
-  } else {  // publish: no fence, the merger polls the words themselves
-    constexpr int D4 = D / 4;
-    for (int idx = tid; idx < G * D4; idx += THREADS) {
-      const int g = idx / D4, d = (idx - g * D4) * 4;
-      st_ll4(p.part_o + ((long long)slot * G + g) * D + d, *reinterpret_cast<const float4*>(pub_o + g * D + d));
-    }
-    if (tid < G) st_ll(p.part_lse + (long long)slot * G + tid, pub_lse[tid]);
-  }
+  __syncthreads();  // the flag
+  if (*flag) merge_group_ll(p, row, head, slot - it.split, it.nsplit);
   return;
 #endif
 
