@@ -29,8 +29,9 @@ The defines (benchmarks/NOTES.md):
   PKV_PAGES32=1      (at 0ee8c07 only) page-id loads by unsigned offsets off a 64-bit table address
   PKV_SMEM_PAD=N     (at 76bb9c9-0ee8c07 only) N more bytes of unused shared memory per CTA
   PKV_CARVEOUT=N     (the same) not a kernel define: the decode kernels' preferred carveout, N %
-  PKV_LLMERGE=1      (v21) the fused merge without a fence: arrivals counted before the combine, the
-                     last CTA polls the others' states, which hold a sentinel until written
+  PKV_LLMERGE=1      (at 551b618-6d7ae78 only) the fused merge without a fence: every split stores its
+                     state with relaxed stores, the last to arrive polls the states, which hold a
+                     sentinel until written; measured no faster (v21)
   heads=N            (v20; measured slower, closed) not a define alone: PKV_HEADSPLIT=N built in, and the queue planned for
                      Hkv * N virtual kv heads of G / N query heads each (N CTAs per kv head and
                      token range, sharing its K/V bytes through L2), run without the engine's

@@ -80,16 +80,6 @@
 // this way needs no split of its tokens, hence no merge (NOTES, v20).
 #define PKV_HEADSPLIT 1
 #endif
-#ifndef PKV_LLMERGE
-// 1 (development, NOTES v21): the fused merge without a fence. A split CTA counts its arrival with
-// a relaxed atomic at the loop's end (in flight during the cross-warp combine), which stores its
-// partial state with relaxed stores; the last to arrive merges. The merger tells a stored value from a pending one
-// by a sentinel (all bits set: no arithmetic result, whose NaN is 0x7fffffff), which every slot
-// holds between launches: the engine fills the states when it allocates them, and the merger
-// sets each slot it read back. No release, so no wait for the partial states' stores to reach L2
-// before the arrival, and no acquire round trip before the merger's loads.
-#define PKV_LLMERGE 0
-#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -144,7 +134,6 @@ static_assert(D == 128, "PKV_TMA: head_dim 128 only (two 64-element boxes per to
 static_assert(PKV_HEADSPLIT == 1, "PKV_TMA boxes address the real kv head; PKV_HEADSPLIT needs cp.async");
 #endif
 static_assert(PKV_HEADSPLIT >= 1 && PKV_HEADSPLIT <= 16, "PKV_HEADSPLIT: 1..16 virtual kv heads per kv head");
-static_assert(!(PKV_LLMERGE && PKV_POOL), "PKV_LLMERGE: the pool's claims are not counted as arrivals");
 // Cluster route: each CTA publishes its normalised state, o [16][D] and lse [16] (fp32, rows >= G
 // unused), in its own shared memory past the combine buffers, so the combine's last reads and the
 // publication never overlap; the cluster's CTAs read it through distributed shared memory.
@@ -216,38 +205,6 @@ __device__ __forceinline__ int atom_add_relaxed(int* p, int v) {
   asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v));
   return old;
 }
-
-#if PKV_LLMERGE
-// PKV_LLMERGE: strong (relaxed, gpu scope) accesses of the partial states, which the merger reads
-// while their writers may still be storing them; a value is ready once no word is the sentinel.
-constexpr unsigned LL_EMPTY = 0xffffffffu;
-constexpr long long LL_SPIN_LIMIT = 1ll << 26;  // polls before a trap: a writer that never stores is a bug
-__device__ __forceinline__ float ld_ll(const float* p) {
-  float v;
-  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 ld_ll4(const float* p) {
-  float4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_ll(float* p, float v) {
-  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;\n" :: "l"(p), "f"(v) : "memory");
-}
-__device__ __forceinline__ void st_ll2(float* p, float2 v) {
-  asm volatile("st.relaxed.gpu.global.v2.f32 [%0], {%1,%2};\n" :: "l"(p), "f"(v.x), "f"(v.y) : "memory");
-}
-__device__ __forceinline__ void st_ll4(float* p, float4 v) {
-  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1,%2,%3,%4};\n" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
-}
-__device__ __forceinline__ bool ll_empty(float v) { return __float_as_uint(v) == LL_EMPTY; }
-__device__ __forceinline__ bool ll_empty4(const float4& v) {
-  return ll_empty(v.x) || ll_empty(v.y) || ll_empty(v.z) || ll_empty(v.w);
-}
-#endif
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -482,72 +439,6 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n)
     write_merged(p, row, head * G + g, d, acc, den);
   }
 }
-
-#if PKV_LLMERGE
-// merge_group for PKV_LLMERGE: the group's states (this CTA's own among them) are polled until no
-// word is the sentinel, a chunk's pending ones reloaded together (one round trip per pass), and
-// each slot read is set back to it: its o words by the thread that read them, its lse words, which
-// D / 4 threads read, after a barrier. Same fold, same order as merge_group.
-__device__ void merge_group_ll(const Params& p, int row, int head, int base, int n) {
-  const int G = p.group_size;
-  constexpr int D4 = D / 4;
-  static_assert(MERGE_UNROLL <= 32, "pending splits: one bit each");
-  float* lse = p.part_lse + (long long)base * G;
-  const float empty = __uint_as_float(LL_EMPTY);
-  for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
-    const int g = idx / D4, d = (idx - g * D4) * 4;
-    float* col = p.part_o + ((long long)base * G + g) * D + d;
-    float m = NEG_INF, den = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n; s0 += MERGE_UNROLL) {
-      float l[MERGE_UNROLL];
-      float4 o[MERGE_UNROLL];
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) {
-        const bool ok = s0 + u < n;
-        l[u] = ok ? ld_ll(lse + (s0 + u) * G + g) : NEG_INF;
-        o[u] = ok ? ld_ll4(col + (long long)(s0 + u) * G * D) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      for (long long spins = 0;; ++spins) {  // a split that arrived but has not stored yet: poll again
-        unsigned pending = 0;
-#pragma unroll
-        for (int u = 0; u < MERGE_UNROLL; ++u)
-          if (s0 + u < n && (ll_empty(l[u]) || ll_empty4(o[u]))) pending |= 1u << u;
-        if (!pending) break;
-        if (spins > LL_SPIN_LIMIT) __trap();
-#pragma unroll
-        for (int u = 0; u < MERGE_UNROLL; ++u) {
-          if (pending & (1u << u)) {
-            l[u] = ld_ll(lse + (s0 + u) * G + g);
-            o[u] = ld_ll4(col + (long long)(s0 + u) * G * D);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u)
-        if (s0 + u < n) st_ll4(col + (long long)(s0 + u) * G * D, make_float4(empty, empty, empty, empty));
-      float mc = m;
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) mc = fmaxf(mc, l[u]);
-      if (mc == NEG_INF) continue;  // every split so far is empty
-      const float scale = fast_exp2(m - mc);  // m = -inf -> 0
-      den *= scale;
-      acc.x *= scale;
-      acc.y *= scale;
-      acc.z *= scale;
-      acc.w *= scale;
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) {
-        fold(acc, den, fast_exp2(l[u] - mc), o[u]);  // empty split: lse = -inf -> weight 0
-      }
-      m = mc;
-    }
-    write_merged(p, row, head * G + g, d, acc, den);
-  }
-  __syncthreads();  // every reader of an lse word has read it
-  for (int i = threadIdx.x; i < n * G; i += THREADS) st_ll(lse + i, empty);
-}
-#endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Thread-block cluster primitives (sm_90+): a full cluster barrier whose arrive releases and whose
@@ -976,15 +867,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   stamp(3);
 
   const bool direct = MODE != CLUSTER && it.nsplit <= 1;
-#if PKV_LLMERGE
-  // The arrival first, its round trip under the combine below (NOTES v21).
-  constexpr bool LL = MODE == FUSED;
-  int* const ll_counter = p.counters + 2 * (row * p.num_kv_heads + head);
-  int ll_prev = 0;
-  if (LL && !direct && tid == 0) ll_prev = atom_add_relaxed(ll_counter, 1);
-#else
-  constexpr bool LL = false;
-#endif
   // Combine the WARPS warps' (m, l, O) through shared memory.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -1043,11 +925,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
       kv_t* dst = p.out + row * p.o_sb + (long long)(head * G + g) * p.o_sh + d;
       dst[0] = to_kv(val.x);
       dst[1] = to_kv(val.y);
-    } else if (LL) {  // stored before the CTA knows whether it merges: the others' are on their way
-#if PKV_LLMERGE
-      st_ll2(p.part_o + ((long long)slot * G + g) * D + d, val);
-      if (d == 0) st_ll(p.part_lse + (long long)slot * G + g, lse);
-#endif
     } else {
       *reinterpret_cast<float2*>(p.part_o + ((long long)slot * G + g) * D + d) = val;
       if (d == 0) p.part_lse[(long long)slot * G + g] = lse;
@@ -1061,16 +938,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     return;
   }
   if (MODE != FUSED || direct) return;
-#if PKV_LLMERGE
-  if (tid == 0) {
-    const int last = ll_prev == it.nsplit - 1;
-    if (last) ll_counter[0] = 0;  // every arrival of this launch came before this one's
-    *flag = last;
-  }
-  __syncthreads();  // the flag
-  if (*flag) merge_group_ll(p, row, head, slot - it.split, it.nsplit);
-  return;
-#endif
 
   // Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
   // barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is

@@ -143,26 +143,6 @@ def test_the_tma_build_compiles_for_hopper_without_spills(tmp_path, warps):
     assert DecodeArgsTMA.tmk.size == 128 == DecodeArgsTMA.tmv.size and DecodeArgsTMA.tmv.offset == DecodeArgsTMA.tmk.offset + 128
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_fence_free_merge_build_compiles_without_spills_and_refuses_the_pool(tmp_path, arch):
-    """PKV_LLMERGE=1 (development, NOTES v21: the fused merge polls sentinel-filled states instead
-    of a fence) compiles for sm_80 and sm_90 at both warp counts without spilling; with the pool's
-    code it is refused at compile time (the pool's claims would not be counted as arrivals)."""
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    for warps in (4, 8):
-        cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
-               *compile_options(spec, warps, ("PKV_LLMERGE=1",)), str(kernels_dir() / "pkv_decode.cu")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
-        assert rows["pkv_decode_fused"]["spill_store_bytes"] == 0 and rows["pkv_decode_fused"]["registers"] <= 255
-    cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-o", str(tmp_path / "y.cubin"),
-           *compile_options(spec, 4, ("PKV_LLMERGE=1", "PKV_POOL=1")), str(kernels_dir() / "pkv_decode.cu")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode != 0 and "PKV_LLMERGE: the pool" in proc.stderr
-
-
 @pytest.mark.parametrize("head_dim, warps, message", [
     (256, 8, "warps=8 needs head_dim <= 128"),
     (128, 6, "warps must be one of 4, 8, got 6"),

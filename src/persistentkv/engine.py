@@ -566,10 +566,6 @@ class DecodeEngine:
         require(not self.tma or (props.major >= 9 and spec.head_dim == 128 and spec.page_size >= 16),
                 "PKV_TMA needs sm_90+, head_dim 128 and page_size >= 16")
         self._tmaps: dict = {}
-        #: PKV_LLMERGE=1 (development, NOTES v21): the fused merge reads partial states polled by a
-        #: sentinel (all bits set), which every state slot holds between launches, so each plan's
-        #: states are filled with it when allocated
-        self._ll_merge = "PKV_LLMERGE=1" in defines
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
         require(not pdl or props.major >= PDL_MIN_MAJOR,
@@ -616,13 +612,9 @@ class DecodeEngine:
     def _workspace(self, slots: int, batch_size: int) -> dict:
         torch, spec = self.torch, self.spec
         G, D = spec.group_size, spec.head_dim
-        states = {"part_o": torch.empty((max(slots, 1), G, D), dtype=torch.float32, device=self.device),
-                  "part_lse": torch.empty((max(slots, 1), G), dtype=torch.float32, device=self.device)}
-        if self._ll_merge:
-            for t in states.values():
-                t.view(torch.int32).fill_(-1)
         return {
-            **states,
+            "part_o": torch.empty((max(slots, 1), G, D), dtype=torch.float32, device=self.device),
+            "part_lse": torch.empty((max(slots, 1), G), dtype=torch.float32, device=self.device),
             "counters": torch.zeros((2 * batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
         }
 
@@ -729,8 +721,6 @@ class DecodeEngine:
         workspace = torch.empty((o_states + n_part_o + max_items * G,), dtype=torch.int32, device=self.device)
         upload = workspace[:o_num]
         upload.copy_(staging, non_blocking=True)
-        if self._ll_merge:
-            workspace[o_states:].fill_(-1)
         base = workspace.data_ptr()
         items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
         plan_args = _arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk,
