@@ -181,7 +181,8 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
 
     B, N = batch.batch_size, int(batch.seq_lens.max())
     case = case or f"B={B} N={N}"
-    copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size)
+    copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size,
+                               max_copies=1 if getattr(args, "warm", False) else 64)
     ref = reference_torch64(batch, q, *copies[0])
     floor = batch.kv_bytes / (ceiling * 1e3) if ceiling > 0 else math.nan
     print(f"{case}: {batch.kv_bytes / 1e6:.1f} MB, floor {floor:.2f} us, {len(copies)} copies", flush=True)
@@ -211,7 +212,7 @@ def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
         err, occ = info[name]
         rows += [{"case": case, "batch_size": B, "seq_len": N, "variant": name, "repeat": i, "time_us": t,
                   "rel_err": err, "ctas_per_sm": occ, "kv_bytes": batch.kv_bytes, "floor_us": floor,
-                  "read_ceiling_gbps": ceiling} for i, t in enumerate(ts)]
+                  "read_ceiling_gbps": ceiling, "copies": len(copies)} for i, t in enumerate(ts)]
     del graphs, copies
     torch.cuda.empty_cache()
     return rows, med, info, floor
@@ -226,6 +227,9 @@ def bench_args(extra=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warm", action="store_true",
+                        help="every call of a graph on one cache copy (L2 warm where the case's bytes fit in it), "
+                             "instead of rotating over copies of 3x L2 (cold)")
     parser.add_argument("--cases", default="",
                         help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
                              "default all")
