@@ -233,7 +233,12 @@ def bench_args(extra=None) -> argparse.Namespace:
     parser.add_argument("--cases", default="",
                         help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
                              "default all")
-    return parser.parse_args()
+    args = parser.parse_args()
+    try:  # before any GPU work: a --out that cannot be made fails now, not after the first case
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: {exc.strerror or exc}")
+    return args
 
 
 def timed_cases(engine, spec, args, variants_for_batch, ceiling: float, rows: list, stem: str, t_start: float):
@@ -322,6 +327,7 @@ def write_rows(rows: list[dict], out: str, stem: str, t_start: float, final: boo
     import pandas as pd
 
     path = Path(out) / f"{stem}_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a missing --out directory must not lose the rows
     pd.DataFrame(rows).to_parquet(path, index=False)
     if final:
         print(f"wrote {path} ({time.time() - t_start:.0f} s)")

@@ -26,6 +26,27 @@ def test_write_rows_rewrites_one_file_per_run(tmp_path):
     assert pd.read_parquet(second)["time_us"].tolist() == [7.0, 12.0]
 
 
+def test_write_rows_makes_a_missing_out_directory(tmp_path):
+    """A bench given --out in a directory that does not exist yet keeps its rows (a session's
+    replay_latency runs lost every one of their cases to this)."""
+    out = tmp_path / "not" / "there"
+    path = bench_common.write_rows([{"case": "B=1 N=4096", "time_us": 9.5}], str(out), "bench_x", time.time())
+    assert path.parent == out and pd.read_parquet(path)["time_us"].tolist() == [9.5]
+
+
+def test_bench_args_makes_out_or_refuses_it_before_any_work(tmp_path, monkeypatch, capsys):
+    made = tmp_path / "a" / "b"
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(made), "--warm"])
+    args = bench_common.bench_args()
+    assert made.is_dir() and args.warm is True
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(blocker / "sub")])
+    with pytest.raises(SystemExit) as exc:
+        bench_common.bench_args()
+    assert exc.value.code == 2 and f"--out {blocker / 'sub'}" in capsys.readouterr().err
+
+
 def test_parse_cases():
     assert bench_common.parse_cases("") == [(f"B={B} N={N}", [N] * B) for B, N in bench_common.CASES]
     assert bench_common.parse_cases("1x4096, B=4x8192") == [("B=1 N=4096", [4096]), ("B=4 N=8192", [8192] * 4)]
