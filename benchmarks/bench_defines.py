@@ -32,10 +32,10 @@ The defines (benchmarks/NOTES.md):
   PKV_LLMERGE=1      (at 551b618-6d7ae78 only) the fused merge without a fence: every split stores its
                      state with relaxed stores, the last to arrive polls the states, which hold a
                      sentinel until written; measured no faster (v21)
-  heads=N            (v20; measured slower, closed) not a define alone: PKV_HEADSPLIT=N built in, and the queue planned for
-                     Hkv * N virtual kv heads of G / N query heads each (N CTAs per kv head and
-                     token range, sharing its K/V bytes through L2), run without the engine's
-                     checks (they would refuse the real cache's Hkv)
+  heads=N            (v20; measured slower, closed) not a define alone: PKV_HEADSPLIT=N built in,
+                     and the queue planned for Hkv * N virtual kv heads of G / N query heads each
+                     (N CTAs per kv head and token range, sharing its K/V bytes through L2), run
+                     without the engine's checks (they would refuse the real cache's Hkv)
 Several defines, comma-separated, are compared side by side (one variant pair each); '+' joins
 defines built into one module (PKV_POOL=1+PKV_POOL_NOCLAIM=1). A part without the PKV_ prefix is
 an engine option instead, NAME=0|1 for DecodeEngine's switches (early_kv=0: the shipped kernel
