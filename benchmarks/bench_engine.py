@@ -169,6 +169,7 @@ def main() -> int:
 
         tag = args.backends.replace(",", "_").replace("-", "") if len(args.backends) < 60 else "all"
         out = Path(args.out) / f"bench_engine_{tag}_{time.strftime('%H%M%S')}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_parquet(out, index=False)
         print(f"wrote {out}")
     return 0

@@ -83,6 +83,7 @@ def main() -> int:
     import pandas as pd
 
     path = Path(args.out) / f"tune_engine_{time.strftime('%H%M%S')}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path, index=False)
     print(f"wrote {path}")
     return 0
