@@ -320,8 +320,9 @@ def test_engine_host_cost_says_where_the_timing_thread_ran():
     pinned = eager.assign(host_cpu=np.where(ours, np.arange(len(eager)) % 2 + 3, 0), host_probe_us=probe)
     out = claims.engine_verdicts(bench_results([kernel, pinned]))
     assert out["host"]["pinning"] == {"rounds": n, "pinned": n, "cpus": 2, "probe_us": [70.0, 110.0]}
-    assert ("Every round ran with the timing thread pinned to the CPU a probe found quickest (2 distinct CPUs over "
-            "the run; the probe took 70-110 us there), as every backend's did.") in out["sentences"][-1]
+    assert ("Every round ran with the timing thread pinned to one CPU (measure.host_cpu: by default the one a probe "
+            "finds quickest at the round's start; 2 distinct CPUs over the run; the probe took 70-110 us there), as "
+            "every backend's did.") in out["sentences"][-1]
     partly = pinned.assign(host_cpu=np.where(ours & (np.arange(len(eager)) == 0), -1, pinned["host_cpu"]))
     said = claims.engine_verdicts(bench_results([kernel, partly]))["sentences"][-1]
     assert f"{n - 1} of {n} rounds ran with the timing thread pinned" in said

@@ -864,8 +864,9 @@ def _pinning_sentence(pinning: dict | None) -> str:
     where = f"; the probe took {probe[0]:.0f}-{probe[1]:.0f} us there" if probe else ""
     share = "Every round" if pinning["pinned"] == pinning["rounds"] else \
         f"{pinning['pinned']} of {pinning['rounds']} rounds"
-    return (f" {share} ran with the timing thread pinned to the CPU a probe found quickest "
-            f"({pinning['cpus']} distinct CPUs over the run{where}), as every backend's did.")
+    return (f" {share} ran with the timing thread pinned to one CPU (measure.host_cpu: by default the one a "
+            f"probe finds quickest at the round's start; {pinning['cpus']} distinct CPUs over the run{where}), "
+            f"as every backend's did.")
 
 
 def published_rows(results: Results) -> list[dict]:
