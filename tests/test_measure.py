@@ -976,7 +976,7 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
 
 def test_experiment_protocols_come_from_config_in_canonical_order():
     from persistentkv.measure.harness import experiment_protocols
-    from persistentkv.measure.rows import PROTOCOLS
+    from persistentkv.names import PROTOCOLS
 
     config = {"measure": {"protocols": {"split_sensitivity": ["step", "kernel"]}}}
     assert experiment_protocols(config, "split_sensitivity") == ("kernel", "step")

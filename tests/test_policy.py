@@ -590,9 +590,9 @@ def test_calibrate_command_config_errors(tmp_path, capsys):
 def features_from_plan(backend, batch, options):
     """cost_features' definition, read off a full plan (slow; the library computes it per row)."""
     from persistentkv.plan import make_plan
-    from persistentkv.policy import PKV_ROUTES
+    from persistentkv.names import PKV_BACKENDS
 
-    plan = make_plan(batch, PKV_ROUTES[backend], **options)
+    plan = make_plan(batch, PKV_BACKENDS[backend], **options)
     c = plan.counters()
     tokens = (plan.items[:, 2] - plan.items[:, 1]).astype(np.int64)
     critical = sum(int(tokens[l.start:l.stop].max()) for l in plan.launches if l.kind != "merge")

@@ -84,7 +84,7 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     done = snakemake(repo, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, H200))
     assert done.returncode == 0, done.stderr + done.stdout
     counts = job_counts(done.stdout)
-    from persistentkv.measure.workload import EXPERIMENTS
+    from persistentkv.names import EXPERIMENTS
 
     assert counts["measure"] == len(EXPERIMENTS) == 7
     for rule in ("bench_kernels", "validate_gpu", "calibrate", "provenance"):

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import PKVError, require
+from .names import BASELINES, COMPOSITE_REFERENCES
 
 #: Columns that identify one cell: the same inputs for every backend inside it.
 CELL = ["experiment", "trace", "seed", "protocol", "num_qo_heads", "num_kv_heads", "head_dim",
@@ -37,11 +38,6 @@ CELL = ["experiment", "trace", "seed", "protocol", "num_qo_heads", "num_kv_heads
 N_BOOT = 1000
 BOOT_SEED = 20260622
 CONFIDENCE = 0.95
-FLASHINFER = ("flashinfer-cc", "flashinfer-tc")
-BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa")
-PKV_ROUTES = ("pkv-workqueue", "pkv-buckets", "pkv-split")
-#: Named composite references: resolved per cell to the fastest member present.
-COMPOSITE_REFERENCES = {"flashinfer-best": FLASHINFER, "baseline-best": BASELINES}
 METRICS = ("time_us", "wall_us", "per_layer_us", "host_us")
 #: Columns :func:`bootstrap_cells` needs from a raw frame.
 REQUIRED = ["experiment", "trace", "seed", "step", "repeat", "backend", "protocol", "status"]

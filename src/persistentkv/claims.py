@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis
+from .names import BASELINES, PKV_BACKENDS
 from .measure.host_cpu import pinning
 from .measure.workload import synthetic_name
 from .render.inputs import Results
@@ -248,7 +249,7 @@ def routed_check(trace: str, experiment: str = "published", group_size: int | No
         proto, metric = PROTOCOLS[protocol]
         cells = _cells(results, experiment, proto, metric, trace, group_size=group_size)
         best = None
-        for route in analysis.PKV_ROUTES:
+        for route in PKV_BACKENDS:
             g, per = seed_ratio(cells, route)
             if g is not None and (best is None or g["ratio"] > best[1]["ratio"]):
                 best = (route, g, per)
@@ -336,7 +337,7 @@ def isolated_check(results: Results, protocol: str) -> Outcome:
     by_len, notes, run_ids = {}, [], _run_ids(cells)
     for cell in sorted(cells, key=lambda c: int(c.info["max_len"])):
         length = int(cell.info["max_len"])
-        routes = [r for r in analysis.PKV_ROUTES if r in cell.point]
+        routes = [r for r in PKV_BACKENDS if r in cell.point]
         fi = cell.resolve(REFERENCE)
         if not routes or fi is None or length in by_len:
             continue
@@ -788,7 +789,7 @@ def engine_host(bench: pd.DataFrame) -> dict:
                worst={"case": str(loop.idxmax()), "us": float(loop.max())},
                above=sorted(str(t) for t, v in loop.items() if v >= ENGINE_HOST_US),
                holds=bool(loop.max() < ENGINE_HOST_US),
-               baselines={b: float(per_case.loc[b].median()) for b in analysis.BASELINES
+               baselines={b: float(per_case.loc[b].median()) for b in BASELINES
                           if b in per_case.index.get_level_values(0)})
     longest = ours("host_loop_max_us")  # the loop's longest call: one stall, or every call slower
     if not longest.empty:

@@ -76,6 +76,7 @@ import numpy as np
 
 from . import plan as planner
 from .cache import Batch
+from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
 from .spec import AttentionSpec
 
@@ -192,8 +193,6 @@ def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[
 
 def gpu_reasons() -> list[str]:
     """Why the engine cannot run on this machine ([] when torch + CUDA + CuPy are usable)."""
-    from .backends.base import cuda_reasons, missing_module
-
     return cuda_reasons() or missing_module("cupy")
 
 

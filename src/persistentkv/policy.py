@@ -37,6 +37,7 @@ import numpy as np
 
 from .cache import Batch, make_batch
 from .errors import PKVError, require
+from .names import PKV_BACKENDS
 from .plan import (PARTIAL_FLOATS_EXTRA, TILE_TOKENS, balanced_chunk_tiles, balanced_row_splits, length_buckets,
                    num_tiles)
 from .spec import AttentionSpec
@@ -51,8 +52,6 @@ PAPER_LONG_CONTEXT_THRESHOLD = 16384
 PAPER_BUCKET_SPLITS = 32
 #: Published batch-size classes: B == 1 (buckets), 2..7 (FlashInfer), >= 8 (work queue).
 BATCH_CLASSES: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 7), (8, None))
-#: Our backends and the planner route each runs.
-PKV_ROUTES = {"pkv-workqueue": "workqueue", "pkv-buckets": "buckets", "pkv-split": "split"}
 #: Used only when no config is given (tests, paper_policy()); config planner.target_items rules.
 DEFAULT_TARGET_ITEMS = 264
 #: Features of the cost model, in coefficient order (units of the coefficient in brackets):
@@ -68,7 +67,7 @@ TIMING_COLUMNS = ("experiment", "trace", "seed", "step", "batch_size", "max_len"
 
 
 def is_pkv(backend: str) -> bool:
-    return backend in PKV_ROUTES
+    return backend in PKV_BACKENDS
 
 
 # --------------------------------------------------------------------------- the step and a decision
@@ -253,7 +252,7 @@ def _features(backend: str, shape: _StepShape, options: Mapping | None = None) -
     """cost_features as a tuple of floats (the decision's hot path; no array per backend)."""
     spec = shape.spec
     head_bytes = 2 * spec.head_dim * spec.itemsize
-    route = PKV_ROUTES.get(backend)
+    route = PKV_BACKENDS.get(backend)
     if route is None:
         return (1.0, float(shape.total * spec.kv_bytes_per_token), 1.0, 0.0, float(shape.max_len * head_bytes),
                 float(len(shape.lens)))

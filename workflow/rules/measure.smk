@@ -5,7 +5,7 @@ import os
 # another hardware's folder. A GPU job asks for every core (threads: workflow.cores), so no other
 # job, GPU or CPU, runs beside it and disturbs its timings.
 
-from persistentkv.measure.workload import EXPERIMENTS
+from persistentkv.names import EXPERIMENTS
 
 HW = hardware.slug(GPU)
 RESULTS = f"results/{HW}"

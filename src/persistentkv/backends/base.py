@@ -27,33 +27,3 @@ class Backend(Protocol):
     def plan(self, batch: Batch) -> Any: ...
 
     def run(self, q: Any, cache: tuple[Any, Any], plan: Any, out: Any) -> None: ...
-
-
-def missing_module(module: str) -> list[str]:
-    """[] if ``module`` imports, else one reason naming the import error."""
-    import importlib
-
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # ImportError, or a broken install raising anything else
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [f"{module} cannot be imported ({type(exc).__name__}: {first})"]
-    return []
-
-
-def cuda_reasons() -> list[str]:
-    """[] when torch with a CUDA device is usable, else why not."""
-    reasons = missing_module("torch")
-    if reasons:
-        return reasons
-    import torch
-
-    if not torch.cuda.is_available():
-        return [f"no CUDA device visible to torch {torch.__version__}"]
-    return []
-
-
-def dtype_reasons(spec: AttentionSpec, allowed: tuple[str, ...], who: str) -> list[str]:
-    if spec.dtype not in allowed:
-        return [f"{who} supports dtype {', '.join(allowed)}, not {spec.dtype}"]
-    return []

@@ -29,8 +29,9 @@ from typing import Any
 from ..cache import Batch
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
-from .base import cuda_reasons, dtype_reasons, missing_module
-from .torch_sdpa import check_step_tensors, torch_dtype
+from ..env import cuda_reasons, dtype_reasons, missing_module
+from ..env import torch_dtype
+from .torch_sdpa import check_step_tensors
 
 #: FlashInfer's recommended float workspace ("the recommended size is 128MB"); 256 MiB leaves
 #: room for the split-KV partial states of a graph-mode plan (padded to the whole grid).

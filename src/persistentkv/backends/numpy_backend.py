@@ -8,7 +8,7 @@ from ..cache import Batch
 from ..plan import Plan, make_plan
 from ..reference import execute_plan
 from ..spec import AttentionSpec
-from .base import dtype_reasons
+from ..env import dtype_reasons
 
 
 class NumpyBackend:

@@ -20,6 +20,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from ..errors import PKVError
+from ..names import CPU_ONLY
 from ..spec import AttentionSpec
 
 
@@ -45,12 +46,6 @@ _ENTRIES: dict[str, Entry] = {
     "numpy": Entry("numpy_backend", "NumpyBackend"),
 }
 
-#: Backends that run only on the host (never timed on a GPU).
-CPU_ONLY = frozenset({"numpy"})
-#: Our routes: their per-step metadata is precomputed outside the published protocol's window.
-PKV_ROUTES = ("pkv-workqueue", "pkv-buckets", "pkv-split")
-#: The baselines a PKV route is compared with ("best baseline" = fastest of these per cell).
-BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa")
 
 
 def names() -> list[str]:

@@ -25,19 +25,7 @@ import numpy as np
 from ..cache import Batch
 from ..errors import require
 from ..spec import AttentionSpec
-from .base import dtype_reasons, missing_module
-
-#: spec.dtype -> torch dtype name, for the adapters that take torch tensors.
-TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64"}
-
-
-def torch_dtype(dtype: str):
-    """The torch dtype for a spec dtype name (``float16`` -> ``torch.float16``)."""
-    import torch
-
-    require(dtype in TORCH_DTYPES, f"dtype {dtype!r} has no torch equivalent")
-    return getattr(torch, TORCH_DTYPES[dtype])
-
+from ..env import dtype_reasons, missing_module, torch_dtype
 
 def check_step_tensors(spec: AttentionSpec, batch_size: int, q, cache, out, who: str) -> None:
     """One-line errors for q/out/cache shapes and dtypes that do not match the planned step.

@@ -34,7 +34,7 @@ from typing import Any
 from ..cache import Batch
 from ..errors import PKVError
 from ..spec import AttentionSpec
-from .base import cuda_reasons, dtype_reasons, missing_module
+from ..env import cuda_reasons, dtype_reasons, missing_module
 from .torch_sdpa import check_step_tensors
 
 #: FlashInfer's XQA reserves the first 8 MiB of the workspace for semaphores; the rest is scratch

@@ -32,8 +32,9 @@ from typing import Any
 
 from ..cache import Batch
 from ..spec import AttentionSpec
-from .base import cuda_reasons, dtype_reasons, missing_module
-from .torch_sdpa import check_step_tensors, torch_dtype
+from ..env import cuda_reasons, dtype_reasons, missing_module
+from ..env import torch_dtype
+from .torch_sdpa import check_step_tensors
 
 #: vLLM 0.26 AttentionConfig.flash_attn_max_num_splits_for_cuda_graph.
 VLLM_CUDA_GRAPH_MAX_SPLITS = 32

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import require
-from ..measure.workload import EXPERIMENTS
+from ..names import EXPERIMENTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..cache import Batch
+from ..env import torch_dtype
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
 from ..traces import KV_SEED_OFFSET, Q_SEED_OFFSET
@@ -170,8 +171,6 @@ class TorchDevice:
 
     # -- tensors --------------------------------------------------------------------------
     def dtype(self, spec: AttentionSpec):
-        from ..backends.torch_sdpa import torch_dtype
-
         return torch_dtype(spec.dtype)
 
     def generator(self, seed: int):

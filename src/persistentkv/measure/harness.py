@@ -30,12 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..backends.registry import PKV_ROUTES
 from ..errors import PKVError, require
+from ..names import PKV_BACKENDS
 from .host_cpu import HostPinner, check_host_cpu
 from .protocols import eager_once, kernel_once, published_once, step_once
 from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
-from .rows import PROTOCOLS, availability, case_fields, one_line, raw_row
+from ..names import PROTOCOLS
+from .rows import availability, case_fields, one_line, raw_row
 from .schedule import rounds
 from .statistics import frac_of_ceiling
 from .workload import Case, Variant
@@ -216,7 +217,7 @@ def route_of(name: str, backend, plan) -> str:
 def plan_fields(variant: Variant, backend, plan) -> dict:
     route = route_of(variant.name, backend, plan)
     fields: dict[str, Any] = {"route": route}
-    if route in PKV_ROUTES:
+    if route in PKV_BACKENDS:
         counters = _find_counters(plan) or {}
         for key in ("launches", "decode_ctas", "merge_state_bytes"):
             if counters.get(key) is not None:
@@ -228,7 +229,7 @@ def plan_fields(variant: Variant, backend, plan) -> dict:
 
 def plan_inside_published(route: str) -> bool:
     """The paper timed its baseline's plan() inside the window and its own metadata outside."""
-    return route not in PKV_ROUTES
+    return route not in PKV_BACKENDS
 
 
 # -- one case ----------------------------------------------------------------------------------

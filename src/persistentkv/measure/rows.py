@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from ..errors import PKVError, require
+from ..names import CEILING_BACKENDS, CPU_ONLY, PROTOCOLS
 
 #: column -> pandas dtype, in the order of docs/DATA.md.
 RAW_COLUMNS: dict[str, str] = {
@@ -68,9 +69,7 @@ VALIDATION_COLUMNS: dict[str, str] = {
     "reason": "string",
 }
 
-PROTOCOLS = ("kernel", "eager", "step", "published")
 STATUSES = ("ok", "unavailable", "failed")
-CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
 
 _NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "host_probe_us",
                  "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
@@ -88,10 +87,8 @@ def one_line(text: object) -> str:
 
 def availability(factory, variant, spec, host_only_reason: str) -> tuple[object | None, list[str]]:
     """(backend, reasons): the variant's backend and why it cannot run ``spec`` here ([] when it
-    can). Host-only backends (registry.CPU_ONLY) get ``host_only_reason``; a backend whose creation
+    can). Host-only backends (names.CPU_ONLY) get ``host_only_reason``; a backend whose creation
     or check raises gets that exception as its reason, never a crash."""
-    from ..backends.registry import CPU_ONLY
-
     if variant.name in CPU_ONLY:
         return None, [host_only_reason]
     try:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..io import atomic_write_parquet
+from ..names import CPU_ONLY
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
 from .host_cpu import pinning
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
@@ -183,7 +184,7 @@ def run_smoke_command(config_path: str | None, out: str | None, policy: str | No
 
     config = load_config(config_path) if config_path else None
     spec = spec_from_config(config) if config else AttentionSpec()
-    names = list(backends) if backends else [n for n in registry.names() if n not in registry.CPU_ONLY]
+    names = list(backends) if backends else [n for n in registry.names() if n not in CPU_ONLY]
     if config:
         vs = tuple(variant_for(n, config, default_splits(config), policy) for n in names)
     else:

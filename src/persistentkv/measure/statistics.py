@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..errors import require
+from ..names import BASELINES, PKV_BACKENDS
 
 
 def per_call_us(elapsed_ms: float, calls: int) -> float:
@@ -53,14 +54,13 @@ def kernel_table(rows):
     """
     import pandas as pd
 
-    from ..backends.registry import BASELINES, PKV_ROUTES
 
     ok = rows[(rows["protocol"] == "kernel") & (rows["status"] == "ok")]
     if ok.empty:
         return pd.DataFrame()
     table = ok.pivot_table(index="trace", columns="backend", values="time_us", aggfunc="median", sort=False)
     base = [b for b in BASELINES if b in table.columns]
-    ours = [b for b in PKV_ROUTES if b in table.columns]
+    ours = [b for b in PKV_BACKENDS if b in table.columns]
     table["best_baseline"] = table[base].min(axis=1) if base else math.nan
     table["best_pkv"] = table[ours].min(axis=1) if ours else math.nan
     table["speedup"] = table["best_baseline"] / table["best_pkv"]

@@ -30,12 +30,11 @@ import numpy as np
 
 from ..cache import Batch, allocate, batch_for_step, make_batch
 from ..errors import PKVError, require
+from ..names import EXPERIMENTS
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
 from .rotation import compact_batch
 
-EXPERIMENTS = ("calibration", "published", "long_context", "fragmented", "batch_sweep", "gqa_sweep",
-               "split_sensitivity")
 #: The paper's headline rows (PAPER.md, Published numbers), by config trace name.
 PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from .. import analysis, claims
 from ..errors import PKVError, require
 from ..io import atomic_path
+from ..names import FLASHINFER
 from . import FIGURE_NAMES as _NAMES
 from .inputs import Results
 
@@ -127,7 +128,7 @@ def data_trace_ratios(results: Results) -> pd.DataFrame:
     for protocol in PROTOCOL_LABELS:
         cells = claims._cells(results, "published", protocol)
         per = analysis.ratios(cells, claims.REFERENCE)
-        per = per[~per["backend"].isin(analysis.FLASHINFER)]
+        per = per[~per["backend"].isin(FLASHINFER)]
         if per.empty:
             continue
         g = analysis.geomean(per, by=["trace", "backend"])
@@ -341,7 +342,7 @@ def data_batch_sweep(results: Results) -> pd.DataFrame:
     protocol = "kernel" if (rows["protocol"] == "kernel").any() else "step"
     rows = rows[rows["protocol"] == protocol]
     per = analysis.ratios(claims._cells(results, "batch_sweep", protocol, holdout=False), claims.REFERENCE)
-    per = per[~per["backend"].isin(analysis.FLASHINFER)]
+    per = per[~per["backend"].isin(FLASHINFER)]
     if per.empty:
         return pd.DataFrame()
     shape = rows.drop_duplicates("trace").set_index("trace")[["batch_size", "max_len"]]

@@ -13,12 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import PKVError, require
+from ..names import CEILING_BACKENDS, EXPERIMENTS
 
-#: Experiments the GPU rules write under results/{hw}/raw/ (docs/DATA.md).
-EXPERIMENTS = ("published", "long_context", "fragmented", "batch_sweep", "gqa_sweep",
-               "split_sensitivity", "calibration")
-#: Pseudo-backends of bench_kernels.parquet that are bandwidth probes, not attention.
-CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
 
 
 @dataclass

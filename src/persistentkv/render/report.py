@@ -21,7 +21,8 @@ from ..errors import PKVError, require
 from ..io import atomic_write_text
 from ..measure.host_cpu import pinning
 from . import figures
-from .inputs import EXPERIMENTS, Results
+from ..names import EXPERIMENTS
+from .inputs import Results
 from .tables import ablation_rows, provenance_rows, read_ceiling_gbps, variants
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -1,0 +1,38 @@
+"""The project's vocabulary, defined once: routes, backends, experiments, protocols.
+
+Every layer imports its names from here (and from nowhere else), so a route, a baseline or an
+experiment is spelled in one place. Import-light: no third-party module, so the workflow rules
+can read it while Snakemake builds the DAG.
+"""
+
+from __future__ import annotations
+
+#: Routes our engine runs (DecodeEngine.plan): the balanced work queue planned on the GPU with
+#: its merge fused, exact-length buckets (one decode + merge pair each, as published), and the
+#: rectangular B x Hkv x S grid with its empty splits (the published kernel's grid).
+ENGINE_ROUTES = ("workqueue", "buckets", "split")
+#: Routes the host planner knows (plan.make_plan): the engine's, plus padded buckets, which only
+#: the bucket ablation counts (no kernel runs them).
+PLAN_ROUTES = ("split", "buckets", "padded_buckets", "workqueue")
+
+#: Our backends, in their stable order (results, tables, figures), and the engine route each runs.
+PKV_BACKENDS = {"pkv-workqueue": "workqueue", "pkv-buckets": "buckets", "pkv-split": "split"}
+#: FlashInfer's two decode kernels.
+FLASHINFER = ("flashinfer-cc", "flashinfer-tc")
+#: The baselines our routes are compared with; "best baseline" is the fastest of these per cell.
+BASELINES = (*FLASHINFER, "vllm-fa3", "trtllm-xqa")
+#: Named composite references, resolved per cell to the fastest member present.
+COMPOSITE_REFERENCES = {"flashinfer-best": FLASHINFER, "baseline-best": BASELINES}
+#: The frozen-policy backend that routes each step to one of the others.
+ADAPTIVE = "adaptive"
+#: Backends that run only on the host (never timed on a GPU).
+CPU_ONLY = frozenset({"numpy"})
+#: Pseudo-backends of bench_kernels.parquet that are bandwidth probes, not attention.
+CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
+
+#: Measurement experiments (persistentkv measure --experiment; results/<hw>/raw/<name>.parquet).
+EXPERIMENTS = ("calibration", "published", "long_context", "fragmented", "batch_sweep", "gqa_sweep",
+               "split_sensitivity")
+#: Timing protocols of a raw row (docs/DATA.md): device time of run() in graph replay, one eager
+#: call, a whole step (plan + L layers), and the paper's own window (plan inside, one layer).
+PROTOCOLS = ("kernel", "eager", "step", "published")
