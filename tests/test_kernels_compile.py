@@ -1,5 +1,6 @@
 """Every kernel compiles for sm_80 and sm_90 with nvcc (no GPU needed), without spills, in the
-default 4-warp modules and the 8-warp ones; unsupported warp counts are refused before nvcc."""
+default 4-warp modules, the 8-warp ones and the trace build; unsupported warp counts are refused
+before nvcc; the pkv backends hand the engine the options it takes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import subprocess
 import pytest
 
 from persistentkv.cli import main
-from persistentkv.engine import (DecodeEngine, check_defines, compile_options, engine_unsupported, kernels_dir, min_chunk_tiles_for,
-                                 stage_tokens)
+from persistentkv.engine import DecodeEngine, engine_unsupported
 from persistentkv.errors import PKVError
-from persistentkv.kernel_build import CONFIGS, MODULES, WARPS8_CONFIGS, check_arch, cubin_name, nvcc_path, parse_ptxas
-from persistentkv.plan import CLUSTER_TILE_TOKENS, TILE_TOKENS
+from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path, parse_ptxas
+from persistentkv.launch import compile_options, kernels_dir, min_chunk_tiles_for, stage_tokens
+from persistentkv.plan import TILE_TOKENS
 from persistentkv.spec import AttentionSpec
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
@@ -46,21 +47,16 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     report = json.loads(out.read_text())
     assert report["status"] == "ok"
     kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["warps"]) for r in report["kernels"]}
-    cluster = tuple(f"pkv_decode_cluster{c}" for c in (1, 2, 4, 8, 16))
-    expected = {(k, a, d, h, w) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan", *cluster)
+    expected = {(k, a, d, h, w) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
                 for a in ("sm_80", "sm_90") for d, h, w in MODULES}
     assert kernels == expected
-    assert {(d, h) for d, h, w in MODULES if w == 8} == set(WARPS8_CONFIGS) == \
-        {(d, h) for d in ("float16", "bfloat16") for h in (64, 128)}
+    assert set(MODULES) == {(d, h, 4) for d in ("float16", "bfloat16") for h in (64, 128, 256)} | \
+        {(d, h, 8) for d in ("float16", "bfloat16") for h in (64, 128)}
     for row in report["kernels"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
-        # clusters need sm_90: on sm_80 the C >= 2 kernels are trap stubs, on sm_90 the real decode
-        if row["kernel"] in cluster[1:]:
-            assert (row["registers"] < 32) == (row["arch"] == "sm_80"), row
     assert {p.name for p in (tmp_path / "cubins").glob("*.cubin")} == \
         {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ("sm_80", "sm_90")}
-    assert len(CONFIGS) == sum(w == 4 for *_, w in MODULES)
 
 
 def test_cubin_names_keep_the_default_and_suffix_w8():
@@ -75,23 +71,17 @@ def test_compile_options_define_warps_only_for_8():
     assert compile_options(spec, 8) == (*default, "-DPKV_WARPS=8")
 
 
-def test_development_defines_are_appended_and_checked():
+def test_the_trace_build_adds_one_define():
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    assert compile_options(spec, 8, ("PKV_TRACE=1",)) == (*compile_options(spec, 8), "-DPKV_TRACE=1")
-    assert check_defines(["PKV_TRACE", "PKV_X_2=on"]) == ("PKV_TRACE", "PKV_X_2=on")
-    for bad, message in [("PKV_TRACE=1", "not the string"), (["TRACE=1"], "is not PKV_NAME"),
-                         (["PKV_TRACE=1 -O0"], "is not PKV_NAME"), (["PKV_WARPS=8"], "derives from the spec"),
-                         (["PKV_HEAD_DIM=64"], "derives from the spec"), ([3], "is not PKV_NAME")]:
-        with pytest.raises(PKVError, match=message):
-            compile_options(spec, 4, bad)
-        with pytest.raises(PKVError, match=message):  # before the GPU checks, compile or launch
-            DecodeEngine(spec, defines=bad)
+    assert compile_options(spec, 8, trace=True) == (*compile_options(spec, 8), "-DPKV_TRACE=1")
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_early_kv_must_be_a_bool_before_any_gpu_check(bad):
-    with pytest.raises(PKVError, match="early_kv must be True or False"):
-        DecodeEngine(AttentionSpec(32, 8, 128, 16, "float16"), early_kv=bad)
+@pytest.mark.parametrize("option", ["early_kv", "trace", "pdl"])
+@pytest.mark.parametrize("bad", ["yes", 1])
+def test_engine_flags_must_be_bools_before_any_gpu_check(option, bad):
+    with pytest.raises(PKVError, match=f"{option} must be"):
+        DecodeEngine(AttentionSpec(32, 8, 128, 16, "float16"), **{option: bad})
+
 
 
 @needs_nvcc
@@ -100,47 +90,13 @@ def test_the_trace_build_compiles_without_spills(tmp_path, arch):
     """PKV_TRACE=1 (benchmarks/trace_cta.py) adds its stamps without spilling the decode kernels."""
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
-           *compile_options(spec, 8, ("PKV_TRACE=1",)), str(kernels_dir() / "pkv_decode.cu")]
+           *compile_options(spec, 8, trace=True), str(kernels_dir() / "pkv_decode.cu")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
     for name in ("pkv_decode", "pkv_decode_fused"):
         assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
         assert rows[name]["static_shared_bytes"] >= 16 * 8  # the CTA's trace record
-
-
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_the_pool_build_compiles_without_spills(tmp_path, arch, warps):
-    """PKV_POOL=1 (DecodeEngine(pool=...)'s module) compiles its fused kernel without spilling."""
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    cmd = [nvcc_path(), "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
-           *compile_options(spec, warps, ("PKV_POOL=1",)), str(kernels_dir() / "pkv_decode.cu")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
-    assert rows["pkv_decode_fused"]["spill_store_bytes"] == 0 and rows["pkv_decode_fused"]["registers"] <= 255
-
-
-@needs_nvcc
-@pytest.mark.parametrize("warps", [4, 8])
-def test_the_tma_build_compiles_for_hopper_without_spills(tmp_path, warps):
-    """PKV_TMA=1 (development: K/V by tensor-map boxes) compiles for sm_90 without spilling, and
-    its decode kernels take the two tensor maps after the shipped parameters (DecodeArgsTMA)."""
-    from persistentkv.engine import DecodeArgs, DecodeArgsTMA
-
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    cmd = [nvcc_path(), "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
-           *compile_options(spec, warps, ("PKV_TMA=1",)), str(kernels_dir() / "pkv_decode.cu")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
-    for name in ("pkv_decode", "pkv_decode_fused"):
-        assert rows[name]["spill_store_bytes"] == 0 and rows[name]["registers"] <= 255, rows[name]
-    names = [n for n, _ in DecodeArgsTMA._fields_ if n != "_params"]
-    assert names == [n for n, _ in DecodeArgs._fields_ if n != "_params"] + ["tmk", "tmv"]
-    assert DecodeArgsTMA.tmk.size == 128 == DecodeArgsTMA.tmv.size and DecodeArgsTMA.tmv.offset == DecodeArgsTMA.tmk.offset + 128
 
 
 @pytest.mark.parametrize("head_dim, warps, message", [
@@ -169,7 +125,7 @@ def test_the_kernel_itself_refuses_unsupported_warps(tmp_path, head_dim, warps, 
 
 
 def test_stage_and_min_chunk_follow_warps():
-    assert stage_tokens(4) == CLUSTER_TILE_TOKENS == 64 and stage_tokens(8) == 128
+    assert stage_tokens(4) == 64 and stage_tokens(8) == 128
     assert min_chunk_tiles_for(4) == 64 // TILE_TOKENS == 2
     assert min_chunk_tiles_for(8) == 128 // TILE_TOKENS == 4
 
@@ -198,6 +154,7 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     import inspect
 
     from persistentkv import engine as engine_module
+    from persistentkv.backends import pkv
     from persistentkv.backends.pkv import PKVBuckets, PKVSplit, PKVWorkqueue
     from persistentkv.cache import make_batch
 
@@ -207,14 +164,14 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
         spec = AttentionSpec()
         num_sms = 132
         capability = (9, 0)
-        target_items, min_chunk_tiles = 264, 2  # the queue the warps choice weighs (plan.choose_warps)
+        target_items, min_chunk_tiles = 264, 2  # the queue the warps choice weighs (choose.choose_warps)
 
         def plan(self, batch, route, **options):
             inspect.signature(engine_module.DecodeEngine.plan).bind(self, batch, route, **options)
             calls.append((route, options))
             return "plan"
 
-    monkeypatch.setattr(engine_module, "engine_for", lambda spec, **options: FakeEngine())
+    monkeypatch.setattr(pkv, "engine_for", lambda spec, **options: FakeEngine())
     batch = make_batch(AttentionSpec(), [100, 2000])
     assert PKVWorkqueue(target_items=100, min_chunk_tiles=2).plan(batch) == "plan"
     PKVWorkqueue().plan(batch)
@@ -222,26 +179,17 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     PKVSplit(num_splits=20).plan(batch)
     assert calls == [("workqueue", {"target_items": 100, "min_chunk_tiles": 2}), ("workqueue", {}),
                      ("buckets", {"num_splits": 8}), ("split", {"num_splits": 20})]
-    calls.clear()
-    PKVWorkqueue(route="cluster", target_items=100).plan(batch)
-    PKVWorkqueue(route="cluster", cluster_size=4, cluster_smem_bytes=200000).plan(batch)
-    PKVWorkqueue(route="auto", target_items=100).plan(batch)                       # ragged: the queue
-    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [2048]))           # B=1, 256 per CTA: C=8
-    FakeEngine.capability = (8, 0)
-    PKVWorkqueue(route="auto").plan(make_batch(AttentionSpec(), [2048]))           # no clusters here
-    assert calls == [("cluster", {}), ("cluster", {"cluster_size": 4, "cluster_smem_bytes": 200000}),
-                     ("workqueue", {"target_items": 100}), ("cluster", {"cluster_size": 8}), ("workqueue", {})]
 
 
 def test_pkv_workqueue_passes_warps_to_engine_for(monkeypatch):
     """warps shapes the engine (engine_for), never a plan; unset, the default engine is shared."""
-    from persistentkv import engine as engine_module
+    from persistentkv.backends import pkv
     from persistentkv.backends.pkv import PKVBuckets, PKVWorkqueue
 
     engines = []
-    monkeypatch.setattr(engine_module, "engine_for", lambda spec, **options: engines.append(options))
+    monkeypatch.setattr(pkv, "engine_for", lambda spec, **options: engines.append(options))
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    for backend in (PKVWorkqueue(warps=8), PKVWorkqueue(route="cluster", warps=4), PKVWorkqueue(), PKVBuckets()):
+    for backend in (PKVWorkqueue(warps=8), PKVWorkqueue(warps=4), PKVWorkqueue(), PKVBuckets()):
         backend.engine(spec)
     assert engines == [{"warps": 8}, {}, {}, {}]  # 4 and "auto" share the default (4-warp) engine
     assert any("warps=8 needs head_dim <= 128" in r
@@ -250,11 +198,12 @@ def test_pkv_workqueue_passes_warps_to_engine_for(monkeypatch):
 
 def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
     """warps="auto": balanced rows plan on the 8-warp engine with its own defaults, ragged rows
-    (whose 8-warp queue balances worse, plan.choose_warps) on the 4-warp engine with the backend's options; run() goes to the engine that planned; a device
-    without the 8-warp module falls back to 4 warps for good."""
+    (whose 8-warp queue balances worse, choose.choose_warps) on the 4-warp engine with the
+    backend's options; run() goes to the engine that planned; a device without the 8-warp module
+    falls back to 4 warps for good."""
     from types import SimpleNamespace
 
-    from persistentkv import engine as engine_module
+    from persistentkv.backends import pkv
     from persistentkv.backends.pkv import PKVWorkqueue
     from persistentkv.cache import make_batch
     from persistentkv.errors import PKVError
@@ -276,7 +225,7 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
         engine.plan = plan
         return engine
 
-    monkeypatch.setattr(engine_module, "engine_for", engine_for)
+    monkeypatch.setattr(pkv, "engine_for", engine_for)
     spec = AttentionSpec()
     backend = PKVWorkqueue(target_items=264, min_chunk_tiles=2)
     balanced, ragged = make_batch(spec, [8192, 8000]), make_batch(spec, [8192, 1000])

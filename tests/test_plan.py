@@ -21,7 +21,7 @@ from persistentkv.errors import PKVError
 from persistentkv.plan import (
     MAX_SPLITS, PAPER_PARTIAL_FLOATS_EXTRA, PARTIAL_FLOATS_EXTRA, TILE_TOKENS, Plan,
     balanced_chunk_tiles, length_buckets, make_plan, max_workqueue_items, plan_buckets, plan_split,
-    plan_workqueue, unpack_items,
+    plan_workqueue, split_tile_bounds, unpack_items,
 )
 from persistentkv.spec import HEAD_DIMS, AttentionSpec
 from persistentkv.traces import generate
@@ -203,9 +203,9 @@ def check_all_routes(case) -> int:
     # the smallest chunk that fits: one tile less would overflow the waves (or the minimum)
     cap = max_workqueue_items(B, H, case["target"])
     assert chunk == case["min_chunk"] or H * int((-(-T // (chunk - 1))).sum()) > cap
-    closed = plan_workqueue(batch, target_items=case["target"], min_chunk_tiles=case["min_chunk"], chunk_rule="closed")
-    check_plan(closed, batch)
-    assert closed.params["chunk_tiles"] >= chunk and closed.num_items <= cap
+    # the closed form (every row's ceil() paid up front) always fits, so it bounds the chunk
+    closed = max(case["min_chunk"], -(-(H * int(T.sum())) // (cap - B * H)))
+    assert chunk <= closed and H * int((-(-T // closed)).sum()) <= cap
     assert len(balanced.launches) == 1 and balanced.launches[0].kind == "fused"
 
     balanced2 = plan_workqueue(batch, target_items=case["target"], fused_merge=False)
@@ -249,19 +249,24 @@ def test_seeded_sweep_of_boundary_lengths():
 
 # --------------------------------------------------------------------------- worked numbers and facts
 
+def closed_form(tiles, heads, target, min_chunk=1) -> int:
+    """The chunk that pays every row's ceil() up front: ceil(Hkv * sum T / (cap - B * Hkv))."""
+    cap = max_workqueue_items(len(tiles), heads, target)
+    return max(min_chunk, -(-(heads * sum(tiles)) // (cap - len(tiles) * heads)))
+
+
 def test_balanced_chunk_worked_numbers():
     # B=1 at 4096 tokens (128 tiles), Hkv=8, target 264: room 264 - 8 = 256, ceil(1024 / 256) = 4
-    for rule in ("min", "closed"):
-        assert balanced_chunk_tiles([128], 8, 264, chunk_rule=rule) == 4
+    assert balanced_chunk_tiles([128], 8, 264) == 4 == closed_form([128], 8, 264)
     plan = plan_workqueue(make_batch(AttentionSpec(), [4096]), target_items=264)
     assert plan.row_splits.tolist() == [32] and plan.num_items == 256
     assert plan.counters().launches == 1
-    # B=4 x 32768 (4096 tiles each): closed form ceil(8 * 16384 / 232) = 142; the smallest chunk
-    # that fits is 128 (8 * 4 * ceil(4096 / 128) = 256 <= 264; 127 would need 9 splits: 288); S_i = 8
-    for rule, chunk in (("min", 128), ("closed", 142)):
-        plan = plan_workqueue(make_batch(AttentionSpec(), [32768] * 4), target_items=264, chunk_rule=rule)
-        assert plan.params["chunk_tiles"] == chunk and plan.row_splits.tolist() == [8] * 4
-        assert plan.num_items == 256 <= max_workqueue_items(4, 8, 264) == 264
+    # B=4 x 32768 (1024 tiles each): closed form ceil(8 * 4096 / 232) = 142; the smallest chunk
+    # that fits is 128 (8 * 4 * ceil(1024 / 128) = 256 <= 264; 127 would need 9 splits: 288); S_i = 8
+    assert closed_form([1024] * 4, 8, 264) == 142
+    plan = plan_workqueue(make_batch(AttentionSpec(), [32768] * 4), target_items=264)
+    assert plan.params["chunk_tiles"] == 128 and plan.row_splits.tolist() == [8] * 4
+    assert plan.num_items == 256 <= max_workqueue_items(4, 8, 264) == 264
 
 
 def test_min_chunk_fills_the_wave_on_ragged_rows():
@@ -270,12 +275,15 @@ def test_min_chunk_fills_the_wave_on_ragged_rows():
     264 with items of at most 4096 tokens."""
     lens = [49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168]
     batch = make_batch(AttentionSpec(), lens)
-    longest = {}
-    for rule in ("min", "closed"):
-        plan = plan_workqueue(batch, target_items=264, min_chunk_tiles=2, chunk_rule=rule)
-        cols = unpack_items(plan.items)
-        longest[rule] = (plan.params["chunk_tiles"], plan.num_items, int((cols["tok_hi"] - cols["tok_lo"]).max()))
-    assert longest == {"min": (128, 264, 4096), "closed": (163, 232, 5120)}
+    tiles = [-(-n // TILE_TOKENS) for n in lens]
+    closed = closed_form(tiles, 8, 264, 2)
+    splits = [-(-t // closed) for t in tiles]
+    longest = max(min(n, split_tile_bounds(t, S, s)[1] * TILE_TOKENS) - split_tile_bounds(t, S, s)[0] * TILE_TOKENS
+                  for n, t, S in zip(lens, tiles, splits) for s in range(S))
+    assert (closed, 8 * sum(splits), longest) == (163, 232, 5120)
+    plan = plan_workqueue(batch, target_items=264, min_chunk_tiles=2)
+    cols = unpack_items(plan.items)
+    assert (plan.params["chunk_tiles"], plan.num_items, int((cols["tok_hi"] - cols["tok_lo"]).max())) == (128, 264, 4096)
 
 
 @settings(max_examples=300, deadline=None)
@@ -284,16 +292,11 @@ def test_min_chunk_fills_the_wave_on_ragged_rows():
 def test_min_chunk_is_the_brute_force_minimum(tiles, heads, target, min_chunk):
     """Bisection equals a linear scan for the smallest chunk that fits, on lists and arrays alike."""
     cap = max_workqueue_items(len(tiles), heads, target)
-    closed = balanced_chunk_tiles(tiles, heads, target, min_chunk, chunk_rule="closed")
+    closed = closed_form(tiles, heads, target, min_chunk)
     assert heads * sum(-(-t // closed) for t in tiles) <= cap                  # the closed form fits
     brute = next(c for c in range(min_chunk, closed + 1) if heads * sum(-(-t // c) for t in tiles) <= cap)
     assert balanced_chunk_tiles(tiles, heads, target, min_chunk) == brute
     assert balanced_chunk_tiles(np.asarray(tiles, dtype=np.int64), heads, target, min_chunk) == brute
-
-
-def test_chunk_rule_is_checked():
-    with pytest.raises(PKVError, match="chunk_rule must be one of min, closed"):
-        balanced_chunk_tiles([4], 8, 264, chunk_rule="max")
 
 
 def test_published_fan_out_on_bimodal_b8():
@@ -389,79 +392,25 @@ def test_checker_catches_corrupted_plans():
             check_plan(plan, batch)
 
 
-def test_queue_imbalance_worked_numbers():
-    """Longest item over the mean work of the queue's slots (H200 queues: 264 items with 2-tile
-    chunks at 4 warps, 132 with 4-tile chunks at 8 warps; Hkv = 8)."""
-    from persistentkv.plan import num_tiles, queue_imbalance
+def test_early_kv_items_worked_numbers():
+    """4 warps (64-token stages, 3 stages): 32 splits of a 4096-token row are 2-stage items in a
+    group of 32: no early loads; 8 splits of 512 tokens (8 stages) keep them; so do 32 splits of
+    64 tokens (1 stage) and 7 splits of 2 stages (fewer than EARLY_SKIP_SPLITS)."""
+    from persistentkv.plan import EARLY_SKIP_SPLITS, early_kv_items
 
-    zipf = num_tiles(np.array([13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]))
-    assert zipf.sum() == 3974 and zipf.max() == 606
-    # 8 warps: 64 (row, head) groups in 132 slots -> 2 items a row, the longest 303 tiles (9696
-    # tokens) against a mean of 8 * 3974 / 132 tiles; 4 warps: 264 items of at most 138 tiles
-    assert queue_imbalance(zipf, 8, 132, 4) == pytest.approx(303 * 132 / (8 * 3974))
-    assert queue_imbalance(zipf, 8, 264, 2) == pytest.approx(138 * 264 / (8 * 3974))
-    assert queue_imbalance(zipf.tolist(), 8, 264, 2) == queue_imbalance(zipf, 8, 264, 2)
-    # 4 rows of 32 tiles: chunks of 4 tiles, 256 items in 264 slots
-    assert queue_imbalance([32] * 4, 8, 264, 2) == pytest.approx(4 * 264 / (8 * 128))
-    # one tile: the longest item is the whole row, whatever the chunk
-    assert queue_imbalance([1], 8, 264, 4) == pytest.approx(264 / 8)
-    # 64 rows x 8 heads = 512 groups: 4 waves of 132 slots, one item per group
-    assert queue_imbalance([256] * 64, 8, 132, 4) == pytest.approx(256 * 528 / (8 * 64 * 256))
+    assert EARLY_SKIP_SPLITS == 8
+    spec = AttentionSpec()
 
+    def flags(lengths, S, stage=64, stages=3):
+        return set(early_kv_items(plan_split(make_batch(spec, lengths), S).items, stage, stages).tolist())
 
-def test_choose_warps_worked_numbers():
-    from persistentkv.plan import WARPS8_MAX_IMBALANCE, choose_warps
-
-    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8   # one row
-    assert choose_warps([8192] * 4, 128) == 8 and choose_warps([7] * 16, 128) == 8   # equal rows
-    # more (row, kv head) groups than the 8-warp queue's 132 slots, rows of at most 4K: 4 warps
-    assert choose_warps([1024] * 64, 128) == 4 and choose_warps([4096] * 64, 128) == 4
-    assert choose_warps([7] * 100, 128) == 4 and choose_warps([1024] * 17, 128) == 4    # 136 groups
-    assert choose_warps(list(range(512, 4097, 8)), 128) == 4                           # ragged too
-    assert choose_warps([2048] * 16, 128) == 8                        # 128 groups: one 8-warp wave
-    assert choose_warps([4097] * 64, 128) == 8                        # a longer row: equal rows, 8
-    assert choose_warps([1024] * 64, 128, queue8=(528, 4)) == 8       # an 8-warp queue with room for them
-    assert choose_warps([1024] * 64, 128, num_kv_heads=2) == 8        # 128 groups
-    zipf = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
-    assert choose_warps(zipf, 128) == 4                              # imbalance 1.258 vs 1.146
-    assert choose_warps([50472, 6024, 10088, 10424], 128) == 8       # 1.116 vs 1.082
-    assert choose_warps([49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168], 128) == 4
-    assert choose_warps([8192, 4096], 128) == 4                      # 1.117 vs 1.031
-    assert choose_warps([8192, 8200], 128) == 8                      # 1.061 vs 1.029
-    assert choose_warps([8192, 4096], 128, max_imbalance=1.09) == 8
-    assert choose_warps([8192], 256) == 4                            # no 8-warp module at D=256
-    assert choose_warps(zipf, 128, queue8=(264, 4)) == 8             # an 8-warp queue of as many items
-    assert WARPS8_MAX_IMBALANCE == 1.05
-    with pytest.raises(PKVError, match="at least one row"):
-        choose_warps([], 128)
-
-
-@pytest.mark.parametrize("rows", [2, 3, 64, 65, 512])
-def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
-    """Up to 64 rows choose_warps works on Python lists, above it on numpy arrays; both give
-    8 unless queue_imbalance(8-warp queue) > WARPS8_MAX_IMBALANCE x queue_imbalance(4-warp queue),
-    and 8 for equal rows."""
-    from persistentkv.plan import (WARPS4_MULTIWAVE_MAX_TOKENS, WARPS8_MAX_IMBALANCE, choose_warps, num_tiles,
-                                   queue_imbalance)
-
-    rng = np.random.default_rng(rows)
-    picked = set()
-    for trial in range(60):
-        seq = rng.integers(1, 1 << 18, size=rows).astype(np.int32)
-        if trial % 3 == 0:  # near-equal rows, around the threshold
-            seq = rng.integers(8000, 8000 + 64 * (trial % 9 + 1), size=rows).astype(np.int32)
-        elif trial % 3 == 1:  # short rows: many of them make more groups than the 8-warp slots
-            seq = rng.integers(1, WARPS4_MULTIWAVE_MAX_TOKENS + 1, size=rows).astype(np.int32)
-        tiles = num_tiles(seq)
-        ratio = queue_imbalance(tiles, 8, 132, 4) / queue_imbalance(tiles, 8, 264, 2)
-        expect = 8 if seq.max() == seq.min() or ratio <= WARPS8_MAX_IMBALANCE else 4
-        if rows * 8 > 132 and seq.max() <= WARPS4_MULTIWAVE_MAX_TOKENS:
-            expect = 4
-        assert choose_warps(seq, 128) == expect
-        assert choose_warps(seq.tolist(), 128) == expect
-        picked.add(expect)
-    assert choose_warps(np.full(rows, 5000, dtype=np.int32), 128) == 8
-    if rows <= 3:
-        assert picked == {4, 8}  # the cases exercise both answers
-
-
+    assert flags([4096], 32) == {0}
+    assert flags([4096], 8) == {1}
+    assert flags([2048], 32) == {1}          # 64-token items: one stage
+    assert flags([128 * 7], 7) == {1}        # 2 stages, 7 splits
+    assert flags([128 * 8], 8) == {0}        # 2 stages, 8 splits
+    assert flags([4096], 32, stage=128) == {1}   # 8 warps: 128 tokens are one stage
+    assert flags([8192], 32, stage=128) == {0}   # 256 tokens: 2 stages of 128
+    assert flags([4096], 32, stages=2) == {1}    # head_dim 256 (2 stages): no item of 2..1 stages
+    empty = plan_split(make_batch(spec, [10]), 16).items   # empty items: 0 stages, loads nothing
+    assert early_kv_items(empty, 64, 3).tolist() == [1] * empty.shape[0]

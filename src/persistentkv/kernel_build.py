@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of kernels/ with nvcc, and ptxas' resource report per kernel.
 
 The engine compiles the same source with the same options through CuPy at run time
-(engine.compile_options); this module exists so that a machine without a GPU (CI, a laptop)
+(launch.compile_options); this module exists so that a machine without a GPU (CI, a laptop)
 proves every kernel compiles for named architectures, and so that registers, shared memory,
 stack and spills are recorded next to the results.
 """
@@ -14,15 +14,13 @@ import subprocess
 from itertools import product
 from pathlib import Path
 
-from .engine import KERNEL_FILE, compile_options, kernels_dir
 from .errors import require
+from .launch import ENGINE_WARPS, KERNEL_FILE, WARPS8_MAX_HEAD_DIM, compile_options, kernels_dir
 from .spec import AttentionSpec
 
-CONFIGS = tuple(product(("float16", "bfloat16"), (64, 128, 256)))
-#: (dtype, head_dim) of the 8-warp modules (engine warps=8): head_dim <= 128 only.
-WARPS8_CONFIGS = tuple(product(("float16", "bfloat16"), (64, 128)))
-#: Every module compile_all builds: (dtype, head_dim, warps).
-MODULES = tuple((d, h, 4) for d, h in CONFIGS) + tuple((d, h, 8) for d, h in WARPS8_CONFIGS)
+#: Every module the engine can build, as (dtype, head_dim, warps): 8 warps at head_dim <= 128 only.
+MODULES = tuple((d, h, w) for w in ENGINE_WARPS for d, h in product(("float16", "bfloat16"), (64, 128, 256))
+                if w == 4 or h <= WARPS8_MAX_HEAD_DIM)
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")

@@ -303,7 +303,7 @@ def _route_shape_py(route: str, lens: list, num_kv_heads: int, options: dict, fu
             splits = [min(int(options["num_splits"]), t) for t in tiles]
         else:
             chunk = balanced_chunk_tiles(tiles, num_kv_heads, int(options["target_items"]),
-                                         int(options.get("min_chunk_tiles", 1)), options.get("chunk_rule", "min"))
+                                         int(options.get("min_chunk_tiles", 1)))
             splits = [-(-t // chunk) for t in tiles]
         multi = [S for S in splits if S > 1]
         launches = 1 if fused else 1 + int(bool(multi))
@@ -347,8 +347,7 @@ def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: di
             splits = np.minimum(int(options["num_splits"]), num_tiles(n))
         else:
             splits = balanced_row_splits(n, num_kv_heads, int(options["target_items"]),
-                                         int(options.get("min_chunk_tiles", 1)),
-                                         options.get("chunk_rule", "min")).astype(np.int64)
+                                         int(options.get("min_chunk_tiles", 1))).astype(np.int64)
         tokens, _ = _split_tokens(n, splits)
         multi = splits > 1
         launches = 1 if fused else 1 + int(multi.any())

@@ -1,15 +1,12 @@
 """Our routes behind the backend interface: pkv-workqueue, pkv-buckets, pkv-split.
 
-    pkv-workqueue   balanced compact queue planned on the GPU (no host round trip), merge fused;
-                    route="cluster" runs the cluster route instead, route="auto" picks per step
-                    with plan.choose_route (cluster only for a balanced one-wave step of at most
-                    256 tokens per CTA, on sm_90+); warps="auto" (default) picks the module per
-                    step with plan.choose_warps (8 warps, 128-token stages, unless the 8-warp
-                    queue's items balance worse than the 4-warp queue's or it would run several
-                    waves of short rows; 4 at head_dim > 128),
-                    warps=4 or 8 fixes it. Explicit target_items and min_chunk_tiles apply to the
-                    4-warp module; the 8-warp one keeps its own defaults (one wave of its resident
-                    CTAs, one 128-token stage).
+    pkv-workqueue   the balanced compact queue planned on the GPU (no host round trip), merge
+                    fused; ``warps="auto"`` (default) picks the module per step with
+                    choose.choose_warps (8 warps, 128-token stages, unless the 8-warp queue's items
+                    balance worse than the 4-warp queue's or it would run several waves of short
+                    rows; 4 at head_dim > 128); ``warps=4`` or ``8`` fixes it. Explicit
+                    target_items and min_chunk_tiles apply to the 4-warp module; the 8-warp one
+                    keeps its own defaults (one wave of its resident CTAs, one 128-token stage).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -17,7 +14,13 @@
 from __future__ import annotations
 
 from ..cache import Batch
+from ..choose import choose_warps
+from ..engine import engine_for, engine_unsupported, gpu_reasons
+from ..errors import PKVError, require
 from ..spec import AttentionSpec
+
+#: pkv-workqueue's warps choices: "auto" (per step, choose.choose_warps) or a fixed module.
+WARPS_CHOICES = ("auto", 4, 8)
 
 
 class _PKVBackend:
@@ -34,13 +37,9 @@ class _PKVBackend:
         self._engine = None
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
-        from ..engine import engine_unsupported, gpu_reasons
-
         return engine_unsupported(spec, **self.engine_options) + gpu_reasons()
 
     def engine(self, spec: AttentionSpec):
-        from ..engine import engine_for
-
         if self._engine is None or self._engine.spec != spec:
             self._engine = engine_for(spec, **self.engine_options)
         return self._engine
@@ -52,21 +51,11 @@ class _PKVBackend:
         plan.engine.run(q, cache, plan, out)  # the engine (module) that planned it
 
 
-#: pkv-workqueue's warps choices: "auto" (per step, plan.choose_warps) or a fixed module.
-WARPS_CHOICES = ("auto", 4, 8)
-
-
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
-    ROUTE_CHOICES = ("workqueue", "cluster", "auto")
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, route: str = "workqueue", cluster_size: int | None = None,
-                 cluster_smem_bytes: int | None = None, warps: int | str = "auto"):
-        from ..errors import require
-
-        require(route in self.ROUTE_CHOICES,
-                f"pkv-workqueue route must be one of {', '.join(self.ROUTE_CHOICES)}, got {route!r}")
+                 min_chunk_tiles: int | None = None, warps: int | str = "auto"):
         require(warps in WARPS_CHOICES and not isinstance(warps, bool),
                 f"pkv-workqueue warps must be one of {', '.join(map(str, WARPS_CHOICES))}, got {warps!r}")
         super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
@@ -75,24 +64,14 @@ class PKVWorkqueue(_PKVBackend):
         self.engine_options = {"warps": 8} if warps == 8 else {}
         self._engines = {}        # spec -> the 8-warp DecodeEngine (auto)
         self._warps8_error = None  # why the 8-warp module is unavailable here (auto falls back to 4)
-        self.route = route
-        self.cluster_options = {k: v for k, v in (("cluster_size", cluster_size),
-                                                  ("cluster_smem_bytes", cluster_smem_bytes)) if v is not None}
 
     def _engine_for_step(self, batch: Batch):
-        """(engine, plan options) for this step: the fixed module, or plan.choose_warps's."""
+        """(engine, plan options) for this step: the fixed module, or choose_warps's."""
         engine = self.engine(batch.spec)
-        if self.warps != "auto":
-            return engine, self.options
-        from ..plan import choose_warps
-
-        if self._warps8_error is not None or batch.spec.head_dim > 128:
+        if self.warps != "auto" or self._warps8_error is not None or batch.spec.head_dim > 128:
             return engine, self.options
         w8 = self._engines.get(batch.spec)
         if w8 is None:
-            from ..engine import engine_for
-            from ..errors import PKVError
-
             try:
                 w8 = self._engines[batch.spec] = engine_for(batch.spec, warps=8)
             except PKVError as exc:  # e.g. a device whose opt-in shared memory is below 192 KB
@@ -108,25 +87,7 @@ class PKVWorkqueue(_PKVBackend):
 
     def plan(self, batch: Batch):
         engine, options = self._engine_for_step(batch)
-        route = self.route
-        if route == "auto":
-            from ..plan import CLUSTER_MIN_MAJOR, choose_route
-
-            route, size = ("workqueue", None) if engine.capability[0] < CLUSTER_MIN_MAJOR else \
-                choose_route(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms)
-            if route == "cluster":
-                return engine.plan(batch, "cluster", **{"cluster_size": size, **self.cluster_options})
-        if route == "cluster":
-            return engine.plan(batch, "cluster", **self.cluster_options)
         return engine.plan(batch, "workqueue", **options)
-
-
-class PKVWorkqueueHost(_PKVBackend):
-    route = "workqueue_host"
-
-    def __init__(self, name: str = "pkv-workqueue-host", target_items: int | None = None,
-                 min_chunk_tiles: int | None = None):
-        super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
 
 
 class PKVBuckets(_PKVBackend):

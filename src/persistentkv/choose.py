@@ -1,0 +1,97 @@
+"""Which module runs a pkv-workqueue step: 4 or 8 warps per CTA, chosen per step.
+
+The one place a step's kernel shape is chosen (besides the policy, which picks the backend): a
+pure function of the step's row lengths and the two modules' queues, with the H200 measurements
+that set its thresholds. The planner (plan.py) then shapes the step for the chosen module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .errors import require
+from .plan import TILE_TOKENS, balanced_chunk_tiles, num_tiles, queue_waves
+
+
+def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles: int = 1) -> float:
+    """The balanced queue's longest item over the mean work of its ``W * target_items`` slots
+    (W = queue_waves): 1.0 when every slot carries the same work, 1.25 when the longest item is a
+    quarter longer than that mean. A one-item-per-CTA queue takes about as long as its longest
+    item, so this is the factor the step's per-row chunking costs over a perfect spread."""
+    B = len(tiles)
+    total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
+    chunk = balanced_chunk_tiles(tiles, num_kv_heads, target_items, min_chunk_tiles)
+    longest = min(chunk, int(max(tiles)))
+    cap = queue_waves(B, num_kv_heads, target_items) * target_items
+    return longest * cap / (num_kv_heads * total)
+
+
+#: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages, a queue of one item
+#: per SM) unless its queue's imbalance exceeds the 4-warp queue's (two CTAs per SM, twice the
+#: items, so shorter ones) by more than this factor. From the H200 dev bench of 7ff41ed
+#: (results/nvidia-h200/kernel_dev/bench_warps_waves_7ff41ed.parquet, benchmarks/NOTES.md "Host:
+#: the warps by the queue's balance"): time(8 warps) / time(4 warps) follows ~0.97 x the
+#: imbalance ratio: 0.97-0.99 on equal rows (ratio 1.00-1.02), 0.969 at B=4 6K-50K (1.032), 1.052
+#: and 1.074 at B=8 5.7K-22K and 13K-19K (1.084, 1.098), 1.08 and 1.32 on B8-bimodal and B8-ragged
+#: (1.20, 1.50).
+WARPS8_MAX_IMBALANCE = 1.05
+#: More (row, kv head) groups than the 8-warp queue has slots and no row longer than this: 4 warps.
+#: Each group is then one item and the 8-warp queue runs several waves of one CTA per SM, whose
+#: every item pays its first stage's latency with nothing else on the SM, where two 4-warp CTAs
+#: per SM overlap one's ramp with the other's stream. H200 (benchmarks/NOTES.md, "The warps of
+#: many short rows"): 8-warp time / 4-warp time 1.125 at B=64 x 1K, 1.13 at B=32 x 1K, 1.06 at
+#: B=64 x 2K, 1.02 at B=64 x 4K; one wave (B=16 x 2K, 128 groups) 0.97: 8 warps stay there.
+WARPS4_MULTIWAVE_MAX_TOKENS = 4096
+
+
+def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tuple[int, int] = (264, 2),
+                 queue8: tuple[int, int] = (132, 4), max_imbalance: float = WARPS8_MAX_IMBALANCE) -> int:
+    """4 or 8 warps for a pkv-workqueue step: 4 at head_dim > 128 (no 8-warp module); 8 for one
+    row; 4 when the rows have more (row, kv head) groups than the 8-warp queue's ``queue8`` target
+    and none is longer than WARPS4_MULTIWAVE_MAX_TOKENS; 8 for equal rows; otherwise 8 unless
+    queue_imbalance with the 8-warp queue's (target_items, min_chunk_tiles) ``queue8`` exceeds
+    ``max_imbalance`` x that of the 4-warp queue's ``queue4``.
+    Worked numbers (Hkv = 8, H200 queues): B=1 -> 8 (any length); B=4 x 8K -> 8; B=16 x 2K (128
+    groups) -> 8; B=64 x 1K-4K -> 4, B=64 x 8K -> 8; the zipf_b8 step
+    (13184 ... 19392, 8 rows): 8 warps give every row 2 items, the longest 9696 tokens against a
+    mean of 7704 (1.258), 4 warps 4395 against 3852 (1.146): ratio 1.098 -> 4; B=4 (50472, 6024,
+    10088, 10424): 1.116 against 1.082, ratio 1.032 -> 8; head_dim 256 -> 4."""
+    # Runs on every pkv-workqueue step's host path: one row and equal rows return before any
+    # planning; ragged rows pay two chunk searches, remembered per tile counts (a decode step's
+    # rows grow by a token, so its tiles change only when a row crosses a 32-token boundary).
+    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
+        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    require(seq.size >= 1, "choose_warps needs at least one row")
+    if head_dim > 128:
+        return 4
+    if seq.size == 1:
+        return 8
+    many_waves = seq.size * num_kv_heads > queue8[0]  # every group an item, more than the 8-warp slots
+    if seq.size <= 64:  # plain Python over a few rows costs less than numpy's calls
+        lens = seq.tolist()
+        longest = max(lens)
+        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
+            return 4
+        if longest == min(lens):
+            return 8
+        key = tuple(-(-n // TILE_TOKENS) for n in lens)
+    else:
+        longest = int(seq.max())
+        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
+            return 4
+        if longest == seq.min():
+            return 8
+        key = num_tiles(seq).tobytes()  # int64 tile counts
+    return _warps_for_tiles(key, num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))
+
+
+@functools.lru_cache(maxsize=1024)  # keys of up to 8 bytes a row: <= 4 MB at B = 512
+def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max_imbalance: float) -> int:
+    """choose_warps's rule for ragged rows of ``tiles`` tiles: a tuple, or the bytes of an int64
+    array (more than 64 rows); memoised."""
+    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
+    imbalance4 = queue_imbalance(counts, num_kv_heads, *queue4)
+    imbalance8 = queue_imbalance(counts, num_kv_heads, *queue8)
+    return 4 if imbalance8 > max_imbalance * imbalance4 else 8

@@ -1,0 +1,272 @@
+"""The launch layer under the engine: compiling kernels/pkv_decode.cu and launching its kernels.
+
+* ``compile_options`` / ``load_module``: one CuPy RawModule per (dtype, head_dim, warps, trace,
+  source file), cached for the process; the module's own launch facts (shared memory, threads,
+  stage tokens, stages) are read from it (``pkv_config``), never restated here.
+* ``arg_block`` and the ``*Args`` layouts: a kernel's parameter values in one ctypes Structure
+  kept alive between launches, so a launch rewrites only its per-call values (tensor pointers and
+  strides) and makes one driver call.
+* ``PDLLaunch``: cuLaunchKernelEx with programmatic stream serialization (sm_90+).
+
+Nothing here decides what to launch: the engine does (engine.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import PKVError, require
+from .plan import TILE_TOKENS
+from .spec import AttentionSpec
+
+KERNEL_FILE = "pkv_decode.cu"
+#: Warps per decode CTA the kernel compiles for (PKV_WARPS); 4 is the default module.
+ENGINE_WARPS = (4, 8)
+DEFAULT_WARPS = 4
+#: Largest head_dim of an 8-warp module: 3 stages of 128 tokens fill 192 KB at 128 (the kernel's
+#: static_assert; 256 would need 256 KB).
+WARPS8_MAX_HEAD_DIM = 128
+#: The kernels' functions the engine launches.
+FUNCTIONS = ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
+# cuda.h: CUlaunchAttributeID of programmatic dependent launch (cuLaunchKernelEx).
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+NO_LAUNCH_EX = "pdl needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)"
+
+
+def kernels_dir() -> Path:
+    """kernels/ at the repository root (src layout), or $PERSISTENTKV_KERNELS."""
+    env = os.environ.get("PERSISTENTKV_KERNELS")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
+    require((path / KERNEL_FILE).is_file(),
+            f"kernel source {path / KERNEL_FILE} not found (set PERSISTENTKV_KERNELS to the kernels/ folder)")
+    return path
+
+
+def stage_tokens(warps: int) -> int:
+    """Tokens per pipeline stage of a ``warps``-warp module (the kernel's TILE: 16 per warp)."""
+    return 16 * warps
+
+
+def min_chunk_tiles_for(warps: int) -> int:
+    """Default smallest work item, in planner tiles: one pipeline stage (2 tiles = 64 tokens at
+    4 warps, 4 tiles = 128 tokens at 8); a smaller item leaves warps of its CTA without tokens."""
+    return stage_tokens(warps) // TILE_TOKENS
+
+
+def warps_unsupported(spec: AttentionSpec, warps: int) -> list[str]:
+    """Reasons a ``warps``-warp module cannot be built for ``spec`` (empty when it can)."""
+    if isinstance(warps, bool) or warps not in ENGINE_WARPS:
+        return [f"warps must be one of {', '.join(map(str, ENGINE_WARPS))}, got {warps!r}"]
+    if warps == 8 and spec.head_dim > WARPS8_MAX_HEAD_DIM:
+        return [f"warps=8 needs head_dim <= {WARPS8_MAX_HEAD_DIM} (3 stages of 128 tokens), "
+                f"got head_dim {spec.head_dim}; use warps=4"]
+    return []
+
+
+def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, trace: bool = False) -> tuple[str, ...]:
+    """Compiler options of the module for ``spec``'s (dtype, head_dim) with ``warps`` warps per
+    decode CTA, and the CTA trace stamps when ``trace`` (kernels/pkv_trace.cuh); shared with
+    ``persistentkv compile-kernels``. The 4-warp module gets no PKV_WARPS define, so its options
+    (and CuPy's cache key) are those of before 8 warps existed."""
+    reasons = warps_unsupported(spec, warps)
+    require(not reasons, "; ".join(reasons))
+    options = ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
+               f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
+    options = options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
+    return (*options, "-DPKV_TRACE=1") if trace else options
+
+
+@dataclass
+class Module:
+    """One compiled module: its CUfunctions by name and the launch facts it reports."""
+
+    functions: dict
+    smem_bytes: int
+    threads: int
+    tile: int
+    stages: int
+    occupancy: int
+    #: the CuPy RawModule (its globals, e.g. pkv_trace of a trace build)
+    raw: Any = field(default=None, repr=False)
+
+
+def load_module(spec: AttentionSpec, warps: int, device: int, trace: bool = False) -> Module:
+    """The module for ``spec``'s (dtype, head_dim) and ``warps`` on CUDA ``device``, compiled from
+    kernels_dir() (once per process and source file; CuPy caches the binary on disk)."""
+    source = kernels_dir() / KERNEL_FILE
+    return _load_module(spec.dtype, spec.head_dim, warps, device, trace, str(source.resolve()))
+
+
+@lru_cache(maxsize=None)
+def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool, source: str) -> Module:
+    import cupy  # the engine's only CuPy use; imported when a module is first built
+
+    spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
+    path = Path(source)
+    options = (*compile_options(spec, warps, trace), f"-I{path.parent}")
+    cuda_path = cupy.cuda.get_cuda_path()
+    if cuda_path:
+        options += (f"-I{Path(cuda_path) / 'include'}",)
+    with cupy.cuda.Device(device):
+        try:
+            module = cupy.RawModule(code=path.read_text(), options=options)
+            module.compile()
+        except Exception as exc:
+            text = str(exc).strip()
+            raise PKVError(f"compiling {path.name} for {dtype}/head_dim {head_dim}/warps {warps} failed: "
+                           f"{text.splitlines()[-1] if text else type(exc).__name__}") from exc
+        raw = module.get_global("pkv_config")
+        smem, threads, tile, stages, plan_tile = cupy.ndarray((5,), dtype=cupy.int32, memptr=raw).get().tolist()
+        require(plan_tile == TILE_TOKENS, f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {TILE_TOKENS}")
+        require(tile == stage_tokens(warps), f"kernel tile {tile} != {stage_tokens(warps)} tokens for {warps} warps")
+        optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
+        require(smem <= optin, f"the {warps}-warp kernel for head_dim {head_dim} needs {smem} B of shared "
+                               f"memory per CTA; this device allows {optin}")
+        functions = {}
+        for name in FUNCTIONS:
+            kernel = module.get_function(name)
+            if name.startswith("pkv_decode"):
+                kernel.max_dynamic_shared_size_bytes = smem
+            functions[name] = kernel.kernel  # keeps the module loaded; .ptr is the CUfunction
+        from cupy_backends.cuda.api import driver
+
+        require(hasattr(driver, "launchKernel"), "this CuPy has no cupy_backends.cuda.api.driver.launchKernel")
+        occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
+    return Module(functions, smem, threads, tile, stages, max(1, occupancy), module)
+
+
+# ----------------------------------------------------------------------------- parameter blocks
+_PTR, _I32, _I64, _F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+def _arg_layout(name: str, fields: list) -> type:
+    """A ctypes Structure holding one kernel's parameter values (``fields``: (name, ctype) in the
+    kernel's order) followed by ``_params``, the array of pointers to each value that
+    cuLaunchKernel takes. Field names are the kernel's parameter names, so ``run`` rewrites its
+    per-call values by name (``args.out = ...``)."""
+    layout = type(name, (ctypes.Structure,), {"_fields_": [*fields, ("_params", ctypes.c_void_p * len(fields))]})
+    layout.offsets = np.array([getattr(layout, f).offset for f, _ in fields], dtype=np.uint64)
+    layout.params_offset = layout._params.offset
+    # run() writes a decode block's per-call values with two struct stores (PTRS at 0, STRIDES6
+    # at strides_offset), so those fields must lie where the stores put them
+    names = [f for f, _ in fields]
+    if "kv_sp" in names:
+        assert names[:4] == ["q", "k", "v", "out"] and layout.q.offset == 0, name
+        stride_names = [n for n, _ in _STRIDES]
+        start = names.index("kv_sp")
+        assert names[start:start + 6] == stride_names, name
+        layout.strides_offset = layout.kv_sp.offset
+        assert [getattr(layout, n).offset for n in stride_names] == [layout.strides_offset + 8 * i for i in range(6)]
+    return layout
+
+
+#: run()'s per-call stores into a decode parameter block: the q, k, v, out pointers (its first four
+#: fields) and the six strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh; at layout.strides_offset)
+PTRS = struct.Struct("<4Q")
+STRIDES6 = struct.Struct("<6q")
+
+
+def arg_block(layout: type, *values):
+    """A kernel's parameter block, kept alive between launches (a ``layout`` instance).
+
+    cuLaunchKernel copies parameter values at launch (and a graph capture records them), so one
+    block per launch is built at plan time and ``run`` only rewrites the per-call values (tensor
+    pointers and strides) before handing ``block.address`` (its pointer array) to the driver: a
+    launch costs two struct stores (pointers, strides) and one driver call."""
+    block = layout(*values)
+    base = ctypes.addressof(block)
+    np.add(layout.offsets, base, out=np.frombuffer(block._params, dtype=np.uint64))
+    block.address = base + layout.params_offset
+    return block
+
+
+_STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh")]
+#: pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS)
+DecodeArgs = _arg_layout("DecodeArgs", [
+    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("kv_indices", _PTR), ("items", _PTR),
+    ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("counters", _PTR), ("slot_offset", _I32),
+    ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32),
+    ("early", _I32)])
+#: pkv_merge
+MergeArgs = _arg_layout("MergeArgs", [
+    ("groups", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("out", _PTR), ("group_size", _I32),
+    ("o_sb", _I64), ("o_sh", _I64)])
+#: pkv_plan
+PlanArgs = _arg_layout("PlanArgs", [
+    ("seq_lens", _PTR), ("kv_indptr", _PTR), ("batch", _I32), ("num_kv_heads", _I32), ("target_items", _I32),
+    ("min_chunk_tiles", _I32), ("max_items", _I32), ("early_skip_splits", _I32), ("items", _PTR),
+    ("num_items", _PTR)])
+
+
+# ----------------------------------------------------------------------------- launches
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@lru_cache(maxsize=None)
+def launch_kernel_ex():
+    """libcuda's cuLaunchKernelEx, or None where the driver lacks it (looked up once per process).
+
+    It has no ``argtypes``: its only caller, PDLLaunch, passes ctypes objects of the C types
+    (a byref to a CUlaunchConfig, two c_void_p, None for the extra array), which ctypes hands over
+    as they are; declared argument types would convert each of them again on every call (~0.7 us
+    of a run())."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class PDLLaunch:
+    """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
+    a call rewrites only the stream."""
+
+    __slots__ = ("launch_ex", "attr", "config", "config_ref", "function", "params")
+
+    def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
+        self.launch_ex = launch_kernel_ex()
+        require(self.launch_ex is not None, NO_LAUNCH_EX)
+        self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+        self.config = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
+        self.config_ref = ctypes.byref(self.config)  # kept: the config lives as long as this launch
+        self.function = ctypes.c_void_p(function)
+        self.params = ctypes.c_void_p(params)
+
+    def __call__(self, stream: int) -> None:
+        self.config.hStream = stream
+        status = self.launch_ex(self.config_ref, self.function, self.params, None)
+        if status != 0:
+            raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch) returned CUresult {status}")
+
+
+@dataclass
+class Launch:
+    """One kernel launch of a plan: ``kind`` decode | fused | merge | plan, its grid, its parameter
+    block (per-call values rewritten by run()), and a PDLLaunch when it uses PDL."""
+
+    kind: str
+    grid: int
+    args: Any
+    function: int = 0  # CUfunction
+    threads: int = 0
+    smem: int = 0
+    pdl: Any = None
