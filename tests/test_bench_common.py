@@ -283,3 +283,21 @@ def test_host_overhead_cpu_only_writes_its_rows_to_out(tmp_path):
     df = pd.read_parquet(path)
     assert path.name.startswith("host_overhead_") and set(df["mode"]) == {"python_key"}
     assert sorted(df["loop_calls"]) == sorted(host_overhead.LOOPS) and (df["median_us"] > 0).all()
+
+
+def test_summarize_dev_reads_every_committed_run(tmp_path, capsys):
+    """Every file of benchmarks/runs/ is printed by one of summarize_dev's tables (the committed
+    runs print without a GPU), and a file that no table reads is refused before anything prints."""
+    import summarize_dev
+
+    runs = sorted((ROOT / "benchmarks" / "runs").glob("*.parquet"))
+    assert runs and all(summarize_dev.printer_for(p) for p in runs)
+    assert summarize_dev.main() == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{p.stem} (" in out for p in runs)
+    assert re.search(r"B=1 N=4096\s+wq8-early_kv0\s+0\.941 ", out)  # the early-load skip's deciding case
+    (tmp_path / "bench_x.parquet").write_bytes((ROOT / "benchmarks" / "runs" / runs[0].name).read_bytes())
+    (tmp_path / "stray.parquet").write_bytes(b"")
+    with pytest.raises(SystemExit, match="stray.parquet: no table of summarize_dev.py reads it"):
+        summarize_dev.main(tmp_path)
+    assert capsys.readouterr().out == ""
