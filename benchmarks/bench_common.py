@@ -1,6 +1,16 @@
-"""Shared by bench_cluster.py and bench_warps.py: the cases, the baselines, the read ceiling, and
-one case's check-then-time loop (float64 check, CUDA graphs over rotated cold-L2 copies, every
-variant of the case interleaved), so the two benches measure the same way."""
+"""The development benches' one timing helper: cases, baselines, the read ceiling and a plain read
+of a case's bytes, cold cache copies, CUDA-graph capture and interleaved replays, one case's
+check-then-time loop, the tables and paired ratios, and the rows' atomic incremental writes.
+
+How a case is timed (time_case), the same for every variant, ours and the baselines':
+  1. R views of one KV tensor, R x the case's bytes >= 3 x L2 (rotated_copies): consecutive calls
+     read different copies, so each call's K/V comes from HBM (cold L2); --warm keeps one copy;
+  2. every variant's output checked against float64 (tests/gpu_support.reference_torch64);
+  3. one CUDA graph per variant of --calls calls cycling over the copies (capture);
+  4. --repeats rounds, each replaying every graph once in a shuffled order (time_replays): the
+     variants of a round run interleaved, side by side, so paired_ratios can compare them round
+     by round.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +21,28 @@ import statistics
 import time
 from pathlib import Path
 
-from graph_timing import capture, rotated_copies, time_replays
+import numpy as np
 
+from persistentkv.names import BASELINES, ENGINE_ROUTES
+
+#: B x N cases of the default --cases: B=1 from 1K to 128K tokens and the 134-537 MB steps of B > 1.
 CASES = [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536), (1, 131072),
          (2, 16384), (4, 8192), (8, 4096), (4, 32768)]
-BASELINES = ("flashinfer-tc", "vllm-fa3", "trtllm-xqa")
 #: variants that time something other than attention (no float64 check, never "fastest")
 NOT_ATTENTION = ("read",)
+#: our variants' names: the route's stem, with the CTA's warps appended when not 4 (wq, wq8, buckets8)
+ROUTE_STEMS = {"workqueue": "wq", "buckets": "buckets", "split": "split"}
+WARPS = (4, 8)
+
+
+def variant_name(route: str, warps: int) -> str:
+    """The name of ``route`` at ``warps`` warps per CTA: ``wq``, ``wq8``, ``buckets``, ``split8``..."""
+    stem = ROUTE_STEMS[route]
+    return stem if warps == 4 else f"{stem}{warps}"
+
+
+#: the shipped engine configurations' names, the bases of paired_ratios
+SHIPPED = tuple(variant_name(route, warps) for route in ENGINE_ROUTES for warps in WARPS)
 
 
 def first_line(exc: BaseException) -> str:
@@ -58,11 +83,13 @@ def parse_cases(text: str) -> list[tuple[str, list[int]]]:
 
 
 def read_ceiling_gbps() -> float:
-    from persistentkv.ceiling import measure_read, median_gbps
+    """The read ceiling as the pipeline measures it: the read kernel's median over 16 GiB
+    (persistentkv.ceiling.STREAM_BYTES, where its ~12 us fixed part is 0.3 %); nan when it fails."""
+    from persistentkv.ceiling import STREAM_BYTES, measure_read, median_gbps
     from persistentkv.measure.device import TorchDevice
 
     try:
-        return median_gbps(measure_read(TorchDevice("cuda"), nbytes=2**30, repeats=5, warmup=2))
+        return median_gbps(measure_read(TorchDevice("cuda"), nbytes=STREAM_BYTES, repeats=5, warmup=2))
     except Exception as exc:  # the bench still runs; the floor column says nan
         print(f"read ceiling: not measured ({first_line(exc)})")
         return math.nan
@@ -97,7 +124,6 @@ class PlainRead:
         self.slot: dict = {}
 
     def __call__(self, kv, plan, out) -> None:
-        import numpy as np
         import torch
 
         from persistentkv import ceiling
@@ -108,32 +134,83 @@ class PlainRead:
             self.kernel((self.grid,), (self.block,), (src, np.uint64(self.nbytes // 16), sink))
 
 
-def planning_adder(runs: dict):
-    """add(name, make_plan, make_run) for the benches' variants_for: plans now and registers
-    runs[name] = (plan, make_run), or prints why the variant could not be planned and leaves it out."""
+def rotated_copies(spec, batch, l2_bytes: int, factor: float = 3.0, max_copies: int = 64, seed: int = 5):
+    """(copies, q): R views of one KV tensor, R x case bytes >= factor x L2 (at most ``max_copies``),
+    and the queries; fp16 standard normals."""
+    import torch
 
-    def add(name, make_plan, run):
+    from persistentkv.measure.rotation import cold_copies
+
+    R = min(max_copies, cold_copies(batch.kv_bytes, l2_bytes, factor))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = batch.num_pages
+    shape = (R * pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    k_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
+    v_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
+    copies = [(k_all[r * pages:(r + 1) * pages], v_all[r * pages:(r + 1) * pages]) for r in range(R)]
+    q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda",
+                    dtype=torch.float16)
+    return copies, q
+
+
+def capture(run, copies, calls: int, warmup: int = 3):
+    """A CUDA graph of ``calls`` calls run(copy) cycling over ``copies`` (warmed up on a side stream)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for r in range(min(len(copies), warmup)):
+            run(copies[r])
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in range(calls):
+            run(copies[c % len(copies)])
+    return graph
+
+
+def time_replays(graphs: dict, repeats: int, calls: int, seed: int = 0) -> dict[str, list[float]]:
+    """Microseconds per call of each graph: one warm-up replay each, then ``repeats`` rounds, each
+    replaying every graph once in a shuffled order (CUDA events around each replay)."""
+    import torch
+
+    order = list(graphs)
+    for name in order:
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    times = {name: [] for name in order}
+    rng = np.random.default_rng(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / calls)
+    return times
+
+
+def planning_adder(runs: dict):
+    """add(name, make_plan, make_run): plans now and registers runs[name] = (plan, make_run), or
+    prints why the variant could not be planned and leaves it out. make_run(q) returns the
+    variant's run(kv, plan, out)."""
+
+    def add(name, make_plan, make_run):
         try:
-            runs[name] = (make_plan(), run)
+            runs[name] = (make_plan(), make_run)
         except Exception as exc:
             print(f"  {name}: not planned ({first_line(exc)})")
 
     return add
 
 
-def engine_run(engine):
-    """make_run of one of our engines: q -> run(kv, plan, out)."""
-    return lambda q: (lambda kv, p, o: engine.run(q, kv, p, o))
-
-
-def queue_name(warps: int, stem: str = "wq") -> str:
-    """A queue variant's name: ``stem`` at 4 warps, ``stem`` + warps otherwise (wq, wq8; wqh, wqh8)."""
-    return stem if warps == 4 else f"{stem}{warps}"
-
-
-def add_queue(add, batch, name: str, engine, **options) -> None:
-    """Register ``engine``'s work-queue plan of ``batch`` (plan ``options``) as the variant ``name``."""
-    add(name, lambda: engine.plan(batch, "workqueue", **options), engine_run(engine))
+def add_engine_plan(add, batch, name: str, engine, plan_options: dict) -> None:
+    """Register ``engine.plan(batch, **plan_options)`` and ``engine.run`` as the variant ``name``."""
+    add(name, lambda: engine.plan(batch, **plan_options), lambda q: (lambda kv, p, o: engine.run(q, kv, p, o)))
 
 
 def add_plain_read(add, batch) -> None:
@@ -142,8 +219,8 @@ def add_plain_read(add, batch) -> None:
 
 
 def load_baselines(spec, names=BASELINES) -> dict:
-    """name -> backend for the backends ``names`` (default BASELINES) that can run ``spec`` here;
-    the others print why not."""
+    """name -> backend for the backends ``names`` (default every baseline) that can run ``spec``
+    here; the others print why not."""
     from persistentkv.backends import registry
 
     baselines = {}
@@ -166,93 +243,100 @@ def add_baselines(add, batch, baselines: dict) -> None:
         add(name, lambda b=backend: b.plan(batch), lambda q, b=backend: (lambda kv, p, o: b.run(q, kv, p, o)))
 
 
-def time_case(engine, spec, batch, variants: dict, ceiling: float, args,
-              case: str | None = None) -> tuple[list[dict], dict, dict, float]:
-    """Check every variant (name -> (plan, make_run)) against float64, then time them interleaved.
+def time_case(spec, batch, variants: dict, ceiling: float, args, case: str | None = None):
+    """Check every variant (name -> (plan, make_run)) against float64, then time them interleaved
+    (module docstring). A variant that fails prints its reason and is left out.
 
-    Returns (parquet rows, median us per variant, name -> (rel err, CTAs per SM or -1), floor us).
-    A variant that fails prints its reason and is left out. ``engine`` only answers occupancy
-    queries (any DecodeEngine answers them for any of our launches).
+    Returns (parquet rows, median us per variant, rel err per variant, floor us).
     """
     import torch
 
     from gpu_support import TOLERANCE, reference_torch64, rel_err
-    from persistentkv.engine import DevicePlan
 
     B, N = batch.batch_size, int(batch.seq_lens.max())
     case = case or f"B={B} N={N}"
     copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size,
-                               max_copies=1 if getattr(args, "warm", False) else 64)
+                               max_copies=1 if args.warm else 64)
     ref = reference_torch64(batch, q, *copies[0])
     floor = batch.kv_bytes / (ceiling * 1e3) if ceiling > 0 else math.nan
     print(f"{case}: {batch.kv_bytes / 1e6:.1f} MB, floor {floor:.2f} us, {len(copies)} copies", flush=True)
-    graphs, info = {}, {}
+    graphs, errors, keep = {}, {}, []
     for name, (plan, make_run) in variants.items():
         try:
             run = make_run(q)
             out = torch.full_like(q, float("nan"))
             run(copies[0], plan, out)
             torch.cuda.synchronize()
-            err = math.nan if name in NOT_ATTENTION else rel_err(out, ref)
-            occ = engine.occupancy(plan.launches[-1]) if isinstance(plan, DevicePlan) else -1
+            errors[name] = math.nan if name in NOT_ATTENTION else rel_err(out, ref)
             graphs[name] = capture(lambda kv, r=run, p=plan, o=out: r(kv, p, o), copies, args.calls)
-            info[name] = (err, occ)
-            if name in NOT_ATTENTION:
-                print(f"  {name}: not attention, not checked")
-                continue
-            print(f"  {name}: rel err {err:.1e}{'' if err <= TOLERANCE[spec.dtype] else '  WRONG'}"
-                  + (f", {occ} CTA/SM" if occ >= 0 else ""))
+            keep.append((plan, out))  # the graph reads the plan and writes into out: both outlive it
+            wrong = "" if name in NOT_ATTENTION or errors[name] <= TOLERANCE[spec.dtype] else "  WRONG"
+            print(f"  {name}: " + ("not attention, not checked" if name in NOT_ATTENTION else
+                                   f"rel err {errors[name]:.1e}{wrong}"))
         except Exception as exc:
             print(f"  {name}: failed ({first_line(exc)})")
             torch.cuda.synchronize()
     times = time_replays(graphs, args.repeats, args.calls) if graphs else {}
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    rows = []
-    for name, ts in times.items():
-        err, occ = info[name]
-        rows += [{"case": case, "batch_size": B, "seq_len": N, "variant": name, "repeat": i, "time_us": t,
-                  "rel_err": err, "ctas_per_sm": occ, "kv_bytes": batch.kv_bytes, "floor_us": floor,
-                  "read_ceiling_gbps": ceiling, "copies": len(copies)} for i, t in enumerate(ts)]
-    del graphs, copies
+    rows = [{"case": case, "batch_size": B, "seq_len": N, "variant": name, "repeat": i, "time_us": t,
+             "rel_err": errors[name], "kv_bytes": batch.kv_bytes, "floor_us": floor,
+             "read_ceiling_gbps": ceiling, "copies": len(copies)}
+            for name, ts in times.items() for i, t in enumerate(ts)]
+    del graphs, copies, keep
     torch.cuda.empty_cache()
-    return rows, med, info, floor
+    return rows, med, errors, floor
 
 
-def bench_args(extra=None) -> argparse.Namespace:
+def within_tolerance(med: dict, errors: dict, dtype: str) -> dict:
+    """The medians of the attention variants whose output passed the float64 check."""
+    from gpu_support import TOLERANCE
+
+    return {n: t for n, t in med.items() if n not in NOT_ATTENTION and errors[n] <= TOLERANCE[dtype]}
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """--out: the directory of a bench's rows, $OUT where the device machine sets it, else '.'."""
+    parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                        help="directory of the rows (default $OUT, else .)")
+
+
+def bench_args(extra=None, description: str | None = None) -> argparse.Namespace:
     """The development benches' command line: --out (default $OUT, else .), --calls per graph,
-    --repeats of every graph, --cases (see parse_cases); ``extra(parser)`` adds a bench's own."""
-    parser = argparse.ArgumentParser()
+    --repeats of every graph, --warm, --cases (see parse_cases); ``extra(parser)`` adds a bench's own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if extra is not None:
         extra(parser)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=15)
+    add_out_option(parser)
+    parser.add_argument("--calls", type=int, default=10, help="calls per CUDA graph (default 10)")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds, each replaying every graph once "
+                        "(default 15)")
     parser.add_argument("--warm", action="store_true",
                         help="every call of a graph on one cache copy (L2 warm where the case's bytes fit in it), "
                              "instead of rotating over copies of 3x L2 (cold)")
     parser.add_argument("--cases", default="",
-                        help="comma-separated BxN (e.g. 1x4096,4x8192) or bench-kernels' ragged cases (B8-bimodal); "
-                             "default all")
+                        help="comma-separated BxN (e.g. 1x4096,4x8192), bench-kernels' ragged cases (B8-bimodal) or "
+                             "row lengths joined by ':'; default " + ",".join(f"{B}x{N}" for B, N in CASES))
     args = parser.parse_args()
     try:  # before any GPU work: a --out that cannot be made fails now, not after the first case
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out {args.out}: {exc.strerror or exc}")
+    parse_cases(args.cases)  # a bad case fails now, too
     return args
 
 
-def timed_cases(engine, spec, args, variants_for_batch, ceiling: float, rows: list, stem: str, t_start: float):
+def timed_cases(spec, args, variants_for_batch, ceiling: float, rows: list, stem: str, t_start: float):
     """Each case of --cases, timed by time_case over ``variants_for_batch(batch)``; its rows are
     added to ``rows`` and written at once (write_rows), so a crash keeps the cases done. Yields
-    (label, batch, medians, medians of the variants that passed the float64 check, floor us)."""
+    (label, medians, medians of the attention variants that passed the float64 check, floor us)."""
     from persistentkv.cache import make_batch
 
     for label, lengths in parse_cases(args.cases):
         batch = make_batch(spec, lengths, seed=1)
-        case_rows, med, info, floor = time_case(engine, spec, batch, variants_for_batch(batch), ceiling, args, label)
+        case_rows, med, errors, floor = time_case(spec, batch, variants_for_batch(batch), ceiling, args, label)
         rows += case_rows
         write_rows(rows, args.out, stem, t_start, final=False)
-        yield label, batch, med, within_tolerance(med, info, spec.dtype), floor
+        yield label, med, within_tolerance(med, errors, spec.dtype), floor
 
 
 def fastest(times: dict, keep=lambda name: True) -> tuple:
@@ -261,33 +345,30 @@ def fastest(times: dict, keep=lambda name: True) -> tuple:
     return min(picks.items(), key=lambda kv: kv[1]) if picks else (None, math.nan)
 
 
-SHIPPED = ("wq", "wq8")
-
-
-def comparison_row(label: str, floor: float, med: dict, ok: dict, is_candidate) -> tuple:
-    """One case of print_comparison: (label, floor, medians, best baseline, best shipped queue,
-    best candidate), each best as fastest's (name, us) over the variants that passed the check."""
+def comparison_row(label: str, floor: float, med: dict, ok: dict) -> tuple:
+    """One case of print_comparison: (label, floor, medians, best baseline, best of ours), each best
+    as fastest's (name, us) over the attention variants that passed the check."""
     ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
-    return (label, floor, med, fastest(ok, lambda n: n in BASELINES), fastest(ok, lambda n: n in SHIPPED),
-            fastest(ok, is_candidate))
+    return label, floor, med, fastest(ok, lambda n: n in BASELINES), fastest(ok, lambda n: n not in BASELINES)
 
 
-def print_comparison(table: list, tag: str) -> None:
-    """The candidate ``tag`` against the shipped queue and the baselines, one line per comparison_row."""
-    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best shipped   best {tag}   {tag} gain   "
-          f"{tag} vs baseline   %ceiling({tag})")
-    for case, floor, med, (bn, bus), (cn, cus), (tn, tus) in table:
+def print_comparison(table: list) -> None:
+    """Our variants beside the best baseline, one line per comparison_row: the floor at this run's
+    read ceiling, our variants' medians, the best baseline, our best, its speedup over the best
+    baseline and its fraction of the floor."""
+    print(f"\n{'case':<14} {'floor':>6}  variants (us)   best baseline   best of ours   speedup   %ceiling")
+    for case, floor, med, (bn, bus), (on, ous) in table:
         cells = " ".join(f"{n}={t:.1f}" for n, t in med.items() if n not in BASELINES)
-        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {cn}={cus:.1f}   {tn}={tus:.1f}   "
-              f"{cus / tus:.2f}x   {bus / tus:.2f}x   {100 * floor / tus:.0f}%")
+        print(f"{case:<14} {floor:6.1f}  {cells}   {bn}={bus:.1f}   {on}={ous:.1f}   {bus / ous:.2f}x   "
+              f"{100 * floor / ous:.0f}%")
 
 
 def paired_ratios(df):
-    """Each development variant ``X-TAG`` (X a shipped queue, wq or wq8) against X, per case: the
-    ratio of their times in each round (the variants of a round run interleaved, side by side),
-    as its median, min and max over the rounds, and the rounds in which X-TAG was faster. Rounds
-    missing either variant are left out. Columns: case, variant, base, median, min, max, faster,
-    rounds (below 1 is faster)."""
+    """Each variant ``X-TAG`` whose base X is a shipped configuration (SHIPPED) run in the same
+    file, per case: the ratio of their times in each round (the variants of a round run
+    interleaved, side by side), as its median, min and max over the rounds, and the rounds in which
+    X-TAG was faster. Rounds missing either variant are left out. Columns: case, variant, base,
+    median, min, max, faster, rounds (below 1 is faster)."""
     import pandas as pd
 
     per_round = df.pivot_table(index=["case", "repeat"], columns="variant", values="time_us", sort=False)
@@ -309,26 +390,21 @@ def print_paired(df) -> None:
     table = paired_ratios(df)
     if table.empty:
         return
-    print("\npaired per-round ratios, variant / its shipped queue (median [min, max], rounds faster):")
+    print("\npaired per-round ratios, variant / its shipped configuration (median [min, max], rounds faster):")
     for r in table.itertuples():
         print(f"  {r.case:<14} {r.variant:<18} {r.median:.3f} [{r.min:.3f}, {r.max:.3f}]  {r.faster}/{r.rounds}")
 
 
-def within_tolerance(med: dict, info: dict, dtype: str) -> dict:
-    """The medians of the variants whose output passed the float64 check."""
-    from gpu_support import TOLERANCE
-
-    return {n: t for n, t in med.items() if info[n][0] <= TOLERANCE[dtype]}
-
-
 def write_rows(rows: list[dict], out: str, stem: str, t_start: float, final: bool = True) -> Path:
-    """Write the rows so far to <out>/<stem>_<HHMMSS of t_start>.parquet (the same file on every
-    call: the benches call it after each case, so a crash or a time limit keeps the cases done)."""
+    """Write the rows so far to <out>/<stem>_<HHMMSS of t_start>.parquet, atomically (a temporary
+    file renamed over it: a run killed mid-write leaves the last complete file). The same file on
+    every call: the benches call it after each case, so a crash or a time limit keeps the cases done."""
     import pandas as pd
 
+    from persistentkv.io import atomic_write_parquet
+
     path = Path(out) / f"{stem}_{time.strftime('%H%M%S', time.localtime(t_start))}.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)  # a missing --out directory must not lose the rows
-    pd.DataFrame(rows).to_parquet(path, index=False)
+    atomic_write_parquet(path, pd.DataFrame(rows))  # makes a missing --out directory: the rows are kept
     if final:
         print(f"wrote {path} ({time.time() - t_start:.0f} s)")
     return path

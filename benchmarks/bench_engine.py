@@ -1,177 +1,145 @@
-"""Kernel development bench: our routes beside the baselines, CUDA-graph replay, cold L2.
+"""Our shipped routes and warps beside the installed baselines, under CUDA-graph replay, cold L2.
 
-    python benchmarks/bench_engine.py [--cases quick|full] [--out DIR]
+    python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
+                                      [--waves 2,0.5] [--without pdl,early_kv] [--baselines vllm-fa3]
 
-For each case (B rows x N tokens, scattered pages) every backend is checked against float64 once,
-then timed: CALLS calls cycling over R rotated copies of the KV pages (R x bytes >= 3 x L2) are
-captured in one CUDA graph and replayed REPEATS times, interleaved across backends; the median per
-call is reported with the read ceiling measured in the same process. This is the quick loop used
-while tuning kernels (numbers go to benchmarks/NOTES.md); the artifact's measurements come from
-`persistentkv bench-kernels` / `persistentkv measure`, which follow the full protocol.
+The kernel development loop's bench; the artifact's own measurements come from `persistentkv
+bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
+pages. Each case's variants are checked against float64, then timed as bench_common.py does it:
+graphs of --calls calls over rotated cache copies (cold L2), --repeats rounds with every variant
+of the case interleaved. Variants:
+  wq, wq8                  the GPU-planned work queue (route workqueue), 4 and 8 warps per CTA
+  buckets, buckets8        exact-length buckets, one decode + merge pair each (route buckets)
+  split, split8            the rectangular split grid with its merge (route split)
+  wq@xW, wq8@xW            (--waves W,...) the queues over W times their default target_items:
+                           W waves of shorter items (W > 1), or fewer and longer ones (W < 1)
+  wq-nopdl, wq8-nopdl      (--without pdl) the queues without programmatic dependent launch
+  wq-noearly, wq8-noearly  (--without early_kv) the queues without K/V loads before the PDL wait
+  flashinfer-cc, flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines installed here (--baselines)
+  read                     not attention: the read-ceiling kernel over a contiguous buffer of the
+                           case's KV bytes, the time a kernel that only streams them takes
+Prints, per case, the floor (the case's bytes at this run's read ceiling, measured over 16 GiB),
+every variant's median, the best baseline, our best and its speedup; then every X-TAG variant's
+per-round ratio to X. Writes bench_engine_HHMMSS.parquet to --out ($OUT) after every case.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
-
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
-from persistentkv.cache import make_batch  # noqa: E402
+from bench_common import (WARPS, add_baselines, add_engine_plan, add_plain_read, bench_args,  # noqa: E402
+                          comparison_row, first_line, load_baselines, planning_adder, print_comparison,
+                          print_paired, read_ceiling_gbps, timed_cases, variant_name, write_rows)
+from persistentkv.names import BASELINES, ENGINE_ROUTES  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
-CASES = {
-    "quick": [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536), (1, 131072), (2, 16384),
-              (4, 8192), (4, 32768), (16, 4096), (64, 8192), ("ragged8", None)],
-}
-CASES["full"] = CASES["quick"] + [(1, 262144), (2, 8192), (8, 8192), (8, 32768), (16, 16384), (64, 1024),
-                                  (64, 4096), (2, 1024), (4, 1024), (8, 1024), (16, 1024), (4, 4096), (8, 4096)]
-OURS = ["pkv-workqueue", "pkv-workqueue-host", "pkv-buckets", "pkv-split"]
-BASELINES = ["flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa"]
+SPEC = AttentionSpec(32, 8, 128, 16, "float16")
+#: engine switches --without turns off, and the tag of the queue variant without each
+SWITCHES = {"pdl": "nopdl", "early_kv": "noearly"}
 
 
-def lengths_for(case):
-    B, N = case
-    if B == "ragged8":
-        return [65536, 65536, 65536, 3000, 9000, 12000, 2500, 20000]
-    return [N] * B
+class Variant(NamedTuple):
+    """One of our variants of every case: ``engine.plan(batch, **plan)``, run by ``engine``."""
+    name: str
+    engine: object
+    plan: dict
 
 
-def read_ceiling_gbps(torch, nbytes=8 << 30) -> float:
-    """A plain read: sum over a large fp16 buffer via a vectorised torch reduction (lower bound)."""
-    x = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").uniform_()
-    for _ in range(2):
-        x.sum(dtype=torch.float32)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum(dtype=torch.float32)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del x
-    return nbytes / min(times) / 1e9
+def variants(spec, *, warps=WARPS, waves=(), without=(), make_engine=None) -> list[Variant]:
+    """Our variants (module docstring), in the order the tables print them: every shipped route at
+    each of ``warps``, then the queue over each of ``waves`` times its default target_items, then
+    the queue with each engine switch of ``without`` off. ``make_engine(spec, **options)`` builds
+    the engines (default persistentkv.engine.engine_for), so the same variants can come from
+    another build of the kernels. Warps whose engine cannot be built here print why and are left
+    out."""
+    if make_engine is None:
+        from persistentkv.engine import engine_for as make_engine
+    out = []
+    for w in warps:
+        try:
+            engine = make_engine(spec, warps=w)
+        except Exception as exc:  # e.g. a GPU whose opt-in shared memory is below the 8-warp CTA's
+            print(f"{w} warps: no engine ({first_line(exc)})")
+            continue
+        queue = variant_name("workqueue", w)
+        out += [Variant(variant_name(route, w), engine, {"route": route}) for route in ENGINE_ROUTES]
+        out += [Variant(f"{queue}@x{x:g}", engine, {"route": "workqueue",
+                                                    "target_items": max(1, round(x * engine.target_items))})
+                for x in waves]
+        out += [Variant(f"{queue}-{SWITCHES[s]}", make_engine(spec, warps=w, **{s: False}), {"route": "workqueue"})
+                for s in without]
+    return out
 
 
-def make_backend(name):
-    from persistentkv.backends import pkv
+def parse_waves(text: str) -> tuple[float, ...]:
+    """``2,0.5`` -> (2.0, 0.5): multiples of the queues' default target_items, each > 0 and not 1."""
+    try:
+        waves = tuple(float(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise SystemExit(f"--waves: {text!r} is not comma-separated numbers") from None
+    if any(not w > 0 or w == 1 for w in waves):
+        raise SystemExit("--waves: each multiple must be > 0 and not 1 (1 is the default queue, wq / wq8)")
+    return waves
 
-    table = {"pkv-workqueue": pkv.PKVWorkqueue, "pkv-workqueue-host": pkv.PKVWorkqueueHost,
-             "pkv-buckets": pkv.PKVBuckets, "pkv-split": pkv.PKVSplit}
-    if name in table:
-        return table[name]()
-    from persistentkv.backends import registry  # engineer B's adapters
 
-    return registry.create(name)
-
-
-def summarize(paths) -> int:
-    """Median per (case, backend) across files, and ours / best baseline per case."""
-    import pandas as pd
-
-    df = pd.concat([pd.read_parquet(p) for p in paths])
-    med = df.groupby(["case", "backend"], sort=False)["time_us"].median().unstack()
-    order = df.drop_duplicates("case").sort_values(["batch_size", "max_len"])["case"]
-    med = med.loc[[c for c in order if c in med.index]]
-    ours = [c for c in med.columns if c.startswith("pkv")]
-    base = [c for c in med.columns if c in BASELINES]
-    kv = df.groupby("case")["kv_bytes"].first()
-    ceiling = df["read_ceiling_gbps"].median()
-    med["floor_us"] = kv.reindex(med.index) / ceiling / 1e3
-    if ours and base:
-        med["speedup"] = med[base].min(axis=1) / med[ours].min(axis=1)
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.1f}".format):
-        print(med)
-    return 0
+def parse_names(text: str, known, option: str) -> tuple[str, ...]:
+    """Comma-separated names, each one of ``known`` (a bad one exits, naming ``option``)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"{option}: {', '.join(bad)} not among {', '.join(known)}")
+    return names
 
 
 def main() -> int:
+    import pandas as pd
     import torch
 
-    from gpu_support import reference_torch64, rel_err
+    def extra(parser):
+        parser.add_argument("--waves", default="", help="comma-separated multiples W of the queues' default "
+                            "target_items: adds wq@xW and wq8@xW")
+        parser.add_argument("--without", default="", help=f"comma-separated engine switches ({', '.join(SWITCHES)}): "
+                            "adds the queues with each one off")
+        parser.add_argument("--baselines", default=",".join(BASELINES),
+                            help="comma-separated baselines to time where installed (default all; '' for none)")
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="quick", choices=sorted(CASES))
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--backends", default=",".join(OURS + BASELINES))
-    parser.add_argument("--summarize", nargs="*", help="print the comparison table of these parquet files and exit")
-    args = parser.parse_args()
-    if args.summarize is not None:
-        return summarize(args.summarize)
+    args = bench_args(extra, description=__doc__)
+    waves = parse_waves(args.waves)
+    without = parse_names(args.without, tuple(SWITCHES), "--without")
+    baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
+    t_start = time.time()
+    ours = variants(SPEC, waves=waves, without=without)
+    if not ours:
+        raise SystemExit("no engine could be built on this GPU")
+    ceiling = read_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s (16 GiB)")
+    for v in ours:
+        if v.plan == {"route": "workqueue"}:
+            print(f"  {v.name}: target_items {v.engine.target_items}, min chunk {v.engine.min_chunk_tiles} tiles")
+    baselines = load_baselines(SPEC, baseline_names)
 
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ceiling = read_ceiling_gbps(torch)
-    print(f"GPU {torch.cuda.get_device_name()}  L2 {l2 >> 20} MB  read ceiling {ceiling:.0f} GB/s", flush=True)
-    backends = {}
-    for name in args.backends.split(","):
-        try:
-            b = make_backend(name)
-            reasons = b.unavailable(spec)
-            if reasons:
-                print(f"  {name}: unavailable: {'; '.join(reasons)}")
-                continue
-            backends[name] = b
-        except Exception as exc:  # a missing adapter must not stop the bench
-            print(f"  {name}: unavailable: {type(exc).__name__}: {exc}")
+    def for_batch(batch) -> dict:
+        runs = {}
+        add = planning_adder(runs)
+        for v in ours:
+            add_engine_plan(add, batch, v.name, v.engine, v.plan)
+        add_baselines(add, batch, baselines)
+        add_plain_read(add, batch)
+        return runs
+
     rows = []
-    for case in CASES[args.cases]:
-        lengths = lengths_for(case)
-        base = make_batch(spec, lengths, hole_fraction=0.0, seed=1)
-        case_bytes = base.kv_bytes
-        copies, q = rotated_copies(spec, base, l2)
-        R = len(copies)
-        ref = reference_torch64(base, q, *copies[0])
-        graphs, errors, keep = {}, {}, []
-        for name, backend in backends.items():
-            try:
-                plan = backend.plan(base)
-                out = torch.full_like(q, float("nan"))
-                backend.run(q, copies[0], plan, out)
-                torch.cuda.synchronize()
-                errors[name] = rel_err(out, ref)
-                graphs[name] = capture(lambda kv, b=backend, p=plan, o=out: b.run(q, kv, p, o), copies, args.calls)
-                keep.append((plan, out))  # the graph reads the plan and writes into out: keep both alive
-            except Exception as exc:
-                print(f"  {case} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}")
-        times = time_replays(graphs, args.repeats, args.calls)
-        label = f"B={case[0]} N={case[1]}" if case[1] else str(case[0])
-        best_base = min((statistics.median(times[n]) for n in times if n in BASELINES), default=float("nan"))
-        line = [f"{label:<16} {case_bytes / 1e6:7.1f} MB  floor {case_bytes / ceiling / 1e3:6.1f} us"]
-        for name in graphs:
-            med = statistics.median(times[name])
-            err = errors[name]
-            line.append(f"{name}={med:.1f}us({case_bytes / med / 1e3 / ceiling * 100:.0f}%{'' if err < 2e-3 else ' ERR %.1e' % err})")
-            for rep, t in enumerate(times[name]):
-                rows.append({"case": label, "batch_size": len(lengths), "max_len": max(lengths),
-                             "kv_bytes": case_bytes, "backend": name, "repeat": rep, "time_us": t,
-                             "rel_err": err, "read_ceiling_gbps": ceiling, "copies": R})
-        ours = min((statistics.median(times[n]) for n in times if n.startswith("pkv")), default=float("nan"))
-        line.append(f"| ours/best-baseline speedup {best_base / ours:.2f}x")
-        print("  ".join(line), flush=True)
-        del copies, graphs, keep
-        torch.cuda.empty_cache()
+    table = [comparison_row(label, floor, med, ok)
+             for label, med, ok, floor in timed_cases(SPEC, args, for_batch, ceiling, rows, "bench_engine", t_start)]
+    print_comparison(table)
     if rows:
-        import pandas as pd
-
-        tag = args.backends.replace(",", "_").replace("-", "") if len(args.backends) < 60 else "all"
-        out = Path(args.out) / f"bench_engine_{tag}_{time.strftime('%H%M%S')}.parquet"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(rows).to_parquet(out, index=False)
-        print(f"wrote {out}")
+        print_paired(pd.DataFrame(rows))
+        write_rows(rows, args.out, "bench_engine", t_start)
     return 0
 
 

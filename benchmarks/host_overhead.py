@@ -1,6 +1,6 @@
 """Host cost of one eager run() call with a reused plan (the issue's budget: < 15 us), taken apart.
 
-    python benchmarks/host_overhead.py [--out host_overhead.parquet] [--repeats 20]
+    python benchmarks/host_overhead.py [--repeats 20] [--per-cpu P] [--cpu-only] [--out DIR]
 
 For each case (a short kernel, B=1 x 4K, and a long one, B=1 x 128K) and each way of calling it,
 times loops of N back-to-back calls that start right after a synchronisation (N = 8: what
@@ -21,10 +21,13 @@ of each loop's longest call (one stall, or every call slower):
   ``--cpu-only``).
 
 ``--per-cpu P`` instead pins the timing thread to each CPU in turn (P passes, each in a seeded
-shuffled order, plus one unpinned entry per pass) and times ``run`` (B=1 x 4K, loops of 8) and the harness's CPU probe there:
-whether the host's slow spells follow the CPU the thread runs on (a CPU shared with interrupts or
-with a busy sibling thread) or the time (the host's other tenants). Each row carries the CPU's core
-and sibling ids, whether it is local to the GPU, and the interrupts it served during its loops.
+shuffled order, plus one unpinned entry per pass) and times ``run`` (B=1 x 4K, loops of 8) and
+the harness's CPU probe there: whether the host's slow spells follow the CPU the thread runs on
+(a CPU shared with interrupts or with a busy sibling thread) or the time (the host's other
+tenants). Each row carries the CPU's core and sibling ids, whether it is local to the GPU, and the
+interrupts it served during its loops.
+
+Writes host_overhead_HHMMSS.parquet (host_percpu_HHMMSS.parquet with --per-cpu) to --out ($OUT).
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_common import add_out_option, write_rows  # noqa: E402
 
 LOOPS = (8, 32, 200)
 
@@ -175,14 +181,15 @@ def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write the rows as parquet here")
-    parser.add_argument("--repeats", type=int, default=20)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_option(parser)
+    parser.add_argument("--repeats", type=int, default=20, help="loops of each length per case and mode (default 20)")
     parser.add_argument("--cpu-only", action="store_true", help="only the python_key rows (no GPU needed)")
     parser.add_argument("--per-cpu", type=int, default=0, metavar="P",
                         help="P passes of run() pinned to each CPU in turn (see the module docstring)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    t_start = time.time()
     rows = python_key_rows(args.repeats)
     if args.per_cpu:
         import torch
@@ -250,10 +257,7 @@ def main() -> int:
         print(f"{r['case']:12s} {r['mode']:16s}{where} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
               f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}  "
               f"longest call {r['max_call_us']:.1f}")
-    if args.out:
-        import pandas as pd
-
-        pd.DataFrame(rows).to_parquet(args.out, index=False)
+    write_rows(rows, args.out, "host_percpu" if args.per_cpu else "host_overhead", t_start)
     return 0
 
 

@@ -1,29 +1,30 @@
-"""Where a step's time goes: a per-CTA timeline of the work queue under CUDA-graph replay.
+"""Where a step's time goes: a per-CTA timeline of our routes under CUDA-graph replay.
 
-    python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--calls 10] [--warps 4,8] [--out DIR]
-                                   [--variants base=,detail=PKV_TRACE=2]
+    python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--warps 4,8] [--routes workqueue,split]
+                                   [--calls 10] [--repeats 9] [--out DIR]
 
-Builds the decode module with PKV_TRACE=1 (kernels/pkv_decode.cu): thread 0 of every CTA stamps
-%globaltimer (ns, one clock for the GPU) and clock64 at its phases - 0 entry, 1 after
-griddepcontrol.wait, 2 first stage landed, 3 K/V loop done, 4 state written, 5 merge decided,
-6 exit - and appends a record as it exits. A graph of --calls queue calls over rotated cache copies
-(cold L2, as the other benches) is replayed, then replayed once more with the trace reset.
+Builds the decode module with PKV_TRACE=1 (DecodeEngine(spec, trace=True); the engine's own
+modules never trace): thread 0 of every decode CTA stamps %globaltimer (ns, one clock for the GPU)
+and clock64 at its phases - 0 entry, 1 after griddepcontrol.wait, 2 first stage landed, 3 K/V loop
+done, 4 state written, 5 merge decided, 6 exit - and appends a record as it exits. A graph of
+--calls calls over rotated cache copies (cold L2, as bench_common.py makes them) is replayed, then
+replayed once more with the trace reset.
 
 CTAs of call k+1 pass their wait only after call k has completed, so records come in call order:
 call = record index // items. Per call (the first of the graph excluded: nothing precedes it in
 the graph), relative to that call's release (the first CTA past its wait), the table gives:
   period     release to the next call's release (the time per call under replay)
-  gap        the previous call's last exit to this call's release (completion -> dependents)
+  gap        the previous call's last exit to this call's release (completion -> dependents; for
+             the routes with a separate merge kernel, buckets and split, that kernel is in it)
   first      release to the first stage landed (median over CTAs): the first K/V round trip
   loop       release to the last CTA's loop done; floor = KV bytes / read ceiling of this run
+  spread     the first CTA's loop done to the last's
   tail       the last loop done to the last exit (state written, atomic, merge, exit)
   skew       spread of the CTAs' releases (max - min)
 and the untraced engine's time per call in the same process (the trace's own cost is the
-difference; the untraced variants of a case are replayed interleaved, as in the other benches).
---variants names modules by their development defines (DecodeEngine(defines=...), '+' between
-two): each is traced (PKV_TRACE=1 unless it sets PKV_TRACE; with PKV_TRACE=2 stamps 4 and 5 sit
-inside the cross-warp combine, so "written" and "decided" mean its two barriers) and timed without
-the trace. Writes trace_cta_HHMMSS.parquet (one row per record) to --out ($OUT).
+difference; the untraced variants of a case are replayed interleaved, as bench_engine.py does).
+Variants are named as in bench_engine.py (wq, wq8, buckets8, ...). Writes trace_cta_HHMMSS.parquet
+(one row per record) to --out ($OUT) after every case.
 """
 
 from __future__ import annotations
@@ -38,47 +39,44 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")
 
 import numpy as np  # noqa: E402
 
-from bench_common import first_line, parse_cases, read_ceiling_gbps, write_rows  # noqa: E402
-from graph_timing import capture, rotated_copies, time_replays  # noqa: E402
+from bench_common import (WARPS, add_out_option, capture, first_line, parse_cases, read_ceiling_gbps,  # noqa: E402
+                          rotated_copies, time_replays, variant_name, write_rows)
+from persistentkv.names import ENGINE_ROUTES  # noqa: E402
 
 STAMPS = 7
 FIELDS = 16  # the kernel's TRACE_FIELDS: 7 ns stamps, 7 cycle stamps, 2 meta words
 PHASES = ("entry", "released", "first", "loop", "written", "decided", "exit")
+CASES = "1x4096,1x16384,1x32768,1x65536,2x16384,4x8192,4x32768"
 
 
-def parse_args():
+def parse_args(argv=None):
     import argparse
-    import os
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--warps", default="4,8", help="comma-separated warps per CTA (4, 8)")
-    parser.add_argument("--cases", default="1x4096,1x16384,1x32768,1x65536,2x16384,4x8192,4x32768")
-    parser.add_argument("--variants", default="base=",
-                        help="comma-separated NAME=DEFINE+DEFINE (e.g. base=,detail=PKV_TRACE=2)")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--sequential", action="store_true",
-                        help="time each untraced graph right after its capture instead of interleaving them")
-    args = parser.parse_args()
-    args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
-    args.variants = parse_variants(args.variants)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_option(parser)
+    parser.add_argument("--calls", type=int, default=10, help="calls per CUDA graph (default 10)")
+    parser.add_argument("--warps", default=",".join(map(str, WARPS)),
+                        help="comma-separated warps per CTA (default 4,8)")
+    parser.add_argument("--routes", default="workqueue", help=f"comma-separated routes ({', '.join(ENGINE_ROUTES)}; "
+                        "default workqueue)")
+    parser.add_argument("--cases", default=CASES, help=f"as bench_engine.py's (default {CASES})")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds of the untraced graphs (default 9)")
+    args = parser.parse_args(argv)
+    try:
+        args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
+    except ValueError:
+        args.warps = []
+    if not args.warps or any(w not in WARPS for w in args.warps):
+        parser.error(f"--warps takes {' and/or '.join(map(str, WARPS))}")
+    args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if not args.routes or any(r not in ENGINE_ROUTES for r in args.routes):
+        parser.error(f"--routes takes some of {', '.join(ENGINE_ROUTES)}")
+    parse_cases(args.cases)  # a bad case fails before any GPU work
     return args
 
 
-def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``base=,x=PKV_A=2+PKV_B=1`` -> {"base": (), "x": ("PKV_A=2", "PKV_B=1")}."""
-    variants = {}
-    for item in (v.strip() for v in text.split(",") if v.strip()):
-        name, _, defs = item.partition("=")
-        if not name or name in variants:
-            raise SystemExit(f"--variants: {item!r} needs a new NAME before '='")
-        variants[name] = tuple(d for d in defs.split("+") if d)
-    return variants
-
-
 def graph_us(graph, calls: int, repeats: int = 7) -> float:
-    """Median us per call of ``repeats`` replays of one graph (graph_timing.time_replays)."""
+    """Median us per call of ``repeats`` replays of one graph (bench_common.time_replays)."""
     return statistics.median(time_replays({"graph": graph}, repeats, calls)["graph"])
 
 
@@ -140,86 +138,87 @@ def call_table(df, floor_us: float) -> dict:
     return out
 
 
-def main() -> int:
+def trace_variant(engine, batch, route: str, q, copies, calls: int):
+    """One traced variant of a case: (items, traced us per call, records of one replay)."""
+    import torch
+
+    plan = engine.plan(batch, route)
+    out = torch.empty_like(q)
+    graph = capture(lambda kv: engine.run(q, kv, plan, out), copies, calls)
+    traced_us = graph_us(graph, calls)
+    items = len(engine.device_items(plan))
+    reset_trace(engine)
+    graph.replay()
+    torch.cuda.synchronize()
+    return items, traced_us, read_trace(engine)
+
+
+def main(argv=None) -> int:
     import pandas as pd
     import torch
 
     from persistentkv.cache import make_batch
-    from persistentkv.engine import DecodeEngine
+    from persistentkv.engine import DecodeEngine, engine_for
     from persistentkv.spec import AttentionSpec
 
-    args = parse_args()
+    args = parse_args(argv)
     t_start = time.time()
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s", flush=True)
     engines = {}
     for w in args.warps:
-        for name, defs in args.variants.items():
-            plain_defs = tuple(d for d in defs if not d.startswith("PKV_TRACE"))
-            traced_defs = defs if len(plain_defs) < len(defs) else (*defs, "PKV_TRACE=1")
-            try:
-                engines[(w, name)] = (DecodeEngine(spec, warps=w, defines=traced_defs),
-                                      DecodeEngine(spec, warps=w, defines=plain_defs))
-            except Exception as exc:
-                print(f"{w} warps {name}: no engine ({first_line(exc)})")
+        try:
+            engines[w] = (DecodeEngine(spec, warps=w, trace=True), engine_for(spec, warps=w))
+        except Exception as exc:
+            print(f"{w} warps: no engine ({first_line(exc)})")
     frames, table = [], []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for label, lengths in parse_cases(args.cases):
         batch = make_batch(spec, lengths, seed=1)
         copies, q = rotated_copies(spec, batch, l2)
         floor = batch.kv_bytes / (ceiling * 1e3)
-        plain_graphs, traced, sequential = {}, {}, {}
-        for (w, name), (tr_engine, plain) in engines.items():
+        plain_graphs, traced, keep = {}, {}, []
+        for (w, (tr_engine, plain)), route in ((e, r) for e in engines.items() for r in args.routes):
+            name = variant_name(route, w)
             try:
-                plan = tr_engine.plan(batch, "workqueue")
-                out = torch.empty_like(q)
-                graph = capture(lambda kv, e=tr_engine, p=plan, o=out: e.run(q, kv, p, o), copies, args.calls)
-                traced_us = graph_us(graph, args.calls)
-                items = len(tr_engine.device_items(plan))
-                reset_trace(tr_engine)
-                graph.replay()
-                torch.cuda.synchronize()
-                rec = read_trace(tr_engine)
-                del graph
-                pplan = plain.plan(batch, "workqueue")
-                pout = torch.empty_like(q)
-                plain_graphs[(w, name)] = capture(lambda kv, e=plain, p=pplan, o=pout: e.run(q, kv, p, o), copies,
-                                                  args.calls)
-                if args.sequential:
-                    sequential[(w, name)] = graph_us(plain_graphs.pop((w, name)), args.calls, args.repeats)
+                items, traced_us, rec = trace_variant(tr_engine, batch, route, q, copies, args.calls)
+                pplan, pout = plain.plan(batch, route), torch.empty_like(q)
+                keep.append((pplan, pout))  # the graph reads the plan and writes into out: both outlive it
+                plain_graphs[name] = capture(lambda kv, e=plain, p=pplan, o=pout: e.run(q, kv, p, o), copies,
+                                             args.calls)
             except Exception as exc:
-                print(f"{label} {w} warps {name}: failed ({first_line(exc)})", flush=True)
+                print(f"{label} {name}: failed ({first_line(exc)})", flush=True)
                 torch.cuda.synchronize()
                 continue
             if len(rec) != items * args.calls:
-                print(f"{label} {w} warps {name}: {len(rec)} records for {items} items x {args.calls} calls; skipped")
+                print(f"{label} {name}: {len(rec)} records for {items} items x {args.calls} calls; skipped")
                 continue
-            traced[(w, name)] = (items, traced_us, rec)
+            traced[name] = (w, items, traced_us, rec)
         replays = time_replays(plain_graphs, args.repeats, args.calls) if plain_graphs else {}
-        plain_us = {k: statistics.median(v) for k, v in replays.items()} | sequential
-        for (w, name), (items, traced_us, rec) in traced.items():
+        plain_us = {k: statistics.median(v) for k, v in replays.items()}
+        for name, (w, items, traced_us, rec) in traced.items():
             df = records_frame(rec, items, label, w)
             df.insert(2, "variant", name)
-            bad = [k for k, g in df.groupby("call") if sorted(g.block) != list(range(items))]
+            bad = [k for k, g in df.groupby("call") if sorted(g.slot) != list(range(items))]
             if bad:
-                print(f"{label} {w} warps {name}: calls {bad} do not hold each item once; records out of call order")
-            times = {"plain": plain_us.get((w, name), float("nan")), "traced": traced_us}
+                print(f"{label} {name}: calls {bad} do not hold each item once; records out of call order")
+            times = {"plain": plain_us.get(name, float("nan")), "traced": traced_us}
             df["floor_us"], df["plain_us"], df["traced_us"] = floor, times["plain"], times["traced"]
             frames.append(df)
             stats = call_table(df, floor)
             ratio = np.median((df.cyc_exit - df.cyc_entry) / np.maximum(df.ns_exit - df.ns_entry, 1))
-            table.append((label, w, name, items, times, stats, ratio))
-            print(f"{label} {w} warps {name}: {items} items, plain {times['plain']:.1f} us, traced "
+            table.append((label, name, items, times, stats, ratio))
+            print(f"{label} {name}: {items} items, plain {times['plain']:.1f} us, traced "
                   f"{times['traced']:.1f} us, " + ", ".join(f"{k} {v:.2f}" for k, v in stats.items()), flush=True)
         if frames:
             write_rows(pd.concat(frames).to_dict("records"), args.out, "trace_cta", t_start, final=False)
-        del copies, plain_graphs
+        del copies, plain_graphs, keep
         torch.cuda.empty_cache()
-    print(f"\n{'case':<14} {'w':>2} {'variant':<8} {'items':>5} {'plain':>6} {'traced':>6} {'period':>6} {'floor':>6} {'gap':>5} "
-          f"{'skew':>5} {'first':>5} {'loop':>6} {'spread':>6} {'tail':>5}  GHz")
-    for label, w, name, items, times, s, ratio in table:
-        print(f"{label:<14} {w:>2} {name:<8} {items:>5} {times['plain']:6.1f} {times['traced']:6.1f} {s['period']:6.1f} "
+    print(f"\n{'case':<14} {'variant':<9} {'items':>5} {'plain':>6} {'traced':>6} {'period':>6} {'floor':>6} "
+          f"{'gap':>5} {'skew':>5} {'first':>5} {'loop':>6} {'spread':>6} {'tail':>5}  GHz")
+    for label, name, items, times, s, ratio in table:
+        print(f"{label:<14} {name:<9} {items:>5} {times['plain']:6.1f} {times['traced']:6.1f} {s['period']:6.1f} "
               f"{s['floor']:6.1f} {s['gap']:5.2f} {s['skew']:5.2f} {s['first']:5.2f} {s['loop']:6.1f} "
               f"{s['loop_spread']:6.2f} {s['tail']:5.2f}  {ratio:.2f}")
     if frames:

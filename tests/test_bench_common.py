@@ -1,8 +1,10 @@
-"""The development benches' CPU-side helpers (benchmarks/bench_common.py): case parsing and the
-incremental result file that keeps finished cases when a run dies half-way."""
+"""The development benches' CPU-side parts: case parsing, the variants of bench_engine.py, the
+comparison and paired-ratio tables, the atomic incremental result file that keeps finished cases
+when a run dies half-way, host_overhead's loops, and summarize_dev's reading of benchmarks/runs/."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_common  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_write_rows_rewrites_one_file_per_run(tmp_path):
     t_start = time.time()
@@ -24,6 +28,24 @@ def test_write_rows_rewrites_one_file_per_run(tmp_path):
     second = bench_common.write_rows(rows, str(tmp_path), "bench_x", t_start)
     assert first == second and list(tmp_path.iterdir()) == [first]
     assert pd.read_parquet(second)["time_us"].tolist() == [7.0, 12.0]
+
+
+def test_write_rows_never_writes_in_place(tmp_path, monkeypatch):
+    """An incremental save that dies mid-write (a time limit, a full disk) leaves the rows of the
+    last complete save under the final name, and no temporary file beside it."""
+    t_start = time.time()
+    path = bench_common.write_rows([{"case": "B=1 N=1024", "time_us": 7.0}], str(tmp_path), "bench_x", t_start)
+
+    def dies_half_way(self, target, **kwargs):
+        Path(target).write_bytes(b"PAR1 half a file")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", dies_half_way)
+    with pytest.raises(OSError, match="no space"):
+        bench_common.write_rows([{"case": "B=1 N=1024", "time_us": 7.0}, {"case": "B=1 N=4096", "time_us": 12.0}],
+                                str(tmp_path), "bench_x", t_start)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == [path] and pd.read_parquet(path)["time_us"].tolist() == [7.0]
 
 
 def test_write_rows_makes_a_missing_out_directory(tmp_path):
@@ -62,87 +84,126 @@ def test_parse_cases():
 
 
 def test_comparison_row_picks_the_fastest_checked_variant_of_each_kind(capsys):
-    med = {"wq": 10.0, "wq8": 9.0, "pages4": 8.0, "pages5": 7.0, "trtllm-xqa": 13.0, "vllm-fa3": 12.5, "read": 1.0}
-    ok = {n: t for n, t in med.items() if n != "pages5"}  # pages5 failed its float64 check
-    row = bench_common.comparison_row("B=1 N=4096", 3.9, med, ok, lambda n: n.startswith("pages"))
-    assert row[3:] == (("vllm-fa3", 12.5), ("wq8", 9.0), ("pages4", 8.0))  # read is never a candidate
-    bench_common.print_comparison([row], "pages")
+    med = {"wq": 10.0, "wq8": 9.0, "split8": 7.0, "trtllm-xqa": 13.0, "vllm-fa3": 12.5, "flashinfer-tc": 11.0,
+           "read": 1.0}
+    ok = {n: t for n, t in med.items() if n not in ("split8", "flashinfer-tc")}  # both failed their float64 check
+    row = bench_common.comparison_row("B=1 N=4096", 3.9, med, ok)
+    assert row[3:] == (("vllm-fa3", 12.5), ("wq8", 9.0))  # read is never ours
+    bench_common.print_comparison([row])
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "1.12x" in line and "1.56x" in line and "49%" in line
+    assert "vllm-fa3=12.5" in line and "wq8=9.0" in line and "1.39x" in line and "43%" in line
+    assert "read=1.0" in line and "trtllm-xqa" not in line  # every variant of ours is shown, no baseline
 
 
-def test_add_queue_registers_the_engines_workqueue_plan_and_its_run():
+def test_every_shipped_route_and_warps_has_a_variant_name():
+    from persistentkv.names import ENGINE_ROUTES
+
+    assert tuple(bench_common.ROUTE_STEMS) == ENGINE_ROUTES
+    assert bench_common.SHIPPED == ("wq", "wq8", "buckets", "buckets8", "split", "split8")
+    assert len(set(bench_common.SHIPPED)) == len(bench_common.SHIPPED)
+
+
+class FakeEngine:
+    """Records what a bench asks of an engine: plan(batch, route, **options), run(q, kv, plan, out)."""
+
+    def __init__(self, calls=None, target_items=264, **options):
+        self.calls = [] if calls is None else calls
+        self.target_items, self.options = target_items, options
+
+    def plan(self, batch, route="workqueue", **options):
+        if route not in ("workqueue", "buckets", "split"):
+            raise ValueError(f"unknown route {route!r}")
+        self.calls.append(("plan", batch, route, options))
+        return ("plan-of", batch, route)
+
+    def run(self, q, kv, plan, out):
+        self.calls.append(("run", q, kv, plan, out))
+
+
+def test_add_engine_plan_registers_the_plan_and_its_run_or_says_why_not(capsys):
     calls = []
-
-    class FakeEngine:
-        def plan(self, batch, route, **options):
-            calls.append(("plan", batch, route, options))
-            return ("plan-of", batch)
-
-        def run(self, q, kv, plan, out):
-            calls.append(("run", q, kv, plan, out))
-
+    engine = FakeEngine(calls)
     runs = {}
     add = bench_common.planning_adder(runs)
-    engine = FakeEngine()
-    bench_common.add_queue(add, "batch", "wq", engine)
-    bench_common.add_queue(add, "batch", "wq-closed", engine, chunk_rule="closed")
-    assert calls == [("plan", "batch", "workqueue", {}), ("plan", "batch", "workqueue", {"chunk_rule": "closed"})]
-    plan, make_run = runs["wq-closed"]
-    assert plan == ("plan-of", "batch")
+    bench_common.add_engine_plan(add, "batch", "wq@x2", engine, {"route": "workqueue", "target_items": 528})
+    bench_common.add_engine_plan(add, "batch", "nope", engine, {"route": "cluster"})
+    assert calls == [("plan", "batch", "workqueue", {"target_items": 528})] and list(runs) == ["wq@x2"]
+    assert "nope: not planned (ValueError: unknown route 'cluster')" in capsys.readouterr().out
+    plan, make_run = runs["wq@x2"]
     make_run("q")("kv", plan, "out")
-    assert calls[-1] == ("run", "q", "kv", ("plan-of", "batch"), "out")
+    assert calls[-1] == ("run", "q", "kv", ("plan-of", "batch", "workqueue"), "out")
 
 
-def test_adaptive_cold_runs_on_the_cpu_and_prints_each_trial(capsys):
-    """benchmarks/adaptive_cold.py needs no GPU: one short trial prints the delegate's step time
-    and the wrapper's and the adaptive's overhead over it."""
-    import adaptive_cold
+def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves_then_switches(capsys):
+    """One function builds every variant of ours as (name, engine, plan options), each engine from
+    make_engine, so the same variants can come from another build of the kernels; warps whose
+    engine cannot be built are left out with the reason."""
+    import bench_engine
 
-    policy = Path(__file__).resolve().parents[1] / "results" / "nvidia-h200" / "policy.json"
-    assert adaptive_cold.main(["--policy", str(policy), "--trials", "1", "--rounds", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "B=1 x 8200" in out and "trial 0: delegate" in out and "wrapper +" in out and "adaptive +" in out
+    built = []
+
+    def make_engine(spec, **options):
+        built.append(options)
+        if options["warps"] == 8 and options.get("pdl") is False:
+            raise RuntimeError("no 8-warp module without PDL here")
+        return FakeEngine(target_items=132 if options["warps"] == 8 else 264, **options)
+
+    out = bench_engine.variants("spec", waves=(2, 0.5), without=("early_kv",), make_engine=make_engine)
+    assert [v.name for v in out] == ["wq", "buckets", "split", "wq@x2", "wq@x0.5", "wq-noearly",
+                                     "wq8", "buckets8", "split8", "wq8@x2", "wq8@x0.5", "wq8-noearly"]
+    plans = {v.name: v.plan for v in out}
+    assert plans["buckets8"] == {"route": "buckets"} and plans["wq-noearly"] == {"route": "workqueue"}
+    assert plans["wq@x2"] == {"route": "workqueue", "target_items": 528}
+    assert plans["wq8@x0.5"] == {"route": "workqueue", "target_items": 66}
+    engines = {v.name: v.engine.options for v in out}
+    assert engines["wq8"] == engines["split8"] == {"warps": 8}
+    assert engines["wq-noearly"] == {"warps": 4, "early_kv": False}
+    assert built == [{"warps": 4}, {"warps": 4, "early_kv": False}, {"warps": 8}, {"warps": 8, "early_kv": False}]
+    # an engine that cannot be built leaves its warps out, and says why
+    out = bench_engine.variants("spec", without=("pdl",), make_engine=lambda spec, **o: (
+        FakeEngine(**o) if o["warps"] == 4 else make_engine(spec, pdl=False, **o)))
+    assert [v.name for v in out] == ["wq", "buckets", "split", "wq-nopdl"]
+    assert "8 warps: no engine (RuntimeError: no 8-warp module without PDL here)" in capsys.readouterr().out
 
 
-def test_replay_latency_engine_options_parse_and_reach_engine_for(monkeypatch):
-    import replay_latency
+def test_bench_engine_options_are_checked_before_any_gpu_work():
+    import bench_engine
 
-    from persistentkv import engine
-
-    assert replay_latency.engine_options("early_kv=0,pdl=1") == {"early_kv": False, "pdl": True}
-    for bad in ("early_kv=yes", "warps=8", "pdl"):
-        with pytest.raises(SystemExit, match="--engine-options"):
-            replay_latency.engine_options(bad)
-    seen = []
-    monkeypatch.setattr(engine, "engine_for", lambda spec, **options: seen.append((spec, options)))
-    replay_latency.engine_with({"early_kv": False})
-    engine.engine_for("spec", warps=8)  # as pkv-workqueue asks for its 8-warp module
-    assert seen == [("spec", {"early_kv": False, "warps": 8})]
+    assert bench_engine.parse_waves("") == () and bench_engine.parse_waves("2, 0.5") == (2.0, 0.5)
+    for bad in ("1", "0", "-2", "x", "nan"):
+        with pytest.raises(SystemExit, match="--waves"):
+            bench_engine.parse_waves(bad)
+    assert bench_engine.parse_names("pdl,early_kv", tuple(bench_engine.SWITCHES), "--without") == ("pdl", "early_kv")
+    assert bench_engine.parse_names("", ("vllm-fa3",), "--baselines") == ()
+    with pytest.raises(SystemExit, match="--baselines: flashinfer not among"):
+        bench_engine.parse_names("vllm-fa3,flashinfer", ("vllm-fa3", "trtllm-xqa"), "--baselines")
 
 
-def test_paired_ratios_pair_each_round_with_its_shipped_queue():
+def test_paired_ratios_pair_each_round_with_its_shipped_configuration():
     """Ratios are taken round by round (the variants of a round ran interleaved), only for a
-    development variant against its own shipped queue: never a baseline whose name has a dash, a
-    variant without its base, or a round that lacks either of the two."""
+    variant against its own shipped configuration: never a baseline whose name has a dash, a
+    variant whose base is not shipped, one without its base, or a round that lacks either."""
     rng = np.random.default_rng(7)
     rows = []
     for case, scale in (("B=1 N=4096", 10.0), ("B=1 N=32768", 36.0)):
         for repeat in range(5):
             base = scale * (1 + 0.2 * rng.random())  # rounds differ by far more than the variants do
             times = {"wq8": base, "wq8-x": base * (0.95 if repeat != 2 else 1.02), "wq": base * 1.1,
-                     "vllm-fa3": base * 1.2, "wq4-y": base, "read": base * 0.9}
+                     "vllm-fa3": base * 1.2, "wq4-y": base, "read": base * 0.9, "read-z": base,
+                     "split8": base * 1.3, "split8-against": base * 1.3 * 1.05}
             if case == "B=1 N=32768" and repeat == 4:
                 del times["wq8"]  # a round without the base: left out
             rows += [{"case": case, "repeat": repeat, "variant": v, "time_us": t} for v, t in times.items()]
     table = bench_common.paired_ratios(pd.DataFrame(rows))
-    assert set(table["variant"]) == {"wq8-x"} and set(table["base"]) == {"wq8"}
+    assert set(table["variant"]) == {"wq8-x", "split8-against"} and set(table["base"]) == {"wq8", "split8"}
+    assert table[table.variant == "split8-against"]["median"].tolist() == pytest.approx([1.05, 1.05])
+    table = table[table.variant == "wq8-x"]
     first, second = table.itertuples()
     assert (first.case, first.rounds, first.faster) == ("B=1 N=4096", 5, 4)
     assert (second.case, second.rounds, second.faster) == ("B=1 N=32768", 4, 3)
     for r in (first, second):
         assert r.median == pytest.approx(0.95) and r.min == pytest.approx(0.95) and r.max == pytest.approx(1.02)
-    assert bench_common.paired_ratios(pd.DataFrame(rows).query("variant != 'wq8-x'")).empty
+    assert bench_common.paired_ratios(pd.DataFrame(rows).query("variant not in ('wq8-x', 'split8-against')")).empty
 
 
 def test_host_overhead_loops_time_each_call_and_summarise_the_longest(monkeypatch):
@@ -213,57 +274,30 @@ def test_host_overhead_per_cpu_pins_each_cpu_in_turn_and_restores_the_affinity(m
     assert affinity[-1] == cpus
 
 
-def test_bench_defines_head_split_plans_virtual_heads_that_compute_the_real_attention():
-    """heads=N: PKV_HEADSPLIT=N built in; the queue planned for Hkv * N virtual kv heads. Item head h'
-    reads K/V of kv head h' // N (the define) for query heads [h' G/N, (h' + 1) G/N), which is
-    the real attention: executed on the CPU over a cache whose virtual head h' is kv head h' // N,
-    the plan gives the float64 reference of the real spec. At B=4 x 8K the 8-warp queue's 132
-    slots hold every virtual group's 8K tokens in one item, so nothing merges."""
-    import bench_defines
-    from persistentkv.cache import make_batch, random_cache
-    from persistentkv.plan import plan_workqueue, unpack_items
-    from persistentkv.reference import execute_plan, reference_decode
-    from persistentkv.spec import AttentionSpec
+def test_host_overhead_cpu_only_writes_its_rows_to_out(tmp_path):
+    """--cpu-only (no GPU): the python_key rows of each loop length, written atomically to --out."""
+    import host_overhead
 
-    assert bench_defines.variant_build("heads=4") == (("PKV_HEADSPLIT=4",), {"heads": 4})
-    assert bench_defines.variant_build("heads=2+early_kv=0") == (("PKV_HEADSPLIT=2",), {"heads": 2, "early_kv": False})
-    for bad in ("heads=3", "heads=0", "PKV_HEADSPLIT=4"):
-        with pytest.raises(ValueError):
-            bench_defines.variant_build(bad)
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    vspec = bench_defines.head_split_spec(spec, 4)
-    assert (vspec.num_qo_heads, vspec.num_kv_heads, vspec.group_size) == (32, 32, 1)
-    with pytest.raises(ValueError, match="does not divide"):
-        bench_defines.head_split_spec(spec, 8)
-
-    rng = np.random.default_rng(7)
-    small = AttentionSpec(8, 2, 64, 16, "float16")  # G = 4
-    batch = make_batch(small, [37, 16, 129], hole_fraction=0.3, seed=int(rng.integers(1 << 30)))
-    k, v = random_cache(small, batch.num_pages, seed=int(rng.integers(1 << 30)))
-    q = rng.standard_normal((batch.batch_size, small.num_qo_heads, small.head_dim))
-    ref = reference_decode(q, k.astype(np.float64), v.astype(np.float64), batch)
-    for heads in (2, 4):
-        vs = bench_defines.head_split_spec(small, heads)
-        vbatch = bench_defines.head_split_batch(batch, vs)
-        plan = plan_workqueue(vbatch, target_items=8)
-        as_kernel_reads = np.repeat(k.astype(np.float64), heads, axis=2), np.repeat(v.astype(np.float64), heads, axis=2)
-        out = execute_plan(plan, q, *as_kernel_reads, vbatch)  # virtual head h' = kv head h' // heads
-        assert np.abs(out - ref).max() < 1e-12
-        items = unpack_items(plan.items)
-        assert set(items["head"][:plan.num_items].tolist()) == set(range(small.num_kv_heads * heads))
-
-    wide = bench_defines.head_split_batch(make_batch(spec, [8192] * 4), vspec)
-    plan = plan_workqueue(wide, target_items=132)
-    assert plan.num_items == 4 * 32 and len(plan.merge_groups) == 0
+    assert host_overhead.main(["--cpu-only", "--repeats", "2", "--out", str(tmp_path / "rows")]) == 0
+    (path,) = (tmp_path / "rows").iterdir()
+    df = pd.read_parquet(path)
+    assert path.name.startswith("host_overhead_") and set(df["mode"]) == {"python_key"}
+    assert sorted(df["loop_calls"]) == sorted(host_overhead.LOOPS) and (df["median_us"] > 0).all()
 
 
-def test_bench_defines_parses_defines_switches_and_pool_shares():
-    import bench_defines
+def test_summarize_dev_reads_every_committed_run(tmp_path, capsys):
+    """Every file of benchmarks/runs/ is printed by one of summarize_dev's tables (the committed
+    runs print without a GPU), and a file that no table reads is refused before anything prints."""
+    import summarize_dev
 
-    assert bench_defines.variant_build("PKV_POOL=1+PKV_POOL_NOPROLOGUE=1+pool=2") == (
-        ("PKV_POOL=1", "PKV_POOL_NOPROLOGUE=1"), {"pool": 0.125})
-    assert bench_defines.variant_build("early_kv=0") == ((), {"early_kv": False})
-    for bad in ("pool=0", "pool=16", "pool=x", "early_kv=2", "warps=8"):
-        with pytest.raises(ValueError, match="pool=U"):
-            bench_defines.variant_build(bad)
-    assert bench_defines.variant_tag("pool=2") == "pool2"
+    runs = sorted((ROOT / "benchmarks" / "runs").glob("*.parquet"))
+    assert runs and all(summarize_dev.printer_for(p) for p in runs)
+    assert summarize_dev.main() == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{p.stem} (" in out for p in runs)
+    assert re.search(r"B=1 N=4096\s+wq8-early_kv0\s+0\.941 ", out)  # the early-load skip's deciding case
+    (tmp_path / "bench_x.parquet").write_bytes((ROOT / "benchmarks" / "runs" / runs[0].name).read_bytes())
+    (tmp_path / "stray.parquet").write_bytes(b"")
+    with pytest.raises(SystemExit, match="stray.parquet: no table of summarize_dev.py reads it"):
+        summarize_dev.main(tmp_path)
+    assert capsys.readouterr().out == ""

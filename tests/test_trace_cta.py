@@ -1,4 +1,4 @@
-"""The CPU side of benchmarks/trace_cta.py: variant parsing, decoding the kernel's trace records
+"""The CPU side of benchmarks/trace_cta.py: its options, decoding the kernel's trace records
 (kernels/pkv_decode.cu, PKV_TRACE) and the per-call timeline built from them."""
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import trace_cta  # noqa: E402
 
 
-def test_parse_variants():
-    assert trace_cta.parse_variants("base=,detail=PKV_TRACE=2,x=PKV_A=1+PKV_B") == {
-        "base": (), "detail": ("PKV_TRACE=2",), "x": ("PKV_A=1", "PKV_B")}
-    for bad in ("base=,base=PKV_A=1", "=PKV_A=1"):
-        with pytest.raises(SystemExit, match="needs a new NAME"):
-            trace_cta.parse_variants(bad)
+def test_parse_args_takes_the_shipped_warps_and_routes_only(capsys):
+    args = trace_cta.parse_args([])
+    assert (args.warps, args.routes, args.calls) == ([4, 8], ["workqueue"], 10)
+    args = trace_cta.parse_args(["--warps", "8", "--routes", "split, buckets", "--cases", "B8-bimodal"])
+    assert (args.warps, args.routes) == ([8], ["split", "buckets"])
+    for bad, says in ((["--warps", "6"], "--warps takes"), (["--warps", "x"], "--warps takes"),
+                      (["--routes", "cluster"], "--routes takes"), (["--routes", "workqueue_host"], "--routes takes")):
+        with pytest.raises(SystemExit):
+            trace_cta.parse_args(bad)
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not BxN"):  # a bad case fails before any GPU work
+        trace_cta.parse_args(["--cases", "4096"])
 
 
 def record(ns, sm, block, slot, merged, tokens, cycles_per_ns=2):
