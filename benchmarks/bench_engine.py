@@ -2,6 +2,7 @@
 
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
                                       [--waves 2,0.5] [--without pdl,early_kv] [--baselines vllm-fa3]
+                                      [--against DIR]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
@@ -15,6 +16,12 @@ of the case interleaved. Variants:
                            W waves of shorter items (W > 1), or fewer and longer ones (W < 1)
   wq-nopdl, wq8-nopdl      (--without pdl) the queues without programmatic dependent launch
   wq-noearly, wq8-noearly  (--without early_kv) the queues without K/V loads before the PDL wait
+  X-TAG                    (--against DIR) every shipped variant X built by another version of
+                           the engine: DIR holds that version's kernels/ and src/PACKAGE (the
+                           package renamed, e.g. persistentkv_0390ebd, so both import in one
+                           process; TAG is its suffix). Made by
+                             git archive REV src/persistentkv kernels | tar -x -C DIR
+                             mv DIR/src/persistentkv DIR/src/persistentkv_REV
   flashinfer-cc, flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines installed here (--baselines)
   read                     not attention: the read-ceiling kernel over a contiguous buffer of the
                            case's KV bytes, the time a kernel that only streams them takes
@@ -28,6 +35,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +85,47 @@ def variants(spec, *, warps=WARPS, waves=(), without=(), make_engine=None) -> li
     return out
 
 
+class _Against:
+    """Another version's engine behind this version's batches: its plan() gets the batch rebuilt
+    with that version's Batch and AttentionSpec (the same lengths, page table and pages); the
+    tensors it runs on are the same."""
+
+    def __init__(self, engine, package):
+        self._engine, self._cache, self._spec = engine, package.cache, package.spec
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def plan(self, batch, route="workqueue", **options):
+        spec = self._spec.AttentionSpec(**{k: getattr(batch.spec, k) for k in
+                                           ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")})
+        theirs = self._cache.Batch(spec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
+        return self._engine.plan(theirs, route, **options)
+
+
+def against_variants(path: str, *, warps=WARPS) -> list[Variant]:
+    """The shipped variants of every route and warps, built by the engine under ``path``
+    (--against; module docstring), named X-TAG with TAG the package's suffix."""
+    import importlib
+
+    root = Path(path).resolve()
+    packages = sorted(p.name for p in (root / "src").glob("persistentkv_*") if (p / "engine.py").is_file())
+    if len(packages) != 1 or not (root / "kernels" / "pkv_decode.cu").is_file():
+        raise SystemExit(f"--against: {root} must hold kernels/pkv_decode.cu and one src/persistentkv_TAG package "
+                         f"(found {packages or 'none'})")
+    sys.path.insert(0, str(root / "src"))
+    name = packages[0]
+    package = SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in ("cache", "spec", "engine")})
+    tag = name.removeprefix("persistentkv_")
+
+    def make_engine(spec, **options):
+        theirs = package.spec.AttentionSpec(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
+                                            spec.dtype)
+        return _Against(package.engine.engine_for(theirs, **options), package)
+
+    return [v._replace(name=f"{v.name}-{tag}") for v in variants(SPEC, warps=warps, make_engine=make_engine)]
+
+
 def parse_waves(text: str) -> tuple[float, ...]:
     """``2,0.5`` -> (2.0, 0.5): multiples of the queues' default target_items, each > 0 and not 1."""
     try:
@@ -108,6 +157,8 @@ def main() -> int:
                             "adds the queues with each one off")
         parser.add_argument("--baselines", default=",".join(BASELINES),
                             help="comma-separated baselines to time where installed (default all; '' for none)")
+        parser.add_argument("--against", default="", help="a folder with another version's kernels/ and "
+                            "src/persistentkv_TAG: adds its shipped variants as X-TAG (see above)")
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
@@ -115,6 +166,8 @@ def main() -> int:
     baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
     t_start = time.time()
     ours = variants(SPEC, waves=waves, without=without)
+    if args.against:
+        ours += against_variants(args.against)
     if not ours:
         raise SystemExit("no engine could be built on this GPU")
     ceiling = read_ceiling_gbps()

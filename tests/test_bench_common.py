@@ -166,6 +166,45 @@ def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves_then_
     assert "8 warps: no engine (RuntimeError: no 8-warp module without PDL here)" in capsys.readouterr().out
 
 
+def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batches(tmp_path):
+    """--against DIR imports DIR/src/persistentkv_TAG beside this version and names its shipped
+    variants X-TAG; their plans get the batch rebuilt with that version's Batch and spec."""
+    import bench_engine
+
+    from persistentkv.cache import make_batch
+
+    pkg = tmp_path / "src" / "persistentkv_old1"
+    pkg.mkdir(parents=True)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "pkv_decode.cu").write_text("// another version\n")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "spec.py").write_text("from collections import namedtuple\n"
+                                 "AttentionSpec = namedtuple('AttentionSpec', 'num_qo_heads num_kv_heads head_dim "
+                                 "page_size dtype')\n")
+    (pkg / "cache.py").write_text("from collections import namedtuple\n"
+                                  "Batch = namedtuple('Batch', 'spec seq_lens kv_indptr kv_indices num_pages')\n")
+    (pkg / "engine.py").write_text(
+        "class Engine:\n"
+        "    def __init__(self, spec, warps=4):\n"
+        "        self.spec, self.warps, self.target_items, self.min_chunk_tiles = spec, warps, 264, 2\n"
+        "    def plan(self, batch, route='workqueue', **options):\n"
+        "        return ('planned', type(batch).__module__, route, tuple(batch.seq_lens))\n"
+        "def engine_for(spec, **options):\n"
+        "    return Engine(spec, **options)\n")
+    try:
+        out = bench_engine.against_variants(str(tmp_path))
+    finally:
+        sys.path.remove(str(tmp_path / "src"))
+    assert [v.name for v in out] == ["wq-old1", "buckets-old1", "split-old1", "wq8-old1", "buckets8-old1",
+                                     "split8-old1"]
+    assert [v.engine.warps for v in out] == [4, 4, 4, 8, 8, 8]
+    batch = make_batch(bench_engine.SPEC, [300, 17])
+    assert out[1].engine.plan(batch, **out[1].plan) == ("planned", "persistentkv_old1.cache", "buckets", (300, 17))
+    (tmp_path / "kernels" / "pkv_decode.cu").unlink()
+    with pytest.raises(SystemExit, match="must hold kernels/pkv_decode.cu"):
+        bench_engine.against_variants(str(tmp_path))
+
+
 def test_bench_engine_options_are_checked_before_any_gpu_work():
     import bench_engine
 
