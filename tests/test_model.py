@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persistentkv import configuration
+from persistentkv import cli, configuration
 from persistentkv.errors import PKVError
 
 torch = pytest.importorskip("torch", reason="the decode loop runs on torch")
@@ -278,6 +278,46 @@ def test_a_row_that_fills_its_reservation_is_refused(weights):
         loop.step()
         with pytest.raises(PKVError, match="row 0 has filled the 8 tokens it reserved"):
             loop.step()
+
+
+def test_measure_e2e_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    code = cli.main(["measure-e2e", "--config", str(ROOT / "config" / "config.yaml"),
+                     "--out", str(tmp_path / "e2e.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: no CUDA device") and err.count("\n") == 1
+    assert not (tmp_path / "e2e.parquet").exists()
+
+
+def test_measure_e2e_rows_and_table_from_known_times():
+    """The command's rows keep their dtypes, and its table computes the step against the best
+    baseline and the Amdahl prediction from the attention times (numbers chosen by hand)."""
+    import pandas as pd
+
+    from persistentkv.commands import measure_e2e as e2e
+
+    assert e2e.parse_cases("1x4096, 64X32768") == [(1, 4096), (64, 32768)]
+    with pytest.raises(PKVError, match="'4k' is not BxCONTEXT"):
+        e2e.parse_cases("4k")
+    assert e2e.default_backends(CONFIG)[0] == "pkv-workqueue" and "adaptive" not in e2e.default_backends(CONFIG)
+    eight = model_shape(CONFIG, "llama3_8b")
+    setting = e2e.Setting("run", eight, "float16", 16, "cases", 1, "torch", 2**34)
+    # best baseline: 1000 us a step, 300 of it attention; ours: 900 us with 180 us of attention
+    times = {"flashinfer-tc": (1000.0, 300.0), "vllm-fa3": (1100.0, 350.0), "pkv-workqueue": (900.0, 180.0)}
+    rows = [setting.row(name, 4, [32768] * 4, 0, repeat=r, step_us=s + r, attention_us=a, non_attention_us=s - a,
+                        tokens_per_s=4 / (s * 1e-6), weight_floor_us=560.0)
+            for name, (s, a) in times.items() for r in range(3)]
+    rows += e2e._refused_rows(setting, ["trtllm-xqa"], 4, [32768] * 4, 0, {"trtllm-xqa": "no flashinfer"},
+                              "unavailable")
+    frame = pd.DataFrame(rows, columns=list(e2e.E2E_COLUMNS)).astype(e2e.E2E_COLUMNS)
+    assert frame.loc[0, "kv_bytes"] == 4 * 32768 * 128 * 1024 and frame.loc[0, "total_tokens"] == 4 * 32768
+    table = e2e.summary_table(frame).splitlines()
+    ours = next(line for line in table if "pkv-workqueue" in line).split()
+    # step 901 (median of 900..902); vs best 1001/901; Amdahl 1001 / (1001 - 300 + 180); rest 560/720
+    assert ours[2] == "4x32768" and ours[4] == "901.0"
+    assert ours[-3:] == [f"{1001 / 901:.3f}", f"{1001 / 881:.3f}", f"{560 / 720:.2f}"]
+    assert not any("trtllm-xqa" in line for line in table)
 
 
 def test_loops_over_one_cache_share_a_rows_pages(weights):
