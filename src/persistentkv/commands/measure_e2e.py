@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -263,7 +264,7 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
     reserve = context + ROOM
     pages = batch_size * pages_for(reserve, P)
     need = footprint(shape, dtype, pages, P, batch_size, backends=len(names) + 1)
-    need = type(need)(0, need.kv_cache, need.workspaces)  # the weights are already on the device
+    need = replace(need, weights=0)  # the weights are already on the device
     label = f"{shape.name} at B={batch_size} x {context}"
     setting = Setting(ctx.run_id, shape, dtype, P, "cases", ctx.seed, model.kernels.name,
                       need.total + shape.weight_bytes(dtype))
@@ -314,7 +315,7 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     live = max(sum(pages_for(reserve[r], P) for r in rows) for rows in held)
     widest = max(step.batch_size for step in timed)
     need = footprint(shape, dtype, live, P, widest, backends=len(names) + 1)
-    need = type(need)(0, need.kv_cache, need.workspaces)
+    need = replace(need, weights=0)
     setting = Setting(ctx.run_id, shape, dtype, P, trace.name, trace.seed, model.kernels.name,
                       need.total + shape.weight_bytes(dtype))
     try:

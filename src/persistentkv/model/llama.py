@@ -67,9 +67,24 @@ class Weights:
 
 
 def random_weights(shape: ModelShape, dtype, device, seed: int) -> Weights:
-    """Seeded weights: normals scaled by 1/sqrt(fan_in) (embedding: unit normals; norms:
-    1 + 0.1 x normal, so a wrongly applied norm weight shows). Generated on ``device`` in
-    ``dtype`` one tensor at a time, so a 16 GB model needs no host copy."""
+    """Seeded random weights of ``shape``.
+
+    Normals scaled by 1/sqrt(fan_in) (embedding: unit normals; norms: 1 + 0.1 x normal, so a
+    wrongly applied norm weight shows), generated on ``device`` in ``dtype`` one tensor at a time
+    (a 16 GB model needs no host copy).
+
+    Parameters
+    ----------
+    shape : ModelShape
+    dtype : torch.dtype
+    device : str or torch.device
+    seed : int
+
+    Returns
+    -------
+    Weights
+        Shapes as in :class:`Weights`, all ``dtype`` on ``device``.
+    """
     import torch
 
     gen = torch.Generator(device=device)
@@ -246,10 +261,32 @@ def uniform_noise(seed: int, keys, positions, count: int):
 
 
 def sample(logits, top_k: int, seed: int, keys, positions, temperature: float = 1.0):
-    """Next tokens int64 [B] from logits [B, V]: greedy (``top_k`` = 1, argmax), or one draw from
-    the softmax of the ``top_k`` largest logits / ``temperature`` by the Gumbel-max trick, with
-    noise from :func:`uniform_noise` (no generator state: a CUDA graph replays it exactly, and a
-    replay at the same positions draws the same tokens)."""
+    """Next tokens: greedy, or one seeded draw from the top k.
+
+    ``top_k`` = 1 is the argmax; otherwise one draw from the softmax of the ``top_k`` largest
+    logits / ``temperature`` by the Gumbel-max trick, with noise from :func:`uniform_noise` (no
+    generator state: a CUDA graph replays it exactly, and the same positions draw the same tokens).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        [B, V], any float dtype.
+    top_k : int
+        Candidates per row (1: greedy).
+    seed : int
+        The draw's seed.
+    keys : torch.Tensor
+        int [B], each row's request id.
+    positions : torch.Tensor
+        int [B], each row's position.
+    temperature : float
+        Divides the logits before the draw.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 [B] token ids.
+    """
     import torch
 
     if top_k == 1:

@@ -47,7 +47,7 @@ from ..errors import require
 from ..names import CPU_ONLY
 from ..traces import PAGE_SEED_OFFSET, TorchCompatibleRNG
 from .llama import Kernels, Sampling, Weights, sample
-from .shape import ModelShape
+from .shape import Footprint, ModelShape, check_fits
 
 FOLLOW_MODES = ("device", "host", "replan")
 
@@ -111,6 +111,13 @@ class PagedKV:
 
         self.shape, self.page_size, self.dtype = shape, int(page_size), dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            from ..measure.device import TorchDevice
+
+            item = torch.empty((), dtype=dtype).element_size()
+            size = 2 * shape.num_layers * int(num_pages) * self.page_size * shape.num_kv_heads * shape.head_dim * item
+            check_fits(Footprint(0, size, 0), TorchDevice(str(self.device)).free_bytes(),
+                       f"a paged cache of {num_pages} pages x {shape.num_layers} layers")
         # zeros, not empty: torch-sdpa gathers whole pages and its masked-out slots still multiply
         # their V (0 x NaN of stale memory is NaN)
         self.cache = torch.zeros((shape.num_layers, 2, int(num_pages), self.page_size, shape.num_kv_heads,
@@ -152,10 +159,23 @@ class Model:
         self.kernels = Kernels(kernels, shape, self.device, max_position)
 
     def forward(self, tokens, positions, attend: Callable):
-        """logits [T, V] (model dtype) for int64 tokens [T] at int64 positions [T].
+        """Run T tokens through every layer.
 
-        ``attend(l, q, k, v)`` gets layer l's rotated q [T, Hq, D], rotated k and v [T, Hkv, D],
-        stores k and v where it keeps them, and returns the attention output [T, Hq, D].
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            int64 [T], the input tokens.
+        positions : torch.Tensor
+            int64 [T], each token's position (rotary angle).
+        attend : callable
+            ``attend(l, q, k, v)`` gets layer l's rotated q [T, Hq, D] and rotated k and v
+            [T, Hkv, D] (model dtype), stores k and v where it keeps them, and returns the
+            attention output [T, Hq, D].
+
+        Returns
+        -------
+        torch.Tensor
+            logits [T, V] in the model's dtype.
         """
         import torch.nn.functional as F
 
@@ -248,9 +268,20 @@ class DecodeLoop:
 
     # -- rows ---------------------------------------------------------------------------------
     def admit(self, rid: int, cached: int, token: int, reserve: int) -> None:
-        """Row ``rid`` joins with ``cached`` tokens of K/V already in its pages (a prefill's, or
-        whatever the speed run left there), ``token`` as its next input, and pages for
-        ``reserve`` tokens (its room to grow)."""
+        """Add a row to the batch (device state is rebuilt at the next step).
+
+        Parameters
+        ----------
+        rid : int
+            Request id (the sampler's key; pages are held per id).
+        cached : int
+            Tokens of K/V already in its pages (a prefill's, or the speed run's random values);
+            its next token goes to position ``cached``.
+        token : int
+            Its next input token.
+        reserve : int
+            Tokens its pages must hold (its room to grow), > ``cached``.
+        """
         require(cached >= 0 and reserve > cached, f"row {rid}: reserve ({reserve}) must exceed cached ({cached})")
         self.kv.pool.reserve(rid, reserve)
         self.rows.append(int(rid))
@@ -266,9 +297,23 @@ class DecodeLoop:
         self._dirty = True
 
     def prefill(self, rid: int, prompt, reserve: int):
-        """Run the prompt (int tokens [n]) through the model with plain causal attention, writing
-        its K/V into the row's pages, then admit the row with its first sampled token. Returns the
-        prompt's last logits, float32 [V]."""
+        """Prefill a row: plain causal attention over the prompt, its K/V written into the row's
+        pages; the row joins with its first sampled token as the next input.
+
+        Parameters
+        ----------
+        rid : int
+            Request id.
+        prompt : array-like
+            int [n], n >= 1 tokens.
+        reserve : int
+            Tokens its pages must hold, > n.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [V], the logits at the prompt's last position.
+        """
         import torch
         import torch.nn.functional as F
 
@@ -295,10 +340,28 @@ class DecodeLoop:
         return logits[0]
 
     def follow(self, request_ids, lengths, reserve: dict[int, int], first_token: Callable[[int], int]) -> bool:
-        """Match the rows to one trace step: rows not in ``request_ids`` leave, new ones arrive
-        with ``length - 1`` tokens cached (attention then reads ``length``), pages for
-        ``reserve[rid]`` tokens and ``first_token(rid)``; rows follow the step's order. Returns
-        whether the batch changed (which re-plans and re-captures)."""
+        """Match the rows to one trace step (persistentkv.traces.Step).
+
+        Rows not in ``request_ids`` leave; new ones arrive with ``length - 1`` tokens cached (so
+        attention reads ``length``), pages for ``reserve[rid]`` tokens and ``first_token(rid)`` as
+        their input; the rows take the step's order.
+
+        Parameters
+        ----------
+        request_ids : sequence of int
+            The step's rows, [B].
+        lengths : sequence of int
+            Each row's attention length at this step, [B].
+        reserve : dict
+            Request id -> tokens to reserve on arrival.
+        first_token : callable
+            Request id -> its first input token.
+
+        Returns
+        -------
+        bool
+            Whether the batch changed (the next step re-plans and re-captures).
+        """
         ids = [int(r) for r in request_ids]
         gone = [r for r in self.rows if r not in ids]
         new = [(r, int(n)) for r, n in zip(ids, lengths) if r not in self.rows]
@@ -414,7 +477,13 @@ class DecodeLoop:
         return self.tokens
 
     def set_tokens(self, tokens) -> None:
-        """The rows' next input tokens (teacher forcing): int64 [B] on the device."""
+        """Overwrite the rows' next input tokens (teacher forcing).
+
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            int64 [B] on the loop's device.
+        """
         self._prepare()
         self.tokens.copy_(tokens)
 
@@ -478,7 +547,13 @@ class DecodeLoop:
             self._run(self.probe, l, self.out)
 
     def step(self):
-        """One eager decode step; returns the logits, float32 [B, V] (the loop's buffer)."""
+        """One eager decode step: tokens and positions advance on the device and the host.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [B, V], the step's logits (the loop's buffer, overwritten by the next step).
+        """
         self._prepare()
         self._body()
         self.positions_host += 1

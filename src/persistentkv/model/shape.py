@@ -131,12 +131,28 @@ class Footprint:
 
 
 def footprint(shape: ModelShape, dtype: str, num_pages: int, page_size: int, batch_size: int,
-              backends: int = 1, copies_of_weights: int = 1) -> Footprint:
-    """Weights (``copies_of_weights`` of them: a float32 reference loop keeps its own), one paged
-    cache of ``num_pages`` pages per layer, and per-backend workspaces plus the step's activations
-    (the largest are the fused MLP output [B, 2I] and the float32 logits [B, V])."""
+              backends: int = 1) -> Footprint:
+    """The device bytes of one configuration, before anything is allocated.
+
+    Parameters
+    ----------
+    shape : ModelShape
+    dtype : str
+        The weights' and the cache's dtype name (spec.DTYPE_BYTES).
+    num_pages, page_size : int
+        One paged cache of ``num_pages`` pages per layer.
+    batch_size : int
+        Rows of the step (its activations: the largest are the fused MLP output [B, 2I] and
+        the float32 logits [B, V]).
+    backends : int
+        Loops (each with its workspace, BACKEND_WORKSPACE_BYTES, and its activations).
+
+    Returns
+    -------
+    Footprint
+    """
     item = DTYPE_BYTES[dtype]
-    weights = copies_of_weights * shape.weight_bytes(dtype)
+    weights = shape.weight_bytes(dtype)
     kv = 2 * shape.num_layers * num_pages * page_size * shape.num_kv_heads * shape.head_dim * item
     activations = batch_size * (6 * shape.hidden_size + shape.qkv_size + 3 * shape.intermediate_size) * item \
         + batch_size * shape.vocab_size * (item + 8)
