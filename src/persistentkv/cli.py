@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compile-kernels": ("compile_kernels", "compile kernels/ for named architectures; report registers/spills"),
     "bench-kernels": ("bench_kernels", "GPU: our routes, every installed baseline and the read ceiling"),
     "measure": ("measure", "GPU: one experiment under the fair and the published protocol"),
+    "measure-e2e": ("measure_e2e", "GPU: the full Llama decode step per backend (graph replay), attention's share"),
     "validate-gpu": ("validate_gpu", "GPU: every backend against float64 at sampled steps of every trace"),
     "calibrate": ("calibrate", "fit the policy (thresholds and cost model) on calibration timings"),
     "claims": ("claims", "judge each numbered claim of the paper from measured results"),

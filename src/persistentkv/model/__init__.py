@@ -1,0 +1,20 @@
+"""A Llama-architecture decode loop in plain torch around the attention backends.
+
+    shape.py   ModelShape (config ``models:``), the bytes a configuration needs, the one-line refusal
+    llama.py   seeded weights, RMSNorm, rotary embedding (Hugging Face's rotate-half), SwiGLU,
+               device-side sampling (greedy, seeded top-k), torch or FlashInfer kernels
+    loop.py    the paged cache per layer, page pool, append, DecodeLoop (eager step, CUDA-graph
+               capture and replay, trace-driven arrivals and departures)
+
+Checked against transformers' LlamaForCausalLM on the CPU (tests/test_model.py) and against a
+float32 reference loop on the GPU (tests/test_gpu_model.py); measured by ``persistentkv
+measure-e2e``. Imports torch only inside functions, like the backends.
+"""
+
+from .llama import KERNEL_CHOICES, Kernels, Sampling, Weights, random_weights, sample
+from .loop import FOLLOW_MODES, DecodeLoop, Model, PagedKV, PagePool, follow_mode
+from .shape import Footprint, ModelShape, check_fits, footprint, model_cases, model_shape
+
+__all__ = ["KERNEL_CHOICES", "Kernels", "Sampling", "Weights", "random_weights", "sample", "FOLLOW_MODES",
+           "DecodeLoop", "Model", "PagedKV", "PagePool", "follow_mode", "Footprint", "ModelShape", "check_fits",
+           "footprint", "model_cases", "model_shape"]

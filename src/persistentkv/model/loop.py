@@ -1,0 +1,606 @@
+"""The decode loop: one paged cache per layer, append, attention through any backend, sampling.
+
+    kv = PagedKV(shape, num_pages, page_size=16, dtype=torch.float16, device="cuda")
+    loop = DecodeLoop(Model(shape, weights), kv, "pkv-workqueue")
+    loop.admit(request_id, cached=4095, token=7, reserve=4096 + 64)  # or loop.prefill(rid, prompt, reserve)
+    logits = loop.step()          # eager: plan, then every layer; tokens and positions advance
+    loop.capture(); loop.replay()  # the same step as one CUDA graph
+
+A step as a server runs it. Each row's next token is embedded, and in every layer its K and V are
+written into the row's last page at its position (``slot = table[row, pos // P] * P + pos % P``,
+index math on the device), then attention runs over ``pos + 1`` tokens. The plan is made once per
+step and every layer reuses it. The cache is one tensor ``[L, 2, pages, P, Hkv, D]``: layer l's K
+and V are contiguous ``[pages, P, Hkv, D]`` views (NHD), read in place by every backend.
+
+How a captured step keeps its plan right while the lengths grow (:func:`follow_mode`):
+
+* ``device``: the plan is made once for the rows' reserved pages, and the captured step writes
+  each row's real length into it, so the whole step, append and sampling included, replays with no
+  host work and no synchronisation between replays. pkv-workqueue: the lengths go into
+  ``plan.view("packed")`` and ``engine.replan_device`` re-plans on the GPU inside the graph;
+  vllm-fa3: ``seqused_k`` (block table and ``max_seqlen_k`` cover the reservation; the FA3
+  scheduler metadata stays the one planned for it); trtllm-xqa: ``seq_lens``; torch-sdpa: its key
+  mask (it gathers the reserved pages).
+* ``host``: ``backend.plan`` runs on the host before a replay whose lengths changed and rewrites
+  the captured buffers in place: FlashInfer's CUDA-graph wrappers, as a FlashInfer-based server
+  does (the first plan, for the reservation, sizes the wrapper's index buffer).
+* ``replan``: neither; the host plans every step and a captured step is re-captured whenever the
+  lengths change (pkv-buckets, pkv-split, adaptive, numpy: host-planned items).
+
+Rows arrive and leave (:meth:`DecodeLoop.follow`, driven by a persistentkv.traces step): pages
+come from a seeded free list and return to it, and a change of the batch's rows re-plans and
+re-captures (``recaptures`` counts it). The early-K/V contract of the engine holds: the only
+kernel that writes the cache before an attention launch is the append, and it writes the rows'
+last pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+from ..cache import Batch
+from ..errors import require
+from ..names import CPU_ONLY
+from ..traces import PAGE_SEED_OFFSET, TorchCompatibleRNG
+from .llama import Kernels, Sampling, Weights, sample
+from .shape import Footprint, ModelShape, check_fits
+
+FOLLOW_MODES = ("device", "host", "replan")
+
+
+class PagePool:
+    """Physical page ids of one cache, reserved per row and given back when it leaves.
+
+    The free list starts as a seeded permutation (``seed + 99``, as persistentkv.cache
+    allocates), so a row's pages are scattered; released pages go to its end. Loops that share a
+    cache share its rows: a second reservation of a row takes the pages it already holds (the
+    same bytes for every backend), and they return when the last holder releases them.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, seed: int = 0):
+        require(num_pages >= 1, f"a page pool needs at least one page, got {num_pages}")
+        self.num_pages, self.page_size = int(num_pages), int(page_size)
+        perm = TorchCompatibleRNG(int(seed) + PAGE_SEED_OFFSET).randperm(self.num_pages)
+        self._free = deque(int(p) for p in perm)
+        self._owned: dict[int, np.ndarray] = {}
+        self._holders: dict[int, int] = {}
+
+    def reserve(self, rid: int, tokens: int) -> np.ndarray:
+        """int32 [ceil(tokens / P)] pages for row ``rid``, in logical order."""
+        count = math.ceil(int(tokens) / self.page_size)
+        if rid in self._owned:
+            held = self._owned[rid]
+            require(held.size == count, f"row {rid} holds {held.size} pages; another reservation asks for {count}")
+            self._holders[rid] += 1
+            return held
+        require(count <= len(self._free), f"row {rid} needs {count} pages for {tokens} tokens; "
+                                          f"{len(self._free)} of {self.num_pages} are free")
+        pages = np.array([self._free.popleft() for _ in range(count)], dtype=np.int32)
+        self._owned[rid], self._holders[rid] = pages, 1
+        return pages
+
+    def release(self, rid: int) -> None:
+        require(rid in self._owned, f"row {rid} holds no pages")
+        self._holders[rid] -= 1
+        if not self._holders[rid]:
+            del self._holders[rid]
+            self._free.extend(int(p) for p in self._owned.pop(rid))
+
+    def pages(self, rid: int) -> np.ndarray:
+        return self._owned[rid]
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+class PagedKV:
+    """One paged cache per layer: ``cache`` [L, 2, pages, P, Hkv, D] of ``dtype`` on ``device``.
+
+    ``layer(l)`` is layer l's (K, V), each [pages, P, Hkv, D] (strides [P*Hkv*D, Hkv*D, D, 1]:
+    what every backend reads; the engine's page stride stays far below 4 GiB);
+    ``flat(l)`` the same as [pages * P, Hkv, D], the rows the append writes.
+    """
+
+    def __init__(self, shape: ModelShape, num_pages: int, page_size: int, dtype, device, seed: int = 0):
+        import torch
+
+        self.shape, self.page_size, self.dtype = shape, int(page_size), dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            from ..measure.device import TorchDevice
+
+            item = torch.empty((), dtype=dtype).element_size()
+            size = 2 * shape.num_layers * int(num_pages) * self.page_size * shape.num_kv_heads * shape.head_dim * item
+            check_fits(Footprint(0, size, 0), TorchDevice(str(self.device)).free_bytes(),
+                       f"a paged cache of {num_pages} pages x {shape.num_layers} layers")
+        # zeros, not empty: torch-sdpa gathers whole pages and its masked-out slots still multiply
+        # their V (0 x NaN of stale memory is NaN)
+        self.cache = torch.zeros((shape.num_layers, 2, int(num_pages), self.page_size, shape.num_kv_heads,
+                                  shape.head_dim), dtype=dtype, device=self.device)
+        self.pool = PagePool(num_pages, page_size, seed)
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.cache.shape[2])
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def layer(self, l: int):
+        return self.cache[l, 0], self.cache[l, 1]
+
+    def flat(self, l: int):
+        s = self.shape
+        return (self.cache[l, 0].view(-1, s.num_kv_heads, s.head_dim),
+                self.cache[l, 1].view(-1, s.num_kv_heads, s.head_dim))
+
+    def fill_random(self, seed: int) -> None:
+        """Standard normals in every page (speed runs: the prompt's K/V instead of a prefill)."""
+        import torch
+
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        for l in range(self.shape.num_layers):
+            self.cache[l].normal_(generator=gen)
+
+
+class Model:
+    """A decoder's weights and kernels; :meth:`forward` runs T tokens through every layer."""
+
+    def __init__(self, shape: ModelShape, weights: Weights, kernels: str = "torch", max_position: int = 0):
+        self.shape, self.weights = shape, weights
+        self.dtype, self.device = weights.embed.dtype, weights.embed.device
+        self.kernels = Kernels(kernels, shape, self.device, max_position)
+
+    def forward(self, tokens, positions, attend: Callable):
+        """Run T tokens through every layer.
+
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            int64 [T], the input tokens.
+        positions : torch.Tensor
+            int64 [T], each token's position (rotary angle).
+        attend : callable
+            ``attend(l, q, k, v)`` gets layer l's rotated q [T, Hq, D] and rotated k and v
+            [T, Hkv, D] (model dtype), stores k and v where it keeps them, and returns the
+            attention output [T, Hq, D].
+
+        Returns
+        -------
+        torch.Tensor
+            logits [T, V] in the model's dtype.
+        """
+        import torch.nn.functional as F
+
+        s, w, K = self.shape, self.weights, self.kernels
+        T, D = tokens.shape[0], s.head_dim
+        a, kv = s.num_heads * D, s.num_kv_heads * D
+        x = w.embed[tokens]  # the residual stream (a copy: the adds below are in place)
+        h = K.rmsnorm(x, w.attn_norm[0])
+        for l in range(s.num_layers):
+            qkv = F.linear(h, w.qkv[l])
+            q, k = K.rotary(qkv, positions)
+            o = attend(l, q, k, qkv[:, a + kv:].view(T, s.num_kv_heads, D))
+            h = K.add_rmsnorm(F.linear(o.reshape(T, a), w.o[l]), x, w.mlp_norm[l])
+            down = F.linear(K.silu_mul(F.linear(h, w.gate_up[l])), w.down[l])
+            h = K.add_rmsnorm(down, x, w.attn_norm[l + 1] if l + 1 < s.num_layers else w.norm)
+        return F.linear(h, w.lm_head)
+
+
+def follow_mode(plan) -> str:
+    """How a captured step follows growing lengths with ``plan`` (module docstring)."""
+    from ..backends.flashinfer_backend import FlashInferPlan
+    from ..backends.torch_sdpa import SdpaPlan
+    from ..backends.trtllm_backend import XqaPlan
+    from ..backends.vllm_backend import VllmPlan
+    from ..engine import DevicePlan
+
+    if isinstance(plan, DevicePlan):
+        return "device" if plan.route == "workqueue" else "replan"
+    if isinstance(plan, (VllmPlan, XqaPlan, SdpaPlan)):
+        return "device"
+    return "host" if isinstance(plan, FlashInferPlan) else "replan"
+
+
+def write_lengths(plan, lengths) -> None:
+    """Put the rows' lengths (int32 [B], device) into a ``device``-mode plan; capturable."""
+    import torch
+
+    from ..backends.torch_sdpa import SdpaPlan
+    from ..backends.trtllm_backend import XqaPlan
+    from ..backends.vllm_backend import VllmPlan
+
+    if isinstance(plan, VllmPlan):
+        plan.seqused_k.copy_(lengths)
+    elif isinstance(plan, XqaPlan):
+        plan.seq_lens.copy_(lengths)
+    elif isinstance(plan, SdpaPlan):
+        keys = torch.arange(plan.kv_len, device=lengths.device)
+        torch.lt(keys[None, :], lengths[:, None], out=plan.mask.view(plan.batch_size, plan.kv_len))
+    else:  # the GPU-planned queue
+        plan.view("packed")[: plan.batch_size].copy_(lengths)
+        plan.engine.replan_device(plan)
+
+
+class DecodeLoop:
+    """One backend's decode loop over a shared model and cache; owns the rows, positions, plan.
+
+    State on the device (rebuilt when rows arrive or leave): ``tokens`` int64 [B] (each row's
+    next input token), ``positions`` int64 [B] (where it goes: the row's cached token count),
+    ``lengths`` int32 [B] (= positions + 1, what attention reads), ``logits`` float32 [B, V] of
+    the last step. The host mirrors the positions (a step adds one), so it plans without reading
+    the device.
+    """
+
+    def __init__(self, model: Model, kv: PagedKV, backend, sampling: Sampling = Sampling(),
+                 log: Callable[[str], None] | None = None):
+        from ..backends import registry
+
+        self.model, self.kv, self.sampling = model, kv, sampling
+        self.backend = registry.create(backend) if isinstance(backend, str) else backend
+        self.spec = model.shape.attention_spec(kv.page_size, kv.dtype_name)
+        reasons = self.backend.unavailable(self.spec)
+        require(not reasons, f"backend {self.backend.name} cannot run {self.spec}: {'; '.join(reasons)}")
+        require(kv.dtype == model.dtype and kv.device == model.device,
+                f"the cache ({kv.dtype}, {kv.device}) and the model ({model.dtype}, {model.device}) must match")
+        self.log = log or (lambda message: None)
+        self.rows: list[int] = []
+        self.positions_host = np.zeros(0, np.int64)
+        self._new_tokens: dict[int, int] = {}
+        self._dirty = True
+        self.plan = None
+        self.mode = None
+        self._planned = None     # host lengths the current plan was made for (host and replan modes)
+        self._graphs: dict[str, Any] = {}
+        self._captured = None    # host lengths of the captured step (replan mode re-captures on change)
+        self.recaptures = 0
+        self.replans = 0
+        self.tokens = self.positions = self.lengths = self.keys = self.table = None
+        self._token_rows: list[int] = []
+        self.out = self.logits = self.probe = None
+
+    # -- rows ---------------------------------------------------------------------------------
+    def admit(self, rid: int, cached: int, token: int, reserve: int) -> None:
+        """Add a row to the batch (device state is rebuilt at the next step).
+
+        Parameters
+        ----------
+        rid : int
+            Request id (the sampler's key; pages are held per id).
+        cached : int
+            Tokens of K/V already in its pages (a prefill's, or the speed run's random values);
+            its next token goes to position ``cached``.
+        token : int
+            Its next input token.
+        reserve : int
+            Tokens its pages must hold (its room to grow), > ``cached``.
+        """
+        require(cached >= 0 and reserve > cached, f"row {rid}: reserve ({reserve}) must exceed cached ({cached})")
+        self.kv.pool.reserve(rid, reserve)
+        self.rows.append(int(rid))
+        self.positions_host = np.append(self.positions_host, np.int64(cached))
+        self._new_tokens[int(rid)] = int(token)
+        self._dirty = True
+
+    def retire(self, rid: int) -> None:
+        index = self.rows.index(rid)
+        self.kv.pool.release(rid)
+        del self.rows[index]
+        self.positions_host = np.delete(self.positions_host, index)
+        self._dirty = True
+
+    def prefill(self, rid: int, prompt, reserve: int):
+        """Prefill a row: plain causal attention over the prompt, its K/V written into the row's
+        pages; the row joins with its first sampled token as the next input.
+
+        Parameters
+        ----------
+        rid : int
+            Request id.
+        prompt : array-like
+            int [n], n >= 1 tokens.
+        reserve : int
+            Tokens its pages must hold, > n.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [V], the logits at the prompt's last position.
+        """
+        import torch
+        import torch.nn.functional as F
+
+        prompt = torch.as_tensor(np.asarray(prompt, np.int64), device=self.kv.device)
+        n, P, s = int(prompt.numel()), self.kv.page_size, self.model.shape
+        require(n >= 1, f"row {rid}: an empty prompt")
+        self.admit(rid, n, 0, reserve)
+        pages = torch.as_tensor(self.kv.pool.pages(rid).astype(np.int64), device=self.kv.device)
+        positions = torch.arange(n, device=self.kv.device)
+        slots = pages[positions // P] * P + positions % P
+
+        def attend(l, q, k, v):
+            k_flat, v_flat = self.kv.flat(l)
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, enable_gqa=True, scale=s.head_dim ** -0.5)
+            return o.transpose(0, 1)
+
+        logits = self.model.forward(prompt, positions, attend)[-1:].float()
+        first = sample(logits, self.sampling.top_k, self.sampling.seed,
+                       torch.tensor([rid], device=self.kv.device), positions[-1:], self.sampling.temperature)
+        self._new_tokens[int(rid)] = int(first.item())
+        return logits[0]
+
+    def follow(self, request_ids, lengths, reserve: dict[int, int], first_token: Callable[[int], int]) -> bool:
+        """Match the rows to one trace step (persistentkv.traces.Step).
+
+        Rows not in ``request_ids`` leave; new ones arrive with ``length - 1`` tokens cached (so
+        attention reads ``length``), pages for ``reserve[rid]`` tokens and ``first_token(rid)`` as
+        their input; the rows take the step's order.
+
+        Parameters
+        ----------
+        request_ids : sequence of int
+            The step's rows, [B].
+        lengths : sequence of int
+            Each row's attention length at this step, [B].
+        reserve : dict
+            Request id -> tokens to reserve on arrival.
+        first_token : callable
+            Request id -> its first input token.
+
+        Returns
+        -------
+        bool
+            Whether the batch changed (the next step re-plans and re-captures).
+        """
+        ids = [int(r) for r in request_ids]
+        gone = [r for r in self.rows if r not in ids]
+        new = [(r, int(n)) for r, n in zip(ids, lengths) if r not in self.rows]
+        for rid in gone:
+            self.retire(rid)
+        for rid, n in new:
+            self.admit(rid, n - 1, first_token(rid), reserve[rid])
+        if self.rows != ids:
+            order = [self.rows.index(r) for r in ids]
+            self.rows, self.positions_host = ids, self.positions_host[order]
+            self._dirty = True
+        want = np.asarray(lengths, np.int64) - 1
+        if not np.array_equal(want, self.positions_host):
+            self.set_positions(want)
+        changed = bool(gone or new) or self._dirty
+        if changed:
+            self.log(f"rows +{[r for r, _ in new]} -{gone}: re-plan and re-capture")
+        return changed
+
+    # -- device state -------------------------------------------------------------------------
+    def _upload(self, values, dtype):
+        import torch
+
+        host = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.kv.device.type != "cuda":
+            return host.clone()
+        return host.pin_memory().to(self.kv.device, non_blocking=True)
+
+    def _rebuild(self) -> None:
+        """Device state for the current rows (continuing rows keep their device tokens)."""
+        import torch
+
+        require(self.rows, "the loop has no rows; admit() some first")
+        dev, s = self.kv.device, self.model.shape
+        B = len(self.rows)
+        old = {rid: i for i, rid in enumerate(self._token_rows)} if self.tokens is not None else {}
+        tokens = self._upload([self._new_tokens.get(r, 0) for r in self.rows], torch.int64)
+        kept = [(i, old[r]) for i, r in enumerate(self.rows) if r in old and r not in self._new_tokens]
+        if kept:
+            to, frm = (self._upload(x, torch.int64) for x in zip(*kept))
+            tokens.index_copy_(0, to, self.tokens.index_select(0, frm))
+        self._new_tokens.clear()
+        self._token_rows = list(self.rows)
+        pages = [self.kv.pool.pages(r) for r in self.rows]
+        width = max(p.size for p in pages)
+        table = np.zeros((B, width), np.int64)
+        for i, p in enumerate(pages):
+            table[i, :p.size] = p
+        self.tokens, self.table = tokens, self._upload(table, torch.int64)
+        self.positions = self._upload(self.positions_host, torch.int64)
+        self.lengths = torch.empty(B, dtype=torch.int32, device=dev)
+        self.keys = self._upload(self.rows, torch.int64)
+        self.out = torch.empty((B, s.num_heads, s.head_dim), dtype=self.model.dtype, device=dev)
+        self.logits = torch.empty((B, s.vocab_size), dtype=torch.float32, device=dev)
+        self.probe = None
+        self.model.kernels.reserve_positions(int(table.shape[1]) * self.kv.page_size)
+        self._replan(capacity=True)
+        if self._graphs:
+            self.recaptures += 1
+        self._graphs, self._captured = {}, None
+        self._dirty = False
+
+    def batch(self, capacity: bool = False) -> Batch:
+        """The step's Batch at the rows' real lengths, or (``capacity``) at their reserved pages."""
+        P = self.kv.page_size
+        pages = [self.kv.pool.pages(r) for r in self.rows]
+        lengths = np.array([p.size * P for p in pages]) if capacity else self.positions_host + 1
+        counts = -(-lengths // P)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        indices = np.concatenate([p[:c] for p, c in zip(pages, counts)]).astype(np.int32)
+        return Batch(self.spec, lengths.astype(np.int32), indptr, indices, self.kv.num_pages)
+
+    def _replan(self, capacity: bool = False) -> None:
+        """Plan the step: a device-mode backend for the reservation (once per set of rows), the
+        others for the real lengths."""
+        import torch
+
+        if capacity:
+            plan = self.backend.plan(self.batch(capacity=True))
+            self.mode = follow_mode(plan)
+            if self.mode == "device":
+                from ..backends.torch_sdpa import SdpaPlan
+
+                if isinstance(plan, SdpaPlan) and plan.mask is None:  # every row fills its pages
+                    plan.mask = torch.ones((plan.batch_size, 1, 1, plan.kv_len), dtype=torch.bool,
+                                           device=self.kv.device)
+                self.plan, self._planned = plan, None
+                self.replans += 1
+                return
+        self.plan = self.backend.plan(self.batch())
+        self._planned = self.positions_host.copy()
+        self.replans += 1
+
+    def _prepare(self) -> None:
+        if self._dirty:
+            self._rebuild()
+        reserved = np.array([self.kv.pool.pages(r).size for r in self.rows]) * self.kv.page_size
+        full = np.flatnonzero(self.positions_host >= reserved)
+        require(full.size == 0, f"row {self.rows[full[0]] if full.size else 0} has filled the "
+                                f"{reserved[full[0]] if full.size else 0} tokens it reserved")
+        if self.mode != "device" and not np.array_equal(self._planned, self.positions_host):
+            self._replan()
+
+    def set_positions(self, positions) -> None:
+        """Every row's position (int [B]; attention then reads positions + 1 tokens)."""
+        self.positions_host = np.asarray(positions, np.int64).copy()
+        if not self._dirty and self.positions is not None:
+            self.positions.copy_(self._upload(self.positions_host, self.positions.dtype))
+
+    def next_tokens(self):
+        """The rows' next input tokens, int64 [B] on the device (the loop's buffer)."""
+        self._prepare()
+        return self.tokens
+
+    def set_tokens(self, tokens) -> None:
+        """Overwrite the rows' next input tokens (teacher forcing).
+
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            int64 [B] on the loop's device.
+        """
+        self._prepare()
+        self.tokens.copy_(tokens)
+
+    def mark(self) -> tuple:
+        """The device state a later :meth:`rewind` restores (tokens, positions, host positions)."""
+        self._prepare()
+        return self.tokens.clone(), self.positions.clone(), self.positions_host.copy()
+
+    def rewind(self, marked: tuple) -> None:
+        tokens, positions, host = marked
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.positions_host = host.copy()
+
+    # -- the step -----------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """lengths = positions + 1, into the plan when it follows them on the device."""
+        self.lengths.copy_(self.positions + 1)
+        if self.mode == "device":
+            write_lengths(self.plan, self.lengths)
+
+    def _run(self, q, layer: int, out) -> None:
+        k, v = self.kv.layer(layer)
+        if self.backend.name in CPU_ONLY:  # the NumPy executor reads host arrays (CPU tensors' memory)
+            self.backend.run(q.numpy(), (k.numpy(), v.numpy()), self.plan, out.numpy())
+        else:
+            self.backend.run(q, (k, v), self.plan, out)
+
+    def _body(self) -> None:
+        import torch
+
+        self._refresh()
+        P, pos = self.kv.page_size, self.positions
+        slots = self.table.gather(1, (pos // P)[:, None]).squeeze(1) * P + pos % P
+
+        def attend(l, q, k, v):
+            k_flat, v_flat = self.kv.flat(l)
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
+            self._run(q, l, self.out)
+            return self.out
+
+        logits = self.model.forward(self.tokens, pos, attend)
+        self.logits.copy_(logits)
+        s = self.sampling
+        self.tokens.copy_(sample(self.logits, s.top_k, s.seed, self.keys, pos, s.temperature))
+        torch.add(pos, 1, out=pos)
+
+    def _attention_body(self) -> None:
+        """The step's attention alone: the plan's refresh and one run per layer, on a fixed q."""
+        import torch
+
+        if self.probe is None:
+            s = self.model.shape
+            gen = torch.Generator(device=self.kv.device)
+            gen.manual_seed(0)
+            self.probe = torch.randn((len(self.rows), s.num_heads, s.head_dim), generator=gen,
+                                     device=self.kv.device, dtype=self.model.dtype)
+        self._refresh()
+        for l in range(self.model.shape.num_layers):
+            self._run(self.probe, l, self.out)
+
+    def step(self):
+        """One eager decode step: tokens and positions advance on the device and the host.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 [B, V], the step's logits (the loop's buffer, overwritten by the next step).
+        """
+        self._prepare()
+        self._body()
+        self.positions_host += 1
+        return self.logits
+
+    def attention(self) -> None:
+        """One eager run of the step's attention alone (positions do not advance)."""
+        self._prepare()
+        self._attention_body()
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+    def capture(self, what: str = "step") -> None:
+        """Capture ``what`` (``step``: the whole step; ``attention``: its attention alone) in a
+        CUDA graph, after one eager warm-up whose effects are rewound."""
+        import torch
+
+        require(what in ("step", "attention"), f"capture what must be step or attention, got {what!r}")
+        require(self.kv.device.type == "cuda", "CUDA graphs need the loop on a CUDA device")
+        require(getattr(self.backend, "graph_safe", False),
+                f"backend {self.backend.name} is not graph-safe (graph_safe is not True): it runs eagerly only")
+        body = self._body if what == "step" else self._attention_body
+        marked = self.mark()
+        stream = torch.cuda.Stream(self.kv.device)
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(stream):
+            body()  # lazy initialisation (cuBLAS handles, JIT modules) must not happen inside capture
+            self.rewind(marked)
+        torch.cuda.current_stream(self.kv.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            body()
+        self._graphs[what] = graph
+        self._captured = self.positions_host.copy()
+
+    def replay(self, what: str = "step") -> None:
+        """Replay the captured ``what``; a ``replan``-mode loop re-captures first when the lengths
+        changed since its capture, a ``host``-mode one re-plans (into the captured buffers)."""
+        self._prepare()
+        if what not in self._graphs or (self.mode == "replan" and not np.array_equal(self._captured,
+                                                                                      self.positions_host)):
+            if self._graphs.get(what) is not None:
+                self.recaptures += 1
+            self.capture(what)
+        self._graphs[what].replay()
+        if what == "step":
+            self.positions_host += 1
+
+    def graph_ready(self, what: str = "step") -> bool:
+        return what in self._graphs
+
