@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from persistentkv import cache
 from persistentkv.cache import (
     Batch, allocate, batch_for_step, check_hole_fraction, make_batch, numpy_dtype, random_cache,
     random_queries,
 )
 from persistentkv.errors import PKVError
-from persistentkv.spec import AttentionSpec
+from persistentkv.spec import MAX_SEQ_LEN, AttentionSpec
 from persistentkv.traces import Request, TorchCompatibleRNG, generate
 
 PAGE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -122,10 +123,11 @@ def test_numpy_dtype_for_bfloat16_is_a_clear_error():
 
 
 @pytest.mark.parametrize("lengths, message", [
-    ([4, 0, 3], "length 0 is invalid"),
-    ([-5], "length -5 is invalid"),
+    ([4, 0, 3], "lengths\\[1\\] = 0 is out of range \\[1, 2147483520\\]"),
+    ([-5], "lengths\\[0\\] = -5 is out of range"),
     ([], "at least one row"),
-    ([3.7], "lengths must be integers"),
+    ([3.7], "lengths must be integers, got float64 values such as 3.7"),
+    (np.array([MAX_SEQ_LEN + 1]), f"lengths\\[0\\] = {MAX_SEQ_LEN + 1} is out of range"),
 ])
 def test_make_batch_rejects_bad_lengths(lengths, message):
     with pytest.raises(PKVError, match=message) as info:
@@ -137,12 +139,15 @@ def test_batch_validation_errors():
     spec = AttentionSpec(page_size=4)
     ok = make_batch(spec, [5, 9])
     cases = [
-        (dict(seq_lens=np.array([5, 0])), "row 1 has length 0"),
+        (dict(seq_lens=np.array([5, 0])), "seq_lens\\[1\\] = 0 is out of range"),
         (dict(seq_lens=np.array([5.0, 9.0])), "seq_lens must be integers"),
         (dict(kv_indptr=np.array([0, 2])), "kv_indptr must have shape \\[3\\]"),
         (dict(kv_indptr=np.array([0, 1, 5])), "row 0 lists 1 pages but its length needs 2"),
+        (dict(kv_indptr=np.array([0, 2, 2**31])), "kv_indptr\\[2\\] = 2147483648 is out of range"),
         (dict(kv_indices=ok.kv_indices[:-1]), "kv_indices length"),
-        (dict(num_pages=2), "page ids must lie in \\[0, 2\\)"),
+        (dict(num_pages=2), "kv_indices \\(page ids\\)\\[\\d\\] = \\d is out of range \\[0, 1\\]"),
+        (dict(num_pages=np.int64(2**31 + 1)), "num_pages must be an integer in \\[1, 2147483648\\]"),
+        (dict(num_pages=True), "num_pages must be an integer"),
     ]
     for change, message in cases:
         fields = dict(spec=spec, seq_lens=ok.seq_lens, kv_indptr=ok.kv_indptr, kv_indices=ok.kv_indices,
@@ -163,3 +168,60 @@ def test_spec_and_allocation_page_sizes_must_agree():
     alloc = allocate(trace.requests, 32, 0.0, 1)
     with pytest.raises(PKVError, match="page_size"):
         batch_for_step(AttentionSpec(page_size=16), alloc, trace.steps[0])
+
+
+def test_integer_arrays_of_any_integer_dtype_are_accepted_and_stored_as_int32():
+    spec = AttentionSpec(page_size=4)
+    ok = make_batch(spec, [5, 9])
+    for dtype in (np.int64, np.uint16, np.uint64, np.int32):
+        batch = Batch(spec, ok.seq_lens.astype(dtype), ok.kv_indptr.astype(dtype), ok.kv_indices.astype(dtype),
+                      np.int64(ok.num_pages))
+        for field in (batch.seq_lens, batch.kv_indptr, batch.kv_indices):
+            assert field.dtype == np.int32
+        assert type(batch.num_pages) is int and batch.kv_indices.tolist() == ok.kv_indices.tolist()
+    listed = Batch(spec, [5, 9], ok.kv_indptr.tolist(), ok.kv_indices.tolist(), ok.num_pages)
+    assert listed.seq_lens.tolist() == [5, 9]
+
+
+def test_the_longest_row_is_accepted_and_one_more_token_refused():
+    spec = AttentionSpec(page_size=256)
+    pages = -(-MAX_SEQ_LEN // 256)
+    indices = np.arange(pages, dtype=np.int32)
+    batch = Batch(spec, np.array([MAX_SEQ_LEN]), np.array([0, pages]), indices, pages)
+    assert batch.max_len == MAX_SEQ_LEN == 2**31 - 128
+    with pytest.raises(PKVError, match=f"seq_lens\\[0\\] = {MAX_SEQ_LEN + 1} is out of range"):
+        Batch(spec, np.array([MAX_SEQ_LEN + 1]), np.array([0, pages]), indices, pages)
+
+
+def test_allocation_universe_cap(monkeypatch):
+    """The shuffle is refused, with what it would need, before the loop runs; at the cap it runs."""
+    monkeypatch.setattr(cache, "MAX_ALLOCATION_PAGES", 10)
+    assert allocate(_requests([40]), 4, 0.0, 0).num_pages == 10
+    with pytest.raises(PKVError, match="a universe of 11 pages \\(11 reserved, hole fraction 0.0\\), more than "
+                                       "the 10 the allocator shuffles"):
+        allocate(_requests([41]), 4, 0.0, 0)
+    with pytest.raises(PKVError, match="a universe of 20 pages \\(10 reserved, hole fraction 0.5\\)"):
+        allocate(_requests([40]), 4, 0.5, 0)
+
+
+def test_a_step_table_covers_only_its_rows_and_names_what_is_missing():
+    alloc = allocate(_requests([10, 20]), 4, 0.0, 0)
+    indptr, indices = alloc.table(np.array([1], dtype=np.uint8), [17])
+    assert indptr.tolist() == [0, 5] and indices.tolist() == alloc.pages[1][:5].tolist()
+    with pytest.raises(PKVError, match="2 request ids but 1 lengths"):
+        alloc.table([0, 1], [3])
+    with pytest.raises(PKVError, match="request 5 has no pages in this allocation"):
+        alloc.table([5], [3])
+
+
+def test_random_arrays_refuse_bad_sizes_and_seeds_with_one_line():
+    spec = AttentionSpec(num_qo_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype="float32")
+    for call, message in [(lambda: random_cache(spec, 0, 1), "num_pages must be an integer in \\[1, "),
+                          (lambda: random_queries(spec, 0, 1), "batch_size must be an integer >= 1, got 0"),
+                          (lambda: random_queries(spec, True, 1), "batch_size must be an integer"),
+                          (lambda: random_cache(spec, 2, np.float64(3)), "seed must be a non-negative integer"),
+                          (lambda: random_queries(None, 2, 1), "spec must be an AttentionSpec, got NoneType")]:
+        with pytest.raises(PKVError, match=message):
+            call()
+    k, _ = random_cache(spec, 2, np.uint32(5))           # a NumPy integer seed is a seed
+    np.testing.assert_array_equal(k, random_cache(spec, 2, 5)[0])

@@ -2,19 +2,23 @@
 
 Each installed baseline against the float64 reference (fp16 and bf16; ragged rows at page
 boundaries; scattered pages with holes; G = 1, 4, 8), with a poisoned output so an unwritten
-element fails; one plan serving two cache copies; CUDA-graph replay equal to eager; the harness
-end to end on a small case; the ceilings; GPU validation rows.
+element fails; the same on every stress kind of tests/numerics.py (large scores, a one-hot
+softmax, equal keys, the maximum in the last page or at the first token, large values, zero
+queries); one plan serving two cache copies; CUDA-graph replay equal to eager; the harness end
+to end on a small case; the ceilings; GPU validation rows.
 """
 
 from __future__ import annotations
 
-
+import numpy as np
 import pytest
 
-from gpu_support import TOLERANCE, rel_err
+from gpu_support import TOLERANCE, rel_err, torch_dtype
 from gpu_support import device_case as device_inputs
 from gpu_support import reference_torch64 as reference64
+from numerics import KINDS, stress_case
 from persistentkv.backends import registry
+from persistentkv.reference import reference_decode, relative_error
 from persistentkv.spec import AttentionSpec
 
 torch = pytest.importorskip("torch")
@@ -48,6 +52,24 @@ def test_baseline_matches_float64(name, group, dtype):
     backend.run(q, (k, v), plan, out)
     torch.cuda.synchronize()
     assert rel_err(out, reference64(batch, q, k, v)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", BASELINES)
+def test_baseline_under_stress_matches_float64(name, kind, group, dtype):
+    spec = AttentionSpec(num_qo_heads=8 * group, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype)
+    backend = backend_or_skip(name, spec)
+    batch, *host = stress_case(kind, spec, LENGTHS, seed=group)
+    q, k, v = (torch.from_numpy(a).to(device="cuda", dtype=torch_dtype(dtype)) for a in host)
+    plan = backend.plan(batch)
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, (k, v), plan, out)
+    torch.cuda.synchronize()
+    out64 = out.double().cpu().numpy()
+    assert np.isfinite(out64).all(), f"{name} wrote NaN or inf on {kind}"
+    assert relative_error(out64, reference_decode(*host, batch)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("name", BASELINES)

@@ -209,3 +209,22 @@ def test_executor_returns_cache_dtype():
     batch, q, k, v = setup(spec, [40])
     out = execute_plan(plan_split(batch, 3), q, k, v, batch)
     assert out.dtype == np.float16 and out.shape == (1, 2, 64)
+
+
+def test_what_the_checks_still_accept():
+    """The reference takes any float q (it is the judge); the executor writes a strided out in
+    place; relative_error takes integer arrays and lists of one shape."""
+    spec = AttentionSpec(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=8, dtype="float32")
+    batch, q, k, v = setup(spec, [10, 20])
+    ref = reference_decode(q.astype(np.float64), k, v, batch)
+    assert relative_error(reference_decode(q, k, v, batch, scale=np.float32(0.125)), ref) < 1e-6
+    wide = np.full((2, 4, 128), np.nan, np.float32)
+    out = execute_plan(plan_split(batch, 2), q, k, v, batch, out=wide[:, :, ::2])
+    assert out.base is wide and np.isnan(wide[:, :, 1::2]).all()
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error([1, 2], np.array([1, 2], dtype=np.int8)) == 0.0
+
+
+def test_a_non_finite_reference_is_refused_not_compared():
+    with pytest.raises(PKVError, match="ref holds NaN or inf; a reference must be finite"):
+        relative_error(np.ones(2), np.array([1.0, np.inf]))

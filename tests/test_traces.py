@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bounded import within
+from persistentkv import traces as traces_module
 from persistentkv.errors import PKVError
+from persistentkv.spec import MAX_SEQ_LEN
 from persistentkv.traces import (
     GENERATED_KINDS, MAX_SEED, Request, Trace, TorchCompatibleRNG, active_steps, build,
     from_file, generate, load_requests_csv, read_trace, write_trace,
@@ -335,3 +339,86 @@ def test_trace_object_is_frozen_and_indexable():
     assert trace.request(3).id == 3
     with pytest.raises(Exception):
         trace.seed = 6  # frozen dataclass
+
+
+# --------------------------------------------------------------------------- bounded step generation
+
+def test_idle_gaps_are_jumped_not_walked():
+    """Two requests 2**31 - 2 steps apart: two steps at once (the loop walked every idle step)."""
+    requests = (Request(0, 0, 16, 1), Request(1, 2**31 - 2, 32, 1))
+    with within(10):
+        steps = active_steps(requests, 4, None)
+        clipped = active_steps(requests, 4, 1)
+    assert [(s.index, s.request_ids, s.lengths) for s in steps] == [(0, (0,), (16,)), (2**31 - 2, (1,), (32,))]
+    assert len(clipped) == 1
+
+
+def test_num_steps_bounds_a_request_that_decodes_for_billions_of_steps(tmp_path):
+    path = _csv(tmp_path, HEADER + "0,0,16,2000000000\n1,5,16,3\n")
+    with within(10):
+        trace = from_file(path, max_active=2, num_steps=6)
+    assert [s.lengths for s in trace.steps] == [(16,), (17,), (18,), (19,), (20,), (21, 16)]
+
+
+def test_the_row_cap_counts_rows_not_steps(monkeypatch):
+    """MAX_TRACE_ROWS is the row lengths a trace would hold (after max_active and num_steps):
+    exactly the cap passes, one more is refused before any step is made."""
+    monkeypatch.setattr(traces_module, "MAX_TRACE_ROWS", 12)
+    requests = tuple(Request(i, 0, 16, 4) for i in range(3))          # 4 steps of 3 rows
+    assert sum(s.batch_size for s in active_steps(requests, 3, None)) == 12
+    assert sum(s.batch_size for s in active_steps(requests, 2, None)) == 8   # max_active truncates
+    wider = requests + (Request(3, 0, 16, 1),)                         # one more row at step 0
+    with pytest.raises(PKVError, match="the trace's 4 active steps would hold 13 row lengths, more than the 12"):
+        active_steps(wider, 4, None)
+    assert sum(s.batch_size for s in active_steps(wider, 4, 3)) == 10  # the first 3 steps only
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 5000), st.integers(1, 9)),
+                     min_size=1, max_size=12),
+       max_active=st.integers(1, 5), num_steps=st.integers(1, 30))
+def test_active_set_rule_with_gaps_and_a_step_limit(rows, max_active, num_steps):
+    requests = tuple(Request(i, a, p, d) for i, (a, p, d) in enumerate(rows))
+    got = [(s.index, s.request_ids, s.lengths) for s in active_steps(requests, max_active, num_steps)]
+    assert got == _brute_force_steps(requests, max_active, num_steps)
+
+
+def test_file_request_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(traces_module, "MAX_TRACE_REQUESTS", 2)
+    assert len(load_requests_csv(_csv(tmp_path, HEADER + "0,0,16,1\n1,0,16,1\n"))) == 2
+    with pytest.raises(PKVError, match=r"t.csv:4: more than 2 requests"):
+        load_requests_csv(_csv(tmp_path, HEADER + "0,0,16,1\n1,0,16,1\n2,0,16,1\n"))
+
+
+def test_file_integers_are_ascii_digits_with_an_optional_sign(tmp_path):
+    path = _csv(tmp_path, HEADER + "+0, 007 ,16,1\n")
+    assert load_requests_csv(path) == (Request(0, 7, 16, 1),)
+    for text in ("1_000", "1e3", "0x10", "٣", "1.", "--1", "+"):
+        with pytest.raises(PKVError, match=f"column prompt_len must be an integer, got '{re.escape(text)}'"):
+            load_requests_csv(_csv(tmp_path, HEADER + f"0,0,{text},1\n"))
+    with pytest.raises(PKVError, match="column prompt_len must be at most 2147483647, got 002147483648"):
+        load_requests_csv(_csv(tmp_path, HEADER + "0,0,002147483648,1\n"))
+    longest = load_requests_csv(_csv(tmp_path, HEADER + "0,0,0002147483519,1\n"))[0]   # leading zeros are zeros
+    assert longest.max_len == MAX_SEQ_LEN
+
+
+@pytest.mark.parametrize("fields, message", [
+    ((0, 0, -1, 1), "request 0: prompt_len=-1 is out of range"),
+    ((0, 0, True, 1), "request 0: prompt_len must be an integer, got True"),
+    ((0, 0, 2**31 - 128, 1), "request 0: prompt_len \\+ decode_steps = 2147483521 tokens exceeds"),
+    ((-1, 0, 5, 1), "request -1: id=-1 is out of range"),
+])
+def test_requests_check_their_fields(fields, message):
+    with pytest.raises(PKVError, match=message):
+        Request(*fields)
+    assert Request(np.int64(3), 0, 5, 0).id == 3 and type(Request(np.int64(3), 0, 5, 0).id) is int
+
+
+def test_read_trace_roundtrips_every_generated_kind_and_checks_what_it_reads(tmp_path):
+    for kind in GENERATED_KINDS:
+        trace = generate(kind, 7, 10, 3, 12)
+        write_trace(trace, tmp_path / f"{kind}.json")
+        assert read_trace(tmp_path / f"{kind}.json") == trace
+    (tmp_path / "bad.json").write_text(trace.to_json().replace('"seed":7', '"seed":-7'))
+    with pytest.raises(PKVError, match="bad.json: malformed persistentkv trace file \\(seed=-7 is out of range"):
+        read_trace(tmp_path / "bad.json")

@@ -15,15 +15,30 @@ scattered, and a fraction ``rho`` of the universe never used.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import PKVError, require
-from .spec import AttentionSpec
-from .traces import KV_SEED_OFFSET, PAGE_SEED_OFFSET, Q_SEED_OFFSET, Request, Step, TorchCompatibleRNG
+from .spec import MAX_SEQ_LEN, AttentionSpec, integer_array, is_integer
+from .traces import (
+    INT32_MAX, KV_SEED_OFFSET, PAGE_SEED_OFFSET, Q_SEED_OFFSET, Request, Step, TorchCompatibleRNG, check_seed,
+)
 
 MAX_HOLE_FRACTION = 0.95
+#: Page ids are int32 (block tables, the kernels' page loads): at most 2**31 pages.
+MAX_PAGES = INT32_MAX + 1
+#: The largest page-id universe :func:`allocate` shuffles: its randperm is a Python loop, as
+#: torch draws it, ~1 s and ~75 MB of host memory per million pages, so 2**25 pages take ~35 s
+#: and ~2.5 GB. (2**25 pages of one token are 128 GiB of K and V at the published shape, an
+#: H200's memory.) A larger request is refused before the loop starts.
+MAX_ALLOCATION_PAGES = 2**25
+
+
+def _check_spec(spec: object) -> AttentionSpec:
+    require(isinstance(spec, AttentionSpec), f"spec must be an AttentionSpec, got {type(spec).__name__}")
+    return spec
 
 
 def check_hole_fraction(rho: object) -> float:
@@ -44,13 +59,24 @@ class PageAllocation:
     pages: dict[int, np.ndarray]
 
     def table(self, request_ids, lengths) -> tuple[np.ndarray, np.ndarray]:
-        """CSR block table (indptr [B+1], indices [nnz], int32) covering each row's real length."""
-        counts = [math.ceil(n / self.page_size) for n in lengths]
-        indptr = np.zeros(len(counts) + 1, dtype=np.int32)
+        """CSR block table (indptr [B+1], indices [nnz], int32) covering each row's real length.
+
+        request_ids: [B] ids this allocation reserved pages for; lengths: int [B], each in
+        [1, MAX_SEQ_LEN] tokens.
+        """
+        ids = integer_array("request_ids", request_ids, 0, INT32_MAX).tolist()
+        lengths = integer_array("lengths", lengths, 1, MAX_SEQ_LEN)
+        require(len(ids) == lengths.size, f"{len(ids)} request ids but {lengths.size} lengths")
+        counts = (-(-lengths.astype(np.int64) // self.page_size)).tolist()
+        indptr = np.zeros(len(counts) + 1, dtype=np.int64)
         indptr[1:] = np.cumsum(counts)
+        require(int(indptr[-1]) <= INT32_MAX, f"the rows need {int(indptr[-1])} pages, more than int32 block "
+                                              f"tables index ({INT32_MAX})")
+        indptr = indptr.astype(np.int32)
         parts = []
-        for rid, count in zip(request_ids, counts):
-            owned = self.pages[rid]
+        for rid, count in zip(ids, counts):
+            owned = self.pages.get(rid)
+            require(owned is not None, f"request {rid} has no pages in this allocation")
             require(count <= owned.size, f"request {rid} needs {count} pages but reserved {owned.size}")
             parts.append(owned[:count])
         indices = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
@@ -60,16 +86,24 @@ class PageAllocation:
 def allocate(requests, page_size: int, hole_fraction: float, seed: int) -> PageAllocation:
     """Reserve pages for ``requests`` (each needs ``prompt + decode`` tokens) as the paper does."""
     rho = check_hole_fraction(hole_fraction)
-    reserved = {r.id: math.ceil((r.prompt_len + r.decode_steps) / page_size)
-                for r in sorted(requests, key=lambda r: r.id)}
+    require(is_integer(page_size) and page_size >= 1, f"page_size must be an integer >= 1, got {page_size!r}")
+    seed = check_seed(seed)
+    require(isinstance(requests, (tuple, list)) and all(isinstance(r, Request) for r in requests),
+            f"requests must be a sequence of Request, got {type(requests).__name__}")
+    repeated = [rid for rid, count in Counter(r.id for r in requests).items() if count > 1]
+    require(not repeated, f"request ids must be distinct; {repeated[0] if repeated else ''} appears more than once")
+    reserved = {r.id: -(-r.max_len // page_size) for r in sorted(requests, key=lambda r: r.id)}
     total = sum(reserved.values())
     universe = math.ceil(total / max(1e-6, 1.0 - rho))
+    require(universe <= MAX_ALLOCATION_PAGES,
+            f"the requests need a universe of {universe} pages ({total} reserved, hole fraction {rho}), "
+            f"more than the {MAX_ALLOCATION_PAGES} the allocator shuffles; use shorter rows or larger pages")
     perm = TorchCompatibleRNG(seed + PAGE_SEED_OFFSET).randperm(universe).astype(np.int32)
     pages, cursor = {}, 0
     for rid, count in reserved.items():
         pages[rid] = perm[cursor:cursor + count]
         cursor += count
-    return PageAllocation(page_size, rho, universe, pages)
+    return PageAllocation(int(page_size), rho, universe, pages)
 
 
 @dataclass(frozen=True)
@@ -89,15 +123,16 @@ class Batch:
     num_pages: int
 
     def __post_init__(self) -> None:
-        seq = np.asarray(self.seq_lens)
-        require(seq.ndim == 1 and seq.size >= 1, "a batch needs at least one row")
-        require(np.issubdtype(seq.dtype, np.integer), f"seq_lens must be integers, got {seq.dtype}")
-        bad = np.flatnonzero(seq < 1)
-        require(bad.size == 0, f"row {bad[0] if bad.size else 0} has length "
-                               f"{int(seq[bad[0]]) if bad.size else 0}; lengths must be >= 1")
-        require(int(seq.max()) < 2**31 - 1, "a row is longer than 2**31 - 1 tokens")
+        # NumPy passes over the arrays, no Python loop over rows: a server builds one per step.
+        # Integer dtypes only and int32 ranges, checked before the casts below, which would
+        # otherwise truncate a float page id (0.9 -> 0) or wrap a large one (2**32 + 3 -> 3).
+        _check_spec(self.spec)
+        require(is_integer(self.num_pages) and 1 <= self.num_pages <= MAX_PAGES,
+                f"num_pages must be an integer in [1, {MAX_PAGES}], got {self.num_pages!r}")
+        seq = integer_array("seq_lens", self.seq_lens, 1, MAX_SEQ_LEN)
+        require(seq.size >= 1, "a batch needs at least one row")
         P = self.spec.page_size
-        indptr = np.asarray(self.kv_indptr)
+        indptr = integer_array("kv_indptr", self.kv_indptr, 0, INT32_MAX)
         require(indptr.shape == (seq.size + 1,) and indptr[0] == 0,
                 f"kv_indptr must have shape [{seq.size + 1}] and start at 0")
         need = -(-seq.astype(np.int64) // P)
@@ -106,11 +141,9 @@ class Batch:
         require(wrong.size == 0, f"row {wrong[0] if wrong.size else 0} lists "
                                  f"{int(have[wrong[0]]) if wrong.size else 0} pages but its length "
                                  f"needs {int(need[wrong[0]]) if wrong.size else 0}")
-        idx = np.asarray(self.kv_indices)
+        idx = integer_array("kv_indices (page ids)", self.kv_indices, 0, self.num_pages - 1)
         require(idx.size == int(indptr[-1]), "kv_indices length does not match kv_indptr[-1]")
-        if idx.size:
-            require(int(idx.min()) >= 0 and int(idx.max()) < self.num_pages,
-                    f"page ids must lie in [0, {self.num_pages}), got [{int(idx.min())}, {int(idx.max())}]")
+        object.__setattr__(self, "num_pages", int(self.num_pages))
         object.__setattr__(self, "seq_lens", seq.astype(np.int32))
         object.__setattr__(self, "kv_indptr", indptr.astype(np.int32))
         object.__setattr__(self, "kv_indices", idx.astype(np.int32))
@@ -149,22 +182,24 @@ class Batch:
 
 
 def batch_for_step(spec: AttentionSpec, allocation: PageAllocation, step: Step) -> Batch:
+    _check_spec(spec)
+    require(isinstance(allocation, PageAllocation),
+            f"allocation must be a PageAllocation, got {type(allocation).__name__}")
+    require(isinstance(step, Step), f"step must be a Step, got {type(step).__name__}")
     require(allocation.page_size == spec.page_size,
             f"allocation page_size {allocation.page_size} != spec page_size {spec.page_size}")
     indptr, indices = allocation.table(step.request_ids, step.lengths)
-    return Batch(spec, np.asarray(step.lengths, dtype=np.int32), indptr, indices, allocation.num_pages)
+    return Batch(spec, np.asarray(step.lengths), indptr, indices, allocation.num_pages)
 
 
 def make_batch(spec: AttentionSpec, seq_lens, hole_fraction: float = 0.0, seed: int = 0) -> Batch:
-    """A batch of fresh rows with the given lengths (each row reserves exactly its length)."""
-    raw = np.asarray(seq_lens).reshape(-1)
-    require(raw.size >= 1, "a batch needs at least one row")
-    # int() would truncate 3.7 to 3 silently; a non-integer length is a caller's mistake.
-    require(np.issubdtype(raw.dtype, np.integer),
-            f"lengths must be integers, got {raw.dtype} values such as {raw[0]!r}")
-    seq_lens = [int(n) for n in raw]
-    bad = [n for n in seq_lens if n < 1]
-    require(not bad, f"length {bad[0] if bad else 0} is invalid; lengths must be >= 1")
+    """A batch of fresh rows with the given lengths (each row reserves exactly its length).
+
+    seq_lens: int [B], each in [1, MAX_SEQ_LEN]; a float length is refused, never truncated.
+    """
+    _check_spec(spec)
+    seq_lens = integer_array("lengths", seq_lens, 1, MAX_SEQ_LEN).tolist()
+    require(len(seq_lens) >= 1, "a batch needs at least one row")
     requests = tuple(Request(i, 0, n, 0) for i, n in enumerate(seq_lens))
     alloc = allocate(requests, spec.page_size, hole_fraction, seed)
     indptr, indices = alloc.table(range(len(seq_lens)), seq_lens)
@@ -177,15 +212,35 @@ def numpy_dtype(dtype: str):
     return np.dtype(dtype)
 
 
-def random_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """K and V ``[num_pages, page_size, Hkv, D]`` of standard-normal values (seeded ``seed + 7``)."""
-    rng = np.random.default_rng(seed + KV_SEED_OFFSET)
-    shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+def _standard_normal(spec: AttentionSpec, shape: tuple[int, ...], seed: int, offset: int, count: int):
+    """``count`` arrays of ``shape`` in the spec's NumPy dtype, standard-normal, seeded ``seed + offset``."""
     dtype = numpy_dtype(spec.dtype)
-    return rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+    require(is_integer(seed) and seed >= 0, f"seed must be a non-negative integer, got {seed!r}")
+    rng = np.random.default_rng(int(seed) + offset)
+    try:
+        return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(count))
+    except MemoryError:
+        gib = count * math.prod(shape) * (8 + dtype.itemsize) / 2**30  # float64 draws, then the cast
+        raise PKVError(f"{count} x {list(shape)} random {dtype} values need ~{gib:.3g} GiB of host memory, "
+                       "more than this machine can allocate") from None
+
+
+def random_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of standard-normal values (seeded ``seed + 7``).
+
+    Returns (k, v), each [num_pages, page_size, Hkv, D] of the spec's dtype (float16, float32 or
+    float64: NumPy has no bfloat16).
+    """
+    _check_spec(spec)
+    require(is_integer(num_pages) and 1 <= num_pages <= MAX_PAGES,
+            f"num_pages must be an integer in [1, {MAX_PAGES}], got {num_pages!r}")
+    shape = (int(num_pages), spec.page_size, spec.num_kv_heads, spec.head_dim)
+    return _standard_normal(spec, shape, seed, KV_SEED_OFFSET, 2)
 
 
 def random_queries(spec: AttentionSpec, batch_size: int, seed: int) -> np.ndarray:
-    """Queries ``[B, Hq, D]`` of standard-normal values (seeded ``seed + 2026``)."""
-    rng = np.random.default_rng(seed + Q_SEED_OFFSET)
-    return rng.standard_normal((batch_size, spec.num_qo_heads, spec.head_dim)).astype(numpy_dtype(spec.dtype))
+    """Queries of standard-normal values (seeded ``seed + 2026``): [B, Hq, D] of the spec's dtype."""
+    _check_spec(spec)
+    require(is_integer(batch_size) and batch_size >= 1, f"batch_size must be an integer >= 1, got {batch_size!r}")
+    (q,) = _standard_normal(spec, (int(batch_size), spec.num_qo_heads, spec.head_dim), seed, Q_SEED_OFFSET, 1)
+    return q

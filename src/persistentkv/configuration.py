@@ -7,7 +7,9 @@ line naming the key path and the bad value::
     config: traces[1].max_active: 0 is less than the minimum of 1
 
 Cross-field rules the schema cannot express (names that must refer to a trace, distinct seeds,
-GQA group sizes that divide the query heads, a trace file that exists) follow, also as one line.
+GQA group sizes that divide the query heads, a trace file that exists, no NaN or infinity, which
+every bound of the schema lets through, and the library's own limits on lengths and trace sizes)
+follow, also as one line.
 The Snakefile and every command that takes ``--config`` go through :func:`load_config` or
 :func:`validate_config`, so the workflow and the CLI reject the same inputs with the same words.
 """
@@ -15,6 +17,7 @@ The Snakefile and every command that takes ``--config`` go through :func:`load_c
 from __future__ import annotations
 
 import copy
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -23,7 +26,8 @@ from typing import Any
 import yaml
 
 from .errors import PKVError, require
-from .spec import AttentionSpec
+from .spec import MAX_SEQ_LEN, AttentionSpec
+from .traces import MAX_TRACE_REQUESTS
 
 #: Default locations, relative to the repository root (the workflow's working directory).
 DEFAULT_CONFIG = Path("config/config.yaml")
@@ -113,9 +117,35 @@ def validate_config(config: Any, base_dir: str | Path = ".", schema_path: str | 
     return config
 
 
+def _non_finite(value: Any, path: tuple = ()) -> tuple | None:
+    """Key path of the first NaN or infinity in ``value`` (YAML's .nan / .inf), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        found = _non_finite(child, path + (key,))
+        if found is not None:
+            return found
+    return None
+
+
 def _cross_checks(config: dict, base_dir: Path) -> None:
     def fail(where: str, message: str) -> None:
         raise PKVError(f"config: {where}: {message}")
+
+    where = _non_finite(config)
+    if where is not None:
+        fail(key_path(where), f"{_short(_at(config, where))} is not a finite number")
+
+    for index, entry in enumerate(config["traces"]):
+        if entry.get("num_requests", 0) > MAX_TRACE_REQUESTS:
+            fail(f"traces[{index}].num_requests",
+                 f"{entry['num_requests']} exceeds the maximum of {MAX_TRACE_REQUESTS}")
+    for sweep in ("long_context", "batch_sweep"):
+        for index, length in enumerate(config["measure"][sweep]["lengths"]):
+            if length > MAX_SEQ_LEN:
+                fail(f"measure.{sweep}.lengths[{index}]", f"{length} exceeds the longest row the engine addresses "
+                                                          f"({MAX_SEQ_LEN} tokens)")
 
     try:
         AttentionSpec(**config["spec"])
@@ -169,10 +199,13 @@ def _cross_checks(config: dict, base_dir: Path) -> None:
 def load_config(path: str | Path = DEFAULT_CONFIG, base_dir: str | Path | None = None) -> dict:
     """Read and validate a config file (YAML). Trace-file paths are relative to ``base_dir``
     (default: the current directory, the repository root when the workflow runs)."""
+    require(isinstance(path, (str, Path)), f"config file must be a path, got {path!r}")
     path = Path(path)
     require(path.is_file(), f"config file {path} does not exist")
     try:
-        config = yaml.safe_load(path.read_text())
+        config = yaml.safe_load(path.read_bytes())
+    except yaml.reader.ReaderError as exc:  # bytes that are not UTF-8 (or UTF-16) text
+        raise PKVError(f"config: {path} is not a text file ({exc.reason} at byte {exc.position})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -180,6 +213,12 @@ def load_config(path: str | Path = DEFAULT_CONFIG, base_dir: str | Path | None =
         raise PKVError(f"config: {path}:{where} is not valid YAML ({problem})") from None
     require(isinstance(config, dict), f"config: {path} must be a mapping of keys, got {_short(config)}")
     return validate_config(config, base_dir if base_dir is not None else ".")
+
+
+def _at(config: Any, path: tuple) -> Any:
+    for key in path:
+        config = config[key]
+    return config
 
 
 def _first_difference(a: Any, b: Any, path: tuple = ()) -> tuple | None:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .cache import Batch
-from .errors import require
+from .errors import PKVError, require
 from .plan import Plan, unpack_items
 
 
@@ -25,7 +25,27 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def _float_array(name: str, value) -> np.ndarray:
+    require(isinstance(value, np.ndarray), f"{name} must be a NumPy array, got {type(value).__name__}")
+    require(value.dtype.kind == "f", f"{name} must hold real floating-point values, got dtype {value.dtype}")
+    return value
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return default_scale(head_dim)
+    ok = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool)
+    require(ok and math.isfinite(scale), f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
 def _check_inputs(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch) -> None:
+    """q [B, Hq, D], K and V [>= num_pages, P, Hkv, D]: NumPy float arrays, K and V of one dtype."""
+    require(isinstance(batch, Batch), f"batch must be a Batch, got {type(batch).__name__}")
+    for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _float_array(name, value)
+    require(k_cache.dtype == v_cache.dtype,
+            f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; K and V must share one dtype")
     spec = batch.spec
     require(q.shape == (batch.batch_size, spec.num_qo_heads, spec.head_dim),
             f"q has shape {q.shape}, expected {(batch.batch_size, spec.num_qo_heads, spec.head_dim)}")
@@ -49,10 +69,27 @@ def gather_row(cache: np.ndarray, batch: Batch, row: int, tok_lo: int, tok_hi: i
 
 def reference_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch,
                      scale: float | None = None) -> np.ndarray:
-    """Dense float64 decode attention: out [B, Hq, D] float64."""
+    """Dense float64 decode attention, never looking at a plan.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        [B, Hq, D], any float dtype.
+    k_cache, v_cache : numpy.ndarray
+        [num_pages (or more), P, Hkv, D], one float dtype for both.
+    batch : Batch
+        The rows and their block table.
+    scale : float, optional
+        Softmax scale (default 1 / sqrt(D)); finite.
+
+    Returns
+    -------
+    numpy.ndarray
+        out, [B, Hq, D] float64.
+    """
     _check_inputs(q, k_cache, v_cache, batch)
     spec = batch.spec
-    scale = default_scale(spec.head_dim) if scale is None else scale
+    scale = _check_scale(scale, spec.head_dim)
     G = spec.group_size
     out = np.empty((batch.batch_size, spec.num_qo_heads, spec.head_dim), dtype=np.float64)
     for row in range(batch.batch_size):
@@ -96,18 +133,46 @@ def execute_plan(plan: Plan, q: np.ndarray, k_cache: np.ndarray, v_cache: np.nda
                  out: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
     """Run ``plan``'s items and merges on the CPU.
 
-    Accumulates in float64 when the cache is float64, else in float32 (as the GPU kernels do);
-    ``out`` (or the returned array) has the cache's dtype. Padded items are clipped to N_i.
+    Accumulates in float64 when the cache is float64, else in float32 (as the GPU kernels do).
+    Padded items are clipped to N_i.
+
+    Parameters
+    ----------
+    plan : Plan
+        Made for ``batch`` (same lengths and kv heads).
+    q : numpy.ndarray
+        [B, Hq, D], the cache's dtype.
+    k_cache, v_cache : numpy.ndarray
+        [num_pages (or more), P, Hkv, D], float16, float32 or float64, one dtype for both.
+    batch : Batch
+        The rows and their block table.
+    out : numpy.ndarray, optional
+        [B, Hq, D] of the cache's dtype, writeable; every element is written.
+    scale : float, optional
+        Softmax scale (default 1 / sqrt(D)); finite.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out`` (a new [B, Hq, D] array of the cache's dtype when none is given).
     """
     _check_inputs(q, k_cache, v_cache, batch)
-    require(plan.batch_size == batch.batch_size and np.array_equal(plan.seq_lens, batch.seq_lens),
-            "the plan was made for a different batch")
+    require(isinstance(plan, Plan), f"plan must be a Plan (plan.make_plan), got {type(plan).__name__}")
+    require(plan.batch_size == batch.batch_size and np.array_equal(plan.seq_lens, batch.seq_lens)
+            and plan.spec.num_kv_heads == batch.spec.num_kv_heads, "the plan was made for a different batch")
+    require(q.dtype == k_cache.dtype, f"q is {q.dtype} but the cache is {k_cache.dtype}; they must match")
     spec = batch.spec
-    scale = default_scale(spec.head_dim) if scale is None else scale
+    scale = _check_scale(scale, spec.head_dim)
     accum = np.float64 if k_cache.dtype == np.float64 else np.float32
     G, D = spec.group_size, spec.head_dim
     if out is None:
         out = np.empty((batch.batch_size, spec.num_qo_heads, D), dtype=k_cache.dtype)
+    # the checks a NumPy write would do with a raw error, or not at all: an integer out truncates
+    # the result, a float16 out of a float32 cache loses its precision silently
+    _float_array("out", out)
+    require(out.shape == q.shape, f"out has shape {out.shape}, expected {q.shape}")
+    require(out.dtype == k_cache.dtype, f"out is {out.dtype} but the cache is {k_cache.dtype}; they must match")
+    require(out.flags.writeable, "out is read-only")
     cols = unpack_items(plan.items)
     n = plan.num_items
     part_o = np.zeros((n, G, D), accum)
@@ -130,9 +195,23 @@ def execute_plan(plan: Plan, q: np.ndarray, k_cache: np.ndarray, v_cache: np.nda
     return out
 
 
+def _real_float64(name: str, value) -> np.ndarray:
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):  # ragged nested lists
+        raise PKVError(f"{name} must be an array of numbers, got a ragged {type(value).__name__}") from None
+    require(array.dtype.kind in "fiu", f"{name} must hold real numbers, got dtype {array.dtype}")
+    return array.astype(np.float64)
+
+
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """||out - ref|| / ||ref|| in float64 (NaN anywhere gives inf)."""
-    out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    """||out - ref|| / ||ref|| in float64; NaN or inf in ``out`` gives inf.
+
+    ``out`` and ``ref`` are real arrays of one shape (no broadcasting); ``ref`` must be finite.
+    """
+    out64, ref64 = _real_float64("out", out), _real_float64("ref", ref)
+    require(out64.shape == ref64.shape, f"out has shape {out64.shape} but ref has {ref64.shape}; they must match")
+    require(bool(np.isfinite(ref64).all()), "ref holds NaN or inf; a reference must be finite")
     if not np.all(np.isfinite(out64)):
         return math.inf
     return float(np.linalg.norm(out64 - ref64) / max(np.linalg.norm(ref64), 1e-300))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -14,6 +15,61 @@ MAX_PAGE_SIZE = 256
 #: exist for the NumPy executor (exactness tests).
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 LAYOUTS = ("NHD",)
+#: The longest row (tokens) the engine addresses: its kernel computes a tile's token indices in
+#: int32, up to ``N + TILE - 1`` for a row of ``N`` tokens, and a tile is at most 128 tokens (the
+#: 8-warp module's stage), so ``N <= 2**31 - 128`` keeps every index below ``2**31``. Plans store
+#: token bounds as int32 too. Batches and traces refuse longer rows.
+MAX_SEQ_LEN = 2**31 - 128
+
+
+def is_integer(value: object) -> bool:
+    """A Python or NumPy integer, and not a bool (which Python counts as an int)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def integer_array(name: str, value, low: int, high: int) -> np.ndarray:
+    """``value`` as a 1-D NumPy integer array whose elements lie in ``[low, high]``.
+
+    Parameters
+    ----------
+    name : str
+        What the caller calls ``value``, for the error message.
+    value : array_like
+        Integer values (a list, a tuple or an array of any integer dtype).
+    low, high : int
+        The accepted range, both ends included.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``value``'s elements, shape [n], in their own integer dtype (an empty ``value`` gives
+        int64 [0]); every element is in range, so a cast to a narrower integer type is exact.
+
+    Raises :class:`PKVError` (one line naming ``name``, the value and what is accepted) for
+    ragged nested lists, more than one dimension, a non-integer dtype (a float page id is
+    refused, never truncated; bool too) and a value out of range. Vectorised: a few NumPy passes,
+    no Python loop over the elements.
+    """
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):  # ragged nested lists, objects NumPy cannot stack
+        raise PKVError(f"{name} must be a 1-D array of integers, got ragged {_short(value)}") from None
+    # if/raise, not require(): these messages format the array, which costs more than the checks
+    if array.ndim != 1:
+        raise PKVError(f"{name} must be a 1-D array of integers, got shape {array.shape}: {_short(value)}")
+    if array.size == 0:
+        return array.astype(np.int64)  # [] reads as float64; an empty list of integers is still integers
+    if array.dtype.kind not in "iu":
+        raise PKVError(f"{name} must be integers, got {array.dtype} values such as {_short(array[:1].tolist()[0])}")
+    if array.min() < low or array.max() > high:
+        first = int(np.flatnonzero((array < low) | (array > high))[0])
+        raise PKVError(f"{name}[{first}] = {array[first]} is out of range [{low}, {high}]")
+    return array
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_power_of_two(value: int) -> bool:
@@ -38,16 +94,19 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         for field in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise PKVError(f"{field} must be an integer, got {value!r}")
+            require(is_integer(value), f"{field} must be an integer, got {value!r}")
             require(value >= 1, f"{field} must be >= 1, got {value}")
+            object.__setattr__(self, field, int(value))  # a NumPy integer would not serialise to JSON
         require(self.num_qo_heads % self.num_kv_heads == 0,
                 f"num_qo_heads={self.num_qo_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         require(self.head_dim in HEAD_DIMS, f"head_dim={self.head_dim} is not one of {HEAD_DIMS}")
         require(is_power_of_two(self.page_size) and self.page_size <= MAX_PAGE_SIZE,
                 f"page_size={self.page_size} is not a power of two in [1, {MAX_PAGE_SIZE}]")
-        require(self.dtype in DTYPE_BYTES, f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        require(self.layout in LAYOUTS, f"layout={self.layout!r} is not one of {LAYOUTS}")
+        # isinstance first: an unhashable value (a list) would raise TypeError inside ``in``
+        require(isinstance(self.dtype, str) and self.dtype in DTYPE_BYTES,
+                f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        require(isinstance(self.layout, str) and self.layout in LAYOUTS,
+                f"layout={self.layout!r} is not one of {LAYOUTS}")
 
     @property
     def group_size(self) -> int:
@@ -68,7 +127,8 @@ class AttentionSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "AttentionSpec":
+        require(isinstance(data, Mapping), f"an AttentionSpec is read from a mapping of its fields, got {data!r}")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(key) for key in set(data) - known)
         require(not unknown, f"unknown AttentionSpec field(s): {', '.join(unknown)}")
         return cls(**data)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import Batch
-from ..errors import require
+from ..errors import PKVError, require
 from ..spec import AttentionSpec
 from ..env import dtype_reasons, missing_module, torch_dtype
 
@@ -33,11 +33,16 @@ def check_step_tensors(spec: AttentionSpec, batch_size: int, q, cache, out, who:
     q, out: [B, Hq, D]; cache: (K, V), each [pages, P, Hkv, D]; all of ``spec.dtype``.
     Host-side checks only (shapes and dtypes), so they are safe inside a CUDA-graph capture.
     """
+    import torch
+
+    require(isinstance(cache, (tuple, list)) and len(cache) == 2,
+            f"{who}: cache must be a (K, V) pair, got {type(cache).__name__}")
+    for label, t in (("q", q), ("K", cache[0]), ("V", cache[1]), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise PKVError(f"{who}: {label} must be a torch tensor, got {type(t).__name__}")
     want_q = (batch_size, spec.num_qo_heads, spec.head_dim)
     require(tuple(q.shape) == want_q, f"{who}: q has shape {tuple(q.shape)}, expected {want_q}")
     require(tuple(out.shape) == want_q, f"{who}: out has shape {tuple(out.shape)}, expected {want_q}")
-    require(isinstance(cache, (tuple, list)) and len(cache) == 2,
-            f"{who}: cache must be a (K, V) pair, got {type(cache).__name__}")
     k, v = cache
     tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
     require(k.dim() == 4 and tuple(k.shape[1:]) == tail,
@@ -55,10 +60,12 @@ class SdpaPlan:
     table:    int64 [B * W] padded block table, flattened (W = widest row's page count)
     mask:     bool [B, 1, 1, W * P] (True = attend) or None when every row fills W * P tokens
     k_buf:    [B * W, P, Hkv, D] gather buffer for K (reused by every layer); v_buf the same for V
+    num_pages: the batch's page-id universe: K and V must have at least this many pages
     """
 
     spec: AttentionSpec
     batch_size: int
+    num_pages: int
     width: int
     table: Any
     mask: Any
@@ -82,32 +89,31 @@ class TorchSdpaBackend:
         if reasons:
             return reasons
         reasons += dtype_reasons(spec, ("float16", "bfloat16", "float32", "float64"), "torch SDPA")
-        if self._device_name() == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                reasons.append(f"no CUDA device visible to torch {torch.__version__}")
+        try:
+            self._torch_device()
+        except PKVError as exc:  # not a device name, or CUDA asked for where torch sees none
+            reasons.append(str(exc))
         return reasons
 
-    def _device_name(self) -> str:
-        if self.device is not None:
-            return str(self.device).split(":")[0]
-        try:
-            import torch
-        except Exception:
-            return "cpu"
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
     def _torch_device(self):
+        """The device plans live on: ``device``, else CUDA when torch sees a GPU, else the CPU."""
         import torch
 
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise PKVError(f"{self.name}: device {self.device!r} is not a torch device name "
+                           "('cpu', 'cuda', 'cuda:N', ...)") from None
+        require(dev.type != "cuda" or torch.cuda.is_available(),
+                f"{self.name}: device {self.device!r}, but no CUDA device is visible to torch {torch.__version__}")
+        return dev
 
     def plan(self, batch: Batch) -> SdpaPlan:
         import torch
 
+        require(isinstance(batch, Batch), f"{self.name}: batch must be a Batch, got {type(batch).__name__}")
         spec = batch.spec
         dev = self._torch_device()
         counts = np.diff(batch.kv_indptr)
@@ -121,7 +127,7 @@ class TorchSdpaBackend:
             mask = torch.from_numpy((positions < lens[:, None]).reshape(batch.batch_size, 1, 1, kv_len)).to(dev)
         shape = (batch.batch_size * width, spec.page_size, spec.num_kv_heads, spec.head_dim)
         dtype = torch_dtype(spec.dtype)
-        return SdpaPlan(spec, batch.batch_size, width, table, mask,
+        return SdpaPlan(spec, batch.batch_size, batch.num_pages, width, table, mask,
                         torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev),
                         kv_len)
 
@@ -129,9 +135,20 @@ class TorchSdpaBackend:
         import torch
         import torch.nn.functional as F
 
+        if not isinstance(plan, SdpaPlan):
+            raise PKVError(f"{self.name}: plan must be what plan() returned, got {type(plan).__name__}")
         spec = plan.spec
         check_step_tensors(spec, plan.batch_size, q, cache, out, self.name)
         k_cache, v_cache = cache
+        # index_select past the last page is an IndexError on the CPU and a device-side assert
+        # on a GPU; the tensors on another device than the plan, a raw RuntimeError. (if/raise:
+        # run() is timed, and require() would format its message on every call.)
+        if k_cache.shape[0] < plan.num_pages:
+            raise PKVError(f"{self.name}: K has {k_cache.shape[0]} pages, the plan's batch addresses "
+                           f"{plan.num_pages}")
+        for label, t in (("q", q), ("K", k_cache), ("V", v_cache), ("out", out)):
+            if t.device != plan.table.device:
+                raise PKVError(f"{self.name}: {label} is on {t.device}, the plan on {plan.table.device}")
         torch.index_select(k_cache, 0, plan.table, out=plan.k_buf)
         torch.index_select(v_cache, 0, plan.table, out=plan.v_buf)
         B, Hkv, D = plan.batch_size, spec.num_kv_heads, spec.head_dim

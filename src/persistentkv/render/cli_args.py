@@ -11,7 +11,7 @@ from ..errors import PKVError, require
 
 def add_results_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", required=True, type=Path,
-                        help="results/<hw> folder to render (may be absent or partial: missing parts read 'not measured')")
+                        help="results/<hw> folder to render (must exist; may be partial: missing parts read 'not measured')")
     parser.add_argument("--counters", type=Path, default=None,
                         help="hardware-independent counters folder (default: results/counters beside --results)")
     from ..configuration import add_config_argument
@@ -23,11 +23,11 @@ def load(args: argparse.Namespace):
     from ..configuration import load_config
     from ..render.inputs import load_results
 
-    if not args.results.exists():
-        import sys
-
-        print(f"note: {args.results} does not exist: everything of {args.results.name} renders as "
-              "'not measured yet'", file=sys.stderr)
+    # A mistyped folder would render every claim as "not measured" and exit 0.
+    require(args.results.is_dir(), f"results folder {args.results} does not exist (or is not a folder); "
+                                   "give the results/<hw> folder a run wrote")
+    require(args.counters is None or args.counters.is_dir(),
+            f"counters folder {args.counters} does not exist (or is not a folder)")
     return load_results(args.results, args.counters, load_config(args.config))
 
 
