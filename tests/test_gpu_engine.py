@@ -2,7 +2,9 @@
 
 One matrix, parametrised over CONFIGS (the 4- and 8-warp modules x every engine route) and the
 inputs: dtypes, head dims, group sizes, page sizes with page- and stage-boundary lengths, ragged
-batches over scattered pages, empty splits, a 1M-token row; then the GPU planner against the host
+batches over scattered pages, empty splits, a 1M-token row, the numerics stress kinds of
+tests/numerics.py (large scores, a one-hot softmax, equal keys, the maximum in a row's last page
+or at its first token, large values, zero queries); then the GPU planner against the host
 planner, plans uploaded behind a busy stream, graph replay over rotated caches, a whole step
 (plan + 32 layers) in one graph, and programmatic dependent launch with early K/V (bit-exact
 against the plain launch, and reading the append into a row's last page).
@@ -18,7 +20,8 @@ import numpy as np
 import pytest
 
 from gpu_support import (TOLERANCE, assert_graph_replay_matches, assert_repeats_bit_exact, device_case,
-                         reference_torch64, rel_err, replay_captured, requires_gpu, run_step)
+                         reference_torch64, rel_err, replay_captured, requires_gpu, run_step, torch_dtype)
+from numerics import KINDS, stress_case
 from persistentkv import plan as planner
 from persistentkv.cache import Batch, make_batch
 from persistentkv.names import ENGINE_ROUTES
@@ -116,6 +119,27 @@ def test_million_token_row(warps):
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, *_ = run_case(spec, [1 << 20], warps, "workqueue", seed=7, hole_fraction=0.0)
     assert err <= TOLERANCE["float16"], f"1M tokens, w{warps}: rel err {err}"
+
+
+@pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_numerics_stress(warps, route, kind, dtype, group):
+    """The engine on inputs that stress the softmax and the accumulators, against float64 over
+    the same rounded values (tests/numerics.py), with ragged rows at page and stage boundaries."""
+    import torch
+
+    spec = AttentionSpec(8 * group, 8, 128, 16, dtype)
+    engine = engine_of(spec, warps)
+    batch, *host = stress_case(kind, spec, [1, 15, 16, 17, 63, 129, 1000, 4097], seed=group)
+    q, k, v = (torch.from_numpy(a).to(device="cuda", dtype=torch_dtype(dtype)) for a in host)
+    plan = engine.plan(batch, route)
+    out = torch.full_like(q, float("nan"))
+    engine.run(q, (k, v), plan, out)
+    torch.cuda.synchronize()
+    err = rel_err(out, reference_torch64(batch, q, k, v))
+    assert err <= TOLERANCE[dtype], f"{kind} {dtype} G={group} w{warps} {route}: rel err {err}"
 
 
 # --------------------------------------------------------------------------- the modules
