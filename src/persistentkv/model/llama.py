@@ -31,6 +31,17 @@ from ..env import missing_module
 from ..errors import PKVError, require
 from .shape import ModelShape
 
+
+def resolve_device(device):
+    """``device`` as the torch.device tensors placed there report: "cuda" becomes "cuda:<current>",
+    so two devices compare equal when they are the same GPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
 #: Values of Kernels(name): "auto" takes flashinfer where it imports and the device is CUDA.
 KERNEL_CHOICES = ("auto", "torch", "flashinfer")
 
@@ -153,7 +164,7 @@ class Kernels:
         import torch
 
         require(name in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
-        device = torch.device(device)
+        device = resolve_device(device)
         if name == "auto":
             name = "flashinfer" if device.type == "cuda" and not missing_module("flashinfer") else "torch"
         if name == "flashinfer":

@@ -46,7 +46,7 @@ from ..cache import Batch
 from ..errors import require
 from ..names import CPU_ONLY
 from ..traces import PAGE_SEED_OFFSET, TorchCompatibleRNG
-from .llama import Kernels, Sampling, Weights, sample
+from .llama import Kernels, Sampling, Weights, resolve_device, sample
 from .shape import Footprint, ModelShape, check_fits
 
 FOLLOW_MODES = ("device", "host", "replan")
@@ -110,7 +110,7 @@ class PagedKV:
         import torch
 
         self.shape, self.page_size, self.dtype = shape, int(page_size), dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if self.device.type == "cuda":
             from ..measure.device import TorchDevice
 
