@@ -200,6 +200,11 @@ CASES: list[Bad] = [
         lambda: read_trace(trace_json(lambda d: d["steps"][0].__setitem__(2, [7]))),
         't.json: malformed persistentkv trace file (step 0 needs one length per request id and at least one '
         'row, got 2 ids and 1 lengths)'),
+    Bad("silent", "plan.make_plan", "workqueue target_items 2.7 (read as 2)",
+        lambda: make_plan(OK, "workqueue", target_items=2.7), 'target_items must be an integer >= 1, got 2.7'),
+    Bad("silent", "plan.make_plan", "padded_buckets bucket_tokens 2.5",
+        lambda: make_plan(OK, "padded_buckets", num_splits=2, bucket_tokens=2.5),
+        'bucket_tokens must be an integer >= 1 (or None for exact lengths), got 2.5'),
     # ---- accepted where it should be refused ----------------------------------------------------
     Bad("accepted", "cache.Batch", "num_pages 5.5",
         lambda: batch(num_pages=5.5), 'num_pages must be an integer in [1, 2147483648], got 5.5'),
@@ -287,6 +292,14 @@ CASES: list[Bad] = [
         'the requests need a universe of 67108864 pages (67108864 reserved, hole fraction 0.0), more than the '
         '33554432 the allocator shuffles; use shorter rows or larger pages'),
     # ---- raw exceptions -------------------------------------------------------------------------
+    Bad("raw", "plan.make_plan", "workqueue min_chunk_tiles '2'",
+        lambda: make_plan(OK, "workqueue", target_items=64, min_chunk_tiles="2"),
+        "min_chunk_tiles must be an integer >= 1, got '2'"),
+    Bad("raw", "plan.make_plan", "split with an option it does not take (target_items)",
+        lambda: make_plan(OK, "split", num_splits=2, target_items=64),
+        'route split takes num_splits, fused_merge; not target_items'),
+    Bad("raw", "plan.make_plan", "batch None",
+        lambda: make_plan(None, "split", num_splits=2), 'the planner takes a cache.Batch, got NoneType'),
     Bad("raw", "spec.AttentionSpec", "dtype ['float16'] (unhashable)",
         lambda: AttentionSpec(dtype=["float16"]),
         "dtype=['float16'] is not one of ['bfloat16', 'float16', 'float32', 'float64']"),

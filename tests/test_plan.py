@@ -341,8 +341,21 @@ def test_make_plan_dispatch_and_errors():
     for bad in (0, MAX_SPLITS + 1, 2.5, True):
         with pytest.raises(PKVError, match="num_splits must be an integer"):
             plan_split(batch, bad)
-    with pytest.raises(PKVError, match="target_items must be >= 1"):
-        plan_workqueue(batch, target_items=0)
+    for bad in (0, 2.7, "5", True):
+        with pytest.raises(PKVError, match="target_items must be an integer >= 1"):
+            plan_workqueue(batch, target_items=bad)
+    for bad in (0, "2", 1.5):
+        with pytest.raises(PKVError, match="min_chunk_tiles must be an integer >= 1"):
+            plan_workqueue(batch, target_items=64, min_chunk_tiles=bad)
+    for bad in (2.5, "16", 0):
+        with pytest.raises(PKVError, match="bucket_tokens must be an integer >= 1"):
+            make_plan(batch, "padded_buckets", num_splits=4, bucket_tokens=bad)
+    with pytest.raises(PKVError, match="route split takes num_splits, fused_merge; not target_items"):
+        make_plan(batch, "split", num_splits=4, target_items=64)
+    with pytest.raises(PKVError, match="route split: missing a required argument: 'num_splits'"):
+        make_plan(batch, "split")
+    with pytest.raises(PKVError, match="the planner takes a cache.Batch, got NoneType"):
+        make_plan(None, "split", num_splits=4)
 
 
 def test_largest_split_count_stays_packable():

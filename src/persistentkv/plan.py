@@ -32,7 +32,7 @@ import numpy as np
 from .cache import Batch
 from .errors import PKVError, require
 from .names import PLAN_ROUTES
-from .spec import AttentionSpec
+from .spec import AttentionSpec, is_integer
 
 #: Tokens per planning tile: split bounds fall on multiples of this (the paper's 32).
 TILE_TOKENS = 32
@@ -59,7 +59,7 @@ def split_tile_bounds(tiles: int, splits: int, split: int) -> tuple[int, int]:
 def queue_waves(batch_size: int, num_kv_heads: int, target_items: int) -> int:
     """Waves of ``target_items`` the balanced queue may fill: one, unless the step has so many
     (row, kv head) pairs that even one item each would not fit (then as few as hold them all)."""
-    require(target_items >= 1, f"target_items must be >= 1, got {target_items}")
+    require(is_integer(target_items) and target_items >= 1, f"target_items must be an integer >= 1, got {target_items!r}")
     return (batch_size * num_kv_heads) // target_items + 1
 
 
@@ -87,7 +87,8 @@ def balanced_chunk_tiles(tiles, num_kv_heads: int, target_items: int, min_chunk_
     S_i = 8 either way. The B=8 lengths (49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168): closed
     form 163 tiles (232 items, the longest 5120 tokens), smallest fit 128 (264 items, at most 4096).
     """
-    require(min_chunk_tiles >= 1, f"min_chunk_tiles must be >= 1, got {min_chunk_tiles}")
+    require(is_integer(min_chunk_tiles) and min_chunk_tiles >= 1,
+            f"min_chunk_tiles must be an integer >= 1, got {min_chunk_tiles!r}")
     batch_size = len(tiles)
     total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
     cap = queue_waves(batch_size, num_kv_heads, target_items) * target_items
@@ -209,8 +210,8 @@ class Plan:
 
 
 def _check_splits(num_splits: int) -> int:
-    require(isinstance(num_splits, (int, np.integer)) and not isinstance(num_splits, bool)
-            and 1 <= num_splits <= MAX_SPLITS, f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    require(is_integer(num_splits) and 1 <= num_splits <= MAX_SPLITS,
+            f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
     return int(num_splits)
 
 
@@ -284,6 +285,7 @@ def _assemble(route: str, batch: Batch, groups, params: dict, fused_merge: bool)
 
 
 def _check_batch(batch: Batch) -> None:
+    require(isinstance(batch, Batch), f"the planner takes a cache.Batch, got {type(batch).__name__}")
     require(batch.batch_size <= MAX_BATCH, f"batch size {batch.batch_size} exceeds {MAX_BATCH}")
     require(batch.spec.num_kv_heads <= MAX_KV_HEADS,
             f"num_kv_heads={batch.spec.num_kv_heads} exceeds {MAX_KV_HEADS} (packed into 15 bits)")
@@ -305,7 +307,8 @@ def length_buckets(seq_lens: np.ndarray, bucket_tokens: int | None = None) -> li
     of ``bucket_tokens``; buckets in order of first appearance, rows in batch order."""
     seq = np.asarray(seq_lens, dtype=np.int64)
     if bucket_tokens is not None:
-        require(bucket_tokens >= 1, f"bucket_tokens must be >= 1, got {bucket_tokens}")
+        require(is_integer(bucket_tokens) and bucket_tokens >= 1,
+                f"bucket_tokens must be an integer >= 1 (or None for exact lengths), got {bucket_tokens!r}")
         seq = -(-seq // bucket_tokens) * bucket_tokens
     keys: dict[int, list[int]] = {}
     for row, key in enumerate(seq.tolist()):
@@ -343,6 +346,10 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
     """
     _check_batch(batch)
     require((target_items is None) != (num_splits is None), "give exactly one of target_items and num_splits")
+    require(is_integer(min_chunk_tiles) and min_chunk_tiles >= 1,
+            f"min_chunk_tiles must be an integer >= 1, got {min_chunk_tiles!r}")
+    require(target_items is None or (is_integer(target_items) and target_items >= 1),
+            f"target_items must be an integer >= 1, got {target_items!r}")
     if num_splits is not None:
         S = _check_splits(num_splits)
         splits = np.minimum(S, num_tiles(batch.seq_lens)).astype(np.int32)
@@ -380,17 +387,24 @@ def early_kv_items(items: np.ndarray, stage_tokens: int, stages: int) -> np.ndar
 
 
 def make_plan(batch: Batch, route: str, **options) -> Plan:
-    """Dispatch by route name (names.PLAN_ROUTES: ``split``, ``buckets``, ``padded_buckets``, ``workqueue``)."""
-    if route == "split":
-        return plan_split(batch, **options)
-    if route == "buckets":
-        return plan_buckets(batch, **options)
+    """Dispatch by route name (names.PLAN_ROUTES: ``split``, ``buckets``, ``padded_buckets``,
+    ``workqueue``); an option the route does not take is refused with the ones it does."""
+    import inspect
+
+    planners = {"split": plan_split, "buckets": plan_buckets, "padded_buckets": plan_buckets,
+                "workqueue": plan_workqueue}
+    require(route in planners, f"unknown route {route!r}; expected one of {', '.join(PLAN_ROUTES)}")
     if route == "padded_buckets":
         require(options.get("bucket_tokens") is not None, "padded_buckets needs bucket_tokens")
-        return plan_buckets(batch, **options)
-    if route == "workqueue":
-        return plan_workqueue(batch, **options)
-    raise PKVError(f"unknown route {route!r}; expected one of {', '.join(PLAN_ROUTES)}")
+    planner = planners[route]
+    accepted = [name for name in inspect.signature(planner).parameters if name != "batch"]
+    unknown = sorted(set(options) - set(accepted))
+    require(not unknown, f"route {route} takes {', '.join(accepted)}; not {', '.join(unknown)}")
+    try:
+        inspect.signature(planner).bind(batch, **options)
+    except TypeError as exc:
+        raise PKVError(f"route {route}: {exc}") from None
+    return planner(batch, **options)
 
 
 def unpack_items(items: np.ndarray) -> dict[str, np.ndarray]:
