@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from persistentkv import configuration
 from persistentkv.cache import make_batch
 from persistentkv.errors import PKVError
 from persistentkv.measure import rotation, schedule, statistics, workload
@@ -62,9 +63,9 @@ def test_compact_batch_with_holes_spreads_pages_over_a_larger_universe():
 
 
 def test_compact_batch_shrinks_a_trace_step_to_its_pages():
-    config = workload.load_config(CONFIG)
-    trace = build(workload.trace_entry(config, "bimodal_b8"), 20260622, ROOT)
-    spec = workload.spec_from_config(config)
+    config = configuration.load_config(CONFIG)
+    trace = build(configuration.trace_entry(config, "bimodal_b8"), 20260622, ROOT)
+    spec = configuration.spec(config)
     cases = workload.trace_cases("t", trace, spec, 0.0, [0, 10], (), "bimodal_b8")
     for case in cases:
         assert case.batch.num_pages == case.batch.kv_indices.size  # only used pages
@@ -186,7 +187,7 @@ def test_one_line_reasons():
 # -- experiments from the real config ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def config():
-    return workload.load_config(CONFIG)
+    return configuration.load_config(CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -970,7 +971,7 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert set(ok["backend"]) == {"flashinfer-tc", "pkv-buckets"}
     assert set(ok["protocol"]) == {"kernel", "eager", "step", "published"}
     assert (ok["read_ceiling_gbps"] == 4000.0).all()
-    assert sorted(set(ok["max_len"])) == sorted(workload.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
+    assert sorted(set(ok["max_len"])) == sorted(configuration.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..analysis import pinning
+from .. import configuration
 from ..io import atomic_write_parquet
 from ..names import CPU_ONLY
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
-from .host_cpu import pinning
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
-from .rows import raw_frame, validation_frame
-from .workload import (bench_grid, default_splits, experiment_cases, load_config, load_trace, sampled_steps,
-                       seeds_of, spec_from_config, synthetic_case, trace_cases, variants)
+from .rows import ceiling_rows, raw_frame, validation_frame
+from .workload import (bench_grid, default_splits, experiment_cases, load_trace, sampled_steps, seeds_of,
+                       synthetic_case, trace_cases, variants)
 
 
 def log(message: str) -> None:
@@ -44,7 +45,7 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
     run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
     measurements. A ceiling fails only if neither measurement has it."""
-    from ..ceiling import ceiling_gbps, ceiling_rows, renumbered, run_read_gbps
+    from ..ceiling import ceiling_gbps, renumbered, run_read_gbps
     from .statistics import frac_of_ceiling
 
     before, failed_before = _ceilings(device, quick)
@@ -82,7 +83,7 @@ def _summary(frame) -> None:
 
 def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str, policy: str | None,
                    backends: list[str] | None, quick: bool) -> int:
-    config = load_config(config_path)
+    config = configuration.load_config(config_path)
     cases = experiment_cases(experiment, config, traces_dir, policy, backends, quick)
     device = _device()
     started = utc_now()
@@ -102,7 +103,7 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
 
 
 def bench_cases(config: dict, policy: str | None, backends: list[str] | None, quick: bool):
-    spec = spec_from_config(config)
+    spec = configuration.spec(config)
     names = list(backends) if backends else list(config["measure"]["backends"])
     vs = variants(names, config, default_splits(config), policy)
     grid = bench_grid()
@@ -114,7 +115,7 @@ def bench_cases(config: dict, policy: str | None, backends: list[str] | None, qu
 def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool) -> int:
     from .statistics import kernel_table
 
-    config = load_config(config_path)
+    config = configuration.load_config(config_path)
     cases = bench_cases(config, policy, backends, quick)
     device = _device()
     started = utc_now()
@@ -143,8 +144,8 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
 
     from .validation import failing, validate_case
 
-    config = load_config(config_path)
-    spec = spec_from_config(config)
+    config = configuration.load_config(config_path)
+    spec = configuration.spec(config)
     names = list(backends) if backends else list(config["measure"]["backends"])
     seed = int(config["seeds"]["calibration"])
     gpu = config["validation"]["gpu"]
@@ -182,8 +183,8 @@ def run_smoke_command(config_path: str | None, out: str | None, policy: str | No
     from .validation import failing
     from .workload import Variant, variant_for
 
-    config = load_config(config_path) if config_path else None
-    spec = spec_from_config(config) if config else AttentionSpec()
+    config = configuration.load_config(config_path) if config_path else None
+    spec = configuration.spec(config) if config else AttentionSpec()
     names = list(backends) if backends else [n for n in registry.names() if n not in CPU_ONLY]
     if config:
         vs = tuple(variant_for(n, config, default_splits(config), policy) for n in names)

@@ -15,6 +15,7 @@ from ..cache import make_batch
 from ..spec import AttentionSpec
 from .harness import BackendFactory, RunContext, Settings, run_case
 from .rotation import compact_batch
+from .rows import ceiling_rows
 from .validation import failing, validate_case
 from .workload import Case, Variant
 
@@ -44,7 +45,7 @@ def run_smoke(spec: AttentionSpec, variants: tuple[Variant, ...], device, run_id
     for case in cases:
         vrows += validate_case(case, device, factory, dtypes=("float16", "bfloat16"), rtols=rtols, log=log)
     if ceilings:
-        from ..ceiling import ceiling_rows, measure_ceilings
+        from ..ceiling import measure_ceilings
 
         samples, failures = measure_ceilings(device, repeats=3, warmup=1, read_bytes=2**30, copy_bytes=2**29,
                                              stream_bytes=2**32, log=log)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,12 +23,12 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from .. import analysis, claims
+from .. import analysis, claims, targets
 from ..errors import PKVError, require
 from ..io import atomic_path
-from ..names import FLASHINFER
+from ..names import EQUAL_ROWS, FLASHINFER
+from ..results import Results
 from . import FIGURE_NAMES as _NAMES
-from .inputs import Results
 
 WIDTH = 6.8     # inches: the paper's text width and a comfortable report width
 #: One colour per backend in every figure (colour-blind-safe base palette).
@@ -126,7 +125,7 @@ def data_trace_ratios(results: Results) -> pd.DataFrame:
     faster FlashInfer, published experiment. Columns: protocol, trace, backend, ratio, lo, hi, seeds."""
     out = []
     for protocol in PROTOCOL_LABELS:
-        cells = claims._cells(results, "published", protocol)
+        cells = results.cells("published", protocol)
         per = analysis.ratios(cells, claims.REFERENCE)
         per = per[~per["backend"].isin(FLASHINFER)]
         if per.empty:
@@ -264,7 +263,7 @@ def data_split_times(results: Results) -> pd.DataFrame:
     mean over holdout seeds. The sweep times only our split routes, so each route is its own
     reference: the figure says how much a wrong S costs, not how S compares with FlashInfer."""
     for protocol in ("step", "kernel"):
-        cells = claims._cells(results, "split_sensitivity", protocol)
+        cells = results.cells("split_sensitivity", protocol)
         parts = []
         for cell in cells:
             labels = [b for b in cell.backends if b.startswith("pkv") and "/S" in b]
@@ -341,7 +340,7 @@ def data_batch_sweep(results: Results) -> pd.DataFrame:
         return pd.DataFrame()
     protocol = "kernel" if (rows["protocol"] == "kernel").any() else "step"
     rows = rows[rows["protocol"] == protocol]
-    per = analysis.ratios(claims._cells(results, "batch_sweep", protocol, holdout=False), claims.REFERENCE)
+    per = analysis.ratios(results.cells("batch_sweep", protocol, holdout=False), claims.REFERENCE)
     per = per[~per["backend"].isin(FLASHINFER)]
     if per.empty:
         return pd.DataFrame()
@@ -491,37 +490,34 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
 # ---------------------------------------------------------------------------------------------
 # 8. The engine against its targets: the bench_kernels grid, and run()'s host cost
 
-_GRID_NAME = re.compile(r"^B(\d+)xN(\d+)$")
-
-
 def data_engine_grid(results: Results) -> pd.DataFrame:
-    """bench_kernels' equal-length cases (traces ``B{b}xN{n}``): claims.ENGINE_BACKEND's speedup
+    """bench_kernels' equal-length cases (traces ``B{b}xN{n}``): targets.ENGINE_BACKEND's speedup
     over the fastest baseline (kernel protocol, 95 % bootstrap interval) and the mid-range target
     of the cell where the engine issue sets one. Columns: batch_size, tokens, ratio, lo, hi,
     baseline, target (NaN where none)."""
-    cells = [c for c in claims._cells(results, "bench_kernels", "kernel", holdout=False)
-             if claims.ENGINE_BACKEND in c.point]
-    per = analysis.ratios(cells, "baseline-best", backends=[claims.ENGINE_BACKEND])
+    cells = [c for c in results.cells("bench_kernels", "kernel", holdout=False)
+             if targets.ENGINE_BACKEND in c.point]
+    per = analysis.ratios(cells, "baseline-best", backends=[targets.ENGINE_BACKEND])
     out = []
     for r in per.itertuples():
-        m = _GRID_NAME.match(str(r.trace))
+        m = EQUAL_ROWS.match(str(r.trace))
         if m is None:  # ragged cases (B8-ragged, B8-bimodal) have no place in the grid
             continue
         b, n = int(m.group(1)), int(m.group(2))
         out.append({"batch_size": b, "tokens": n, "ratio": float(r.ratio), "lo": float(r.lo), "hi": float(r.hi),
-                    "baseline": str(r.ref_backend), "target": claims.ENGINE_MID_RANGE.get((b, n), np.nan)})
+                    "baseline": str(r.ref_backend), "target": targets.ENGINE_MID_RANGE.get((b, n), np.nan)})
     return pd.DataFrame(out, columns=["batch_size", "tokens", "ratio", "lo", "hi", "baseline", "target"])
 
 
 def data_engine_host(results: Results) -> pd.DataFrame:
     """bench_kernels' eager rows: the per-case median host time per run() call of the back-to-back
-    loop (host_loop_us) of every backend (claims.eager_case_medians). Columns: backend, trace,
+    loop (host_loop_us) of every backend (targets.eager_case_medians). Columns: backend, trace,
     host_loop_us (empty for runs made before the column existed)."""
-    return claims.eager_case_medians(results.bench, "host_loop_us").rename("host_loop_us").reset_index()
+    return targets.eager_case_medians(results.bench, "host_loop_us").rename("host_loop_us").reset_index()
 
 
 def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
-    title = f"{claims.ENGINE_BACKEND} against the fastest baseline, and run()'s host cost"
+    title = f"{targets.ENGINE_BACKEND} against the fastest baseline, and run()'s host cost"
     if grid.empty and host.empty:
         return placeholder(title, not_measured(hw, "bench_kernels"))
     from matplotlib.colors import TwoSlopeNorm
@@ -563,7 +559,7 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
                 right.scatter(xs, ys, s=9, color=color(b), linewidths=0)
             right.set_xticks(range(len(order)), order)
             right.grid(axis="x", visible=False)
-            right.axhline(claims.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
+            right.axhline(targets.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
             right.set_yscale("log")
             right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             right.set_xlabel("")
@@ -571,7 +567,7 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
             right.tick_params(axis="x", rotation=60)
             for label in right.get_xticklabels():
                 label.set_ha("right")
-            right.set_title(f"eager host cost (target < {claims.ENGINE_HOST_US:g} us)")
+            right.set_title(f"eager host cost (target < {targets.ENGINE_HOST_US:g} us)")
         fig.suptitle(title, fontsize=9)
     return fig
 
@@ -617,10 +613,10 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Left: pkv-workqueue's speedup over the fastest baseline on each equal-length case of bench_kernels "
                "(median kernel time under CUDA-graph replay, cold L2; blue = faster, red = slower); outlined cells "
                "carry the mid-range targets ("
-               + ", ".join(f"{t:g}x at B={b} x {n // 1024}K" for (b, n), t in claims.ENGINE_MID_RANGE.items())
+               + ", ".join(f"{t:g}x at B={b} x {n // 1024}K" for (b, n), t in targets.ENGINE_MID_RANGE.items())
                + "), black where the speedup reaches it, red where it falls short. Right: host time per run() call "
                f"in a loop of back-to-back calls with a reused plan, one point per case and backend; the dashed "
-               f"line is the {claims.ENGINE_HOST_US:g} us target.",
+               f"line is the {targets.ENGINE_HOST_US:g} us target.",
                lambda r: fig_engine(data_engine_grid(r), data_engine_host(r), r.hw)),
     FigureSpec("validation", "Validation status",
                "Relative error of every backend against the float64 reference at sampled steps (GPU) and of the "

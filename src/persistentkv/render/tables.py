@@ -17,8 +17,8 @@ import jinja2
 from .. import claims
 from ..errors import PKVError, require
 from ..io import atomic_write_text
+from ..results import Results
 from . import TABLE_NAMES
-from .inputs import Results
 
 NM = r"\pkvNM{}"
 TEMPLATES = Path(__file__).parent / "templates"
