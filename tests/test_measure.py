@@ -24,13 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persistentkv import configuration
-from persistentkv.cache import make_batch
+from persistentkv.cache import compact_batch, make_batch
 from persistentkv.errors import PKVError
 from persistentkv.measure import rotation, schedule, statistics, workload
 from persistentkv.measure.rows import (RAW_COLUMNS, VALIDATION_COLUMNS, one_line, raw_frame, raw_row,
                                        validation_frame)
 from persistentkv.spec import AttentionSpec
-from persistentkv.traces import build, write_trace
+from persistentkv.traces import build, sampled_steps, write_trace
 
 torch = pytest.importorskip("torch")
 
@@ -38,11 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "config.yaml"
 
 
-# -- rotation ----------------------------------------------------------------------------------
+# -- compact caches and rotation -------------------------------------------------------------------
 def test_compact_batch_keeps_rows_order_and_scattering():
     spec = AttentionSpec(page_size=16)
     full = make_batch(spec, [100, 33, 500], hole_fraction=0.0, seed=4)
-    compact = rotation.compact_batch(full, 0.0, seed=1)
+    compact, used = compact_batch(full, 0.0, seed=1)
+    assert np.array_equal(used, np.unique(full.kv_indices))
     assert np.array_equal(compact.seq_lens, full.seq_lens) and np.array_equal(compact.kv_indptr, full.kv_indptr)
     n = full.kv_indices.size
     assert compact.num_pages == n and sorted(compact.kv_indices) == list(range(n))
@@ -53,12 +54,13 @@ def test_compact_batch_keeps_rows_order_and_scattering():
 def test_compact_batch_with_holes_spreads_pages_over_a_larger_universe():
     spec = AttentionSpec(page_size=16)
     full = make_batch(spec, [1000, 2000], hole_fraction=0.5, seed=2)
-    compact = rotation.compact_batch(full, 0.5, seed=9)
+    compact, used = compact_batch(full, 0.5, seed=9)
     n = full.kv_indices.size
+    assert np.array_equal(used, np.sort(full.kv_indices))
     assert compact.num_pages == math.ceil(n / 0.5)
     assert len(set(compact.kv_indices.tolist())) == n
     assert np.array_equal(np.argsort(compact.kv_indices), np.argsort(full.kv_indices))
-    again = rotation.compact_batch(full, 0.5, seed=9)
+    again, _ = compact_batch(full, 0.5, seed=9)
     assert np.array_equal(again.kv_indices, compact.kv_indices)
 
 
@@ -266,10 +268,13 @@ def test_bench_grid_and_sampled_steps(config, traces_dir):
     assert lengths["B8-ragged"][:3] == [65536] * 3 and len(lengths["B8-ragged"]) == 8
     assert lengths["B1xN262144"] == [262144]
     trace = workload.load_trace(traces_dir, "bimodal_b8", config["seeds"]["calibration"])
-    picked = workload.sampled_steps(trace, 4)
+    picked = sampled_steps(trace, 4)
     heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
     assert len(picked) == 4 and 0 in picked and heaviest in picked and picked == sorted(set(picked))
-    assert workload.sampled_steps(trace, 4) == picked
+    assert sampled_steps(trace, 4) == picked
+    from persistentkv.measure import runner
+
+    assert runner.sampled_steps is sampled_steps  # validate-gpu samples as validate-cpu does
 
 
 # -- the harness with fake backends on the CPU ------------------------------------------------------

@@ -9,15 +9,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..analysis import pinning
 from .. import configuration
+from ..analysis import pinning
 from ..io import atomic_write_parquet
 from ..names import CPU_ONLY
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
+from ..traces import sampled_steps
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
 from .rows import ceiling_rows, raw_frame, validation_frame
-from .workload import (bench_grid, default_splits, experiment_cases, load_trace, sampled_steps, seeds_of,
-                       synthetic_case, trace_cases, variants)
+from .workload import (bench_grid, default_splits, experiment_cases, load_trace, seeds_of, synthetic_case,
+                       trace_cases, variants)
 
 
 def log(message: str) -> None:

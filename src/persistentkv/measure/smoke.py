@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import math
 
-from ..cache import make_batch
+from ..cache import compact_batch, make_batch
 from ..spec import AttentionSpec
 from .harness import BackendFactory, RunContext, Settings, run_case
-from .rotation import compact_batch
 from .rows import ceiling_rows
 from .validation import failing, validate_case
 from .workload import Case, Variant
@@ -30,7 +29,7 @@ SMOKE_CASES = (
 def smoke_cases(spec: AttentionSpec, variants: tuple[Variant, ...]) -> list[Case]:
     cases = []
     for name, lengths, rho in SMOKE_CASES:
-        batch = compact_batch(make_batch(spec, lengths, rho, seed=7), rho, 7)
+        batch, _ = compact_batch(make_batch(spec, lengths, rho, seed=7), rho, 7)
         cases.append(Case("smoke", name, 0, 0, batch, rho, variants))
     return cases
 

@@ -1,6 +1,6 @@
 """Workload cases and the experiment grids, all read from the config (the only source of grids).
 
-A :class:`Case` is one decode step on a compact cache (persistentkv.measure.rotation.compact_batch)
+A :class:`Case` is one decode step on a compact cache (persistentkv.cache.compact_batch)
 plus the backend variants to run on it. Trace cases come from build/traces/{name}_s{seed}.json
 (pages from persistentkv.cache.allocate with the trace's seed, every ``measure.step_stride``-th
 step); synthetic cases are B rows of given lengths (persistentkv.cache.make_batch, seed 0).
@@ -26,15 +26,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
-
 from .. import configuration
-from ..cache import Batch, allocate, batch_for_step, make_batch
+from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
 from ..errors import require
 from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, synthetic_name
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
-from .rotation import compact_batch
 
 #: The paper's headline rows (PAPER.md, Published numbers), by config trace name.
 PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
@@ -129,30 +126,6 @@ def strided_steps(trace: Trace, stride: int) -> list[int]:
     return list(range(0, len(trace.steps), stride))
 
 
-def sampled_steps(trace: Trace, count: int) -> list[int]:
-    """``count`` step indices for validation: the first, the one with the most tokens, and evenly
-    spaced others (deterministic; fewer when the trace is shorter)."""
-    require(count >= 1, f"steps_per_trace must be >= 1, got {count}")
-    n = len(trace.steps)
-    if n == 0:
-        return []
-    chosen = [0]
-    heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
-    if heaviest not in chosen:
-        chosen.append(heaviest)
-    for x in np.linspace(0, n - 1, num=count):
-        if len(chosen) >= min(count, n):
-            break
-        if int(round(x)) not in chosen:
-            chosen.append(int(round(x)))
-    for i in range(n):  # fill up when rounding collided
-        if len(chosen) >= min(count, n):
-            break
-        if i not in chosen:
-            chosen.append(i)
-    return sorted(chosen[:count])
-
-
 def trace_cases(experiment: str, trace: Trace, spec: AttentionSpec, hole_fraction: float, steps: list[int],
                 variants_: tuple[Variant, ...], trace_name: str | None = None) -> list[Case]:
     """Cases for the given step indices of a trace, each on its own compact cache."""
@@ -161,14 +134,14 @@ def trace_cases(experiment: str, trace: Trace, spec: AttentionSpec, hole_fractio
     for index in steps:
         step = trace.steps[index]
         full = batch_for_step(spec, allocation, step)
-        batch = compact_batch(full, hole_fraction, trace.seed + step.index)
+        batch, _ = compact_batch(full, hole_fraction, trace.seed + step.index)
         cases.append(Case(experiment, trace_name or trace.name, trace.seed, step.index, batch, hole_fraction, variants_))
     return cases
 
 
 def synthetic_case(experiment: str, name: str, lengths: list[int], spec: AttentionSpec,
                    variants_: tuple[Variant, ...], hole_fraction: float = 0.0) -> Case:
-    batch = compact_batch(make_batch(spec, lengths, hole_fraction, seed=0), hole_fraction, 0)
+    batch, _ = compact_batch(make_batch(spec, lengths, hole_fraction, seed=0), hole_fraction, 0)
     return Case(experiment, name, 0, 0, batch, hole_fraction, variants_)
 
 
