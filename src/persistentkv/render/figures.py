@@ -3,7 +3,9 @@
 Each ``fig_*`` function takes tidy frames and returns a matplotlib :class:`Figure` (no pyplot
 state); each ``data_*`` function derives those frames from :class:`Results`. A figure whose rows
 are absent renders as a placeholder that says "not measured on <hw> yet", never as an empty or
-invented plot. :func:`render_all` writes every figure of :data:`FIGURES` atomically.
+invented plot. :func:`render_all` writes every figure of :data:`FIGURES` atomically; the
+ablation command writes its two (:func:`fig_bucket_ablation`, :func:`fig_split_ablation`)
+through the same :func:`save`.
 """
 
 from __future__ import annotations
@@ -569,6 +571,85 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
                 label.set_ha("right")
             right.set_title(f"eager host cost (target < {targets.ENGINE_HOST_US:g} us)")
         fig.suptitle(title, fontsize=9)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. The ablations' own figures (``persistentkv ablation --figure``; results/counters/ablation_*.svg)
+
+def fig_bucket_ablation(frame: pd.DataFrame) -> Figure:
+    """Three panels, bars per trace and variant (median over steps; whiskers span the 25-75% range)
+    of ablation_buckets.parquet: launches per step, KV read past the real lengths (% of useful KV),
+    and the paper-formula merge state per step (MiB, log)."""
+    data = frame.assign(padded_pct=100.0 * frame["padded_kv_bytes"] / frame["useful_kv_bytes"],
+                        merge_mib=frame["paper_merge_state_bytes"] / 2**20)
+    panels = [("launches", "launches per step", False),
+              ("padded_pct", "KV read past real lengths\n(% of useful KV)", False),
+              ("merge_mib", "merge state per step,\npaper formula (MiB, log)", True)]
+    order = list(dict.fromkeys(data["variant"]))
+    traces = list(dict.fromkeys(data["trace"]))
+    with style():
+        fig = Figure(figsize=(max(7.0, 1.6 * len(traces)), 2.6 * len(panels)), layout="constrained")
+        axes = fig.subplots(len(panels), 1, sharex=True)
+        for ax, (column, label, log) in zip(axes, panels):
+            plot = data[data[column] > 0] if log else data  # zero has no place on a log axis
+            sns.barplot(data=plot, x="trace", y=column, hue="variant", hue_order=order, order=traces,
+                        estimator="median", errorbar=("pi", 50), ax=ax, legend=ax is axes[0])
+            ax.set_ylabel(label)
+            ax.set_xlabel("")
+            if log:
+                ax.set_yscale("log")
+        handles, labels = axes[0].get_legend_handles_labels()
+        axes[0].get_legend().remove()
+        fig.legend(handles, labels, title="variant", ncols=min(len(order), 6), loc="outside lower center")
+        axes[-1].set_xlabel(f"trace (every step, seed {int(frame['seed'].iloc[0])})")
+        S = int(frame.loc[frame["variant"] == "exact", "num_splits"].iloc[0])
+        fig.suptitle(f"Bucketing ablation: exact and padded buckets (S={S} per bucket), balanced work queue, "
+                     "published rectangle (trace's S)", fontsize=9)
+    return fig
+
+
+def fig_split_ablation(frame: pd.DataFrame) -> Figure:
+    """Per trace (columns) of ablation_splits.parquet, median over steps against S, one line per
+    route (the balanced work queue, which has no S, as a dashed level): launches, and on log axes
+    decode CTAs, KV bytes per decode CTA and merge-state bytes."""
+    data = frame.assign(kib_per_cta=frame["useful_kv_bytes"] / frame["nonempty_items"] / 1024,
+                        merge_mib=frame["merge_state_bytes"] / 2**20)
+    metrics = [("launches", "launches per step", False),
+               ("decode_ctas", "decode CTAs per step (log)", True),
+               ("kib_per_cta", "KV per decode CTA (KiB, log)", True),
+               ("merge_mib", "merge state per step (MiB, log)", True)]
+    traces = list(dict.fromkeys(data["trace"]))
+    routes = ["split", "buckets", "workqueue_fixed"]
+    balanced = data[data["num_splits"] < 0]
+    medians = data[data["num_splits"] > 0].groupby(["trace", "route", "num_splits"], as_index=False)[
+        [m for m, _, _ in metrics]].median()
+    with style():
+        fig = Figure(figsize=(3.0 * len(traces), 2.4 * len(metrics)), layout="constrained")
+        axes = fig.subplots(len(metrics), len(traces), sharex=True, squeeze=False)
+        for col, trace in enumerate(traces):
+            for row, (column, label, log) in enumerate(metrics):
+                ax = axes[row][col]
+                # S=1 writes no merge state: log axes drop the zero.
+                points = medians[(medians["trace"] == trace) & (medians[column] > 0)]
+                sns.lineplot(data=points, x="num_splits", y=column, hue="route", style="route", hue_order=routes,
+                             style_order=routes, markers=True, dashes=False, ax=ax, legend=row == 0 and col == 0)
+                level = balanced.loc[balanced["trace"] == trace, column].median()
+                if pd.notna(level) and level > 0:
+                    ax.axhline(level, color="0.3", linestyle="--", linewidth=1, label="workqueue (balanced)")
+                ax.set_xscale("log", base=2)
+                if log:
+                    ax.set_yscale("log")
+                else:
+                    ax.set_ylim(bottom=0)
+                ax.set_title(trace if row == 0 else "")
+                ax.set_xlabel("splits per row S (log2)" if row == len(metrics) - 1 else "")
+                ax.set_ylabel(label if col == 0 else "")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if axes[0][0].get_legend() is not None:
+            axes[0][0].get_legend().remove()
+        fig.legend(handles, labels, ncols=len(labels), loc="outside lower center")
+        fig.suptitle(f"Split-count ablation (median over every step, seed {int(frame['seed'].iloc[0])})", fontsize=9)
     return fig
 
 
