@@ -11,7 +11,7 @@ Protocols (docs/DATA.md, ``protocol`` column):
 * ``published``: the paper's timed region (plan inside for FlashInfer, metadata outside for ours,
   one layer); CUDA-event time in ``time_us``, synchronized wall time of the same run in ``wall_us``.
   For the isolated-kernel claim (C9) the paper timed eager calls with CUDA events: ``eager``.
-* ``fair``: ``step`` rows (plan once + L layers, synchronized wall clock; DESIGN.md, BENCHMARKING);
+* ``fair``: ``step`` rows (plan once + L layers, synchronized wall clock; docs/PROTOCOL.md);
   for C9, ``kernel`` rows (device time under CUDA-graph replay).
 
 Verdict rule (:data:`VERDICT_RULE`): each claim's check answers "does the claim's substance hold
@@ -36,7 +36,7 @@ from .results import Results
 from .targets import engine_verdicts
 
 FORMAT = "persistentkv-claims/1"
-SOURCE = "PAPER.md, Published numbers (RTX 3060)"
+SOURCE = "docs/PAPER.md, Published numbers (RTX 3060)"
 PAPER_GPU = "RTX 3060"
 HOLDS, FAILS, ONLY_PUBLISHED, NOT_MEASURED = ("holds", "does not hold", "holds only under the published protocol",
                                               "not measured")
@@ -84,7 +84,7 @@ PUBLISHED_ROWS = (
     PublishedRow("zipf_b8", "zipf B8", "work queue, 28", "pkv-workqueue", 1.105, 0.026, 1.068, 0.028, 1.063),
     PublishedRow("bimodal_b4", "B4", "FlashInfer", "adaptive", 1.000, None, 1.000, None, None),
 )
-#: The paper's setup (PAPER.md, "Evaluation protocol (as published)").
+#: The paper's setup (docs/PAPER.md, "Evaluation protocol (as published)").
 PAPER_SETUP = {"gpu": "RTX 3060 12 GB", "sms": 28, "arch": "sm_86", "bandwidth_gbps": "302-307",
                "theoretical_gbps": 360, "cuda": "12.1", "torch": "2.5.1", "flashinfer": "0.2.5",
                "vllm": "0.6.4", "trtllm": "0.8"}

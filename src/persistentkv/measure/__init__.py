@@ -1,4 +1,4 @@
-"""The timing harness (DESIGN.md, BENCHMARKING): fair protocols, the published one, raw rows.
+"""The timing harness (docs/PROTOCOL.md): fair protocols, the published one, raw rows.
 
 Everything that is not a CUDA call is pure and CPU-tested:
 

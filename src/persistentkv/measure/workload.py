@@ -33,7 +33,7 @@ from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, synt
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
 
-#: The paper's headline rows (PAPER.md, Published numbers), by config trace name.
+#: The paper's headline rows (docs/PAPER.md, Published numbers), by config trace name.
 PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.
 SPLIT_SENSITIVITY_TRACES = ("bucketed_b1", "bimodal_b8")
