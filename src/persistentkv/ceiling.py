@@ -31,7 +31,7 @@ memory torch owns (shared through DLPack, no copy).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -183,8 +183,6 @@ def run_read_gbps(phases) -> float:
 
 def renumbered(samples, first: int) -> list[CeilingSample]:
     """``samples`` with their repeats moved on to start at ``first`` (a later phase of one run)."""
-    from dataclasses import replace
-
     return [replace(s, repeat=s.repeat + first) for s in samples]
 
 

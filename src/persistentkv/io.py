@@ -64,7 +64,7 @@ def atomic_write_parquet(path: str | Path, frame) -> None:
 
 
 def _jsonable(value):
-    import numpy as np
+    import numpy as np  # only for NumPy values: io stays import-light for the workflow's rules
 
     if isinstance(value, np.integer):
         return int(value)

@@ -17,6 +17,7 @@ Constructor options come from the config (see persistentkv.measure.workload.vari
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 
 from ..errors import PKVError
@@ -77,8 +78,6 @@ def create(name: str, **options):
     kwargs = dict(_ENTRIES[name].fixed)
     kwargs.update(options)
     if name == "adaptive":
-        import sys
-
         kwargs.setdefault("registry", sys.modules[__name__])
         if "policy_path" not in kwargs:
             raise PKVError("backend adaptive needs a policy file (policy_path); pass --policy")

@@ -28,6 +28,7 @@ from ..counters import (COUNTER_COLUMNS, buckets_variant, padded_buckets_variant
                         to_frame, workqueue_fixed_variant, workqueue_variant)
 from ..errors import require
 from ..io import atomic_write_parquet
+from ..render import FIGURE_FORMATS
 from ..traces import read_trace
 
 IDENTITY = ("trace", "seed", "step", "batch_size", "max_len", "total_tokens")
@@ -98,14 +99,13 @@ def split_ablation(config: dict, traces_dir: Path, progress: bool = True) -> pd.
 def run(args: argparse.Namespace) -> int:
     config = configuration.load_config(args.config)
     if args.figure is not None:
-        from ..render import figures  # matplotlib and seaborn load only when a figure is asked for
-
-        require(args.figure.suffix.lstrip(".") in figures.FORMATS,
-                f"--figure {args.figure}: the extension must be one of "
-                f"{', '.join('.' + f for f in figures.FORMATS)}")
+        require(args.figure.suffix.lstrip(".") in FIGURE_FORMATS,
+                f"--figure {args.figure}: the extension must be one of {', '.join('.' + f for f in FIGURE_FORMATS)}")
     ablation = bucket_ablation if args.kind == "buckets" else split_ablation
     frame = ablation(config, args.traces_dir, progress=not args.no_progress)
     if args.figure is not None:
+        from ..render import figures  # matplotlib and seaborn load only when a figure is asked for
+
         draw = figures.fig_bucket_ablation if args.kind == "buckets" else figures.fig_split_ablation
         figures.save(draw(frame), args.figure)
     atomic_write_parquet(args.out, frame)

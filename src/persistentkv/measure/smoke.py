@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..cache import compact_batch, make_batch
 from ..spec import AttentionSpec
 from .harness import BackendFactory, RunContext, Settings, run_case
@@ -59,8 +61,6 @@ def run_smoke(spec: AttentionSpec, variants: tuple[Variant, ...], device, run_id
 
 
 def _median(values) -> float:
-    import numpy as np
-
     values = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.median(values)) if values else math.nan
 

@@ -30,6 +30,7 @@ from ..errors import PKVError, require
 from ..io import atomic_path
 from ..names import EQUAL_ROWS, FLASHINFER
 from ..results import Results
+from . import FIGURE_FORMATS
 from . import FIGURE_NAMES as _NAMES
 
 WIDTH = 6.8     # inches: the paper's text width and a comfortable report width
@@ -43,7 +44,6 @@ PROTOCOL_LABELS = {"published": "published protocol (CUDA events)",
                    "step": "fair protocol (step: plan + L layers)"}
 #: Tick values offered on ratio axes (log scale): readable numbers rather than powers of ten.
 RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 7, 10, 20)
-FORMATS = ("svg", "pdf", "png")
 
 
 @contextlib.contextmanager
@@ -712,7 +712,7 @@ def save(fig: Figure, path: str | Path) -> None:
     """Write ``fig`` atomically; the format follows the suffix; output is byte-stable."""
     path = Path(path)
     fmt = path.suffix.lstrip(".")
-    require(fmt in FORMATS, f"figure format {fmt!r} (from {path}) is not one of {', '.join(FORMATS)}")
+    require(fmt in FIGURE_FORMATS, f"figure format {fmt!r} (from {path}) is not one of {', '.join(FIGURE_FORMATS)}")
     metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "ModDate": None}, "png": {}}[fmt]
     # svg.fonttype and svg.hashsalt are read when saving: the style must be active here too.
     with style(), atomic_path(path) as tmp:
@@ -721,7 +721,7 @@ def save(fig: Figure, path: str | Path) -> None:
 
 def render_all(results: Results, out_dir: str | Path, fmt: str = "svg", only=None) -> list[Path]:
     """Build and write every figure (or the ``only`` names) as ``out_dir/<name>.<fmt>``."""
-    require(fmt in FORMATS, f"figure format {fmt!r} is not one of {', '.join(FORMATS)}")
+    require(fmt in FIGURE_FORMATS, f"figure format {fmt!r} is not one of {', '.join(FIGURE_FORMATS)}")
     names = list(only) if only else list(FIGURE_NAMES)
     unknown = [n for n in names if n not in FIGURE_NAMES]
     if unknown:
