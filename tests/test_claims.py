@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from persistentkv import claims, targets
+from persistentkv.names import PUBLISHED_TRACES
 from persistentkv.render import synthetic
 from persistentkv.results import Results, load_results
 
@@ -155,6 +156,7 @@ def test_published_numbers_are_the_papers():
     assert [c.id for c in claims.CLAIMS] == [f"C{i}" for i in range(1, 12)]
     assert claim(1).paper_value == 1.471 and claim(2).paper_value == 1.106
     assert claims.PUBLISHED_FANOUT == (16, 2) and claims.PUBLISHED_MERGE_MB == (4.06, 2.54)
+    assert tuple(r.trace for r in claims.PUBLISHED_ROWS) == PUBLISHED_TRACES  # the traces the harness measures
     # C9's published ratio is derived from the typed kernel times, not typed itself.
     expected = np.exp(np.mean(np.log(np.array([0.119, 0.439, 0.889]) / np.array([0.160, 0.617, 1.218]))))
     assert claim(9).paper_value == pytest.approx(expected)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from persistentkv import configuration
 from persistentkv.cache import compact_batch, make_batch
 from persistentkv.errors import PKVError
+from persistentkv.names import PUBLISHED_TRACES
 from persistentkv.measure import rotation, schedule, statistics, workload
 from persistentkv.measure.rows import (RAW_COLUMNS, VALIDATION_COLUMNS, one_line, raw_frame, raw_row,
                                        validation_frame)
@@ -204,7 +205,7 @@ def traces_dir(tmp_path_factory, config):
 
 def test_published_experiment_uses_holdout_seeds_and_the_stride(config, traces_dir):
     cases = workload.experiment_cases("published", config, traces_dir)
-    assert {c.trace for c in cases} == set(workload.PUBLISHED_TRACES)
+    assert {c.trace for c in cases} == set(PUBLISHED_TRACES)
     assert workload.seeds_of(cases) == sorted(config["seeds"]["holdout"])
     stride = config["measure"]["step_stride"]
     for (trace, seed) in {(c.trace, c.seed) for c in cases}:

@@ -51,9 +51,9 @@ VERDICT_RULE = (
     "protocol; fails under both -> does not hold; fair protocol not measured -> not measured. Whether the "
     "published figure lies inside our interval is shown beside it (hardware differs, so magnitude is "
     "reported, not judged).")
-#: protocol label -> (protocol column value, metric) for trace rows; C9 overrides.
-PROTOCOLS = {"published": ("published", "time_us"), "fair": ("step", "time_us")}
-KERNEL_PROTOCOLS = {"published": ("eager", "time_us"), "fair": ("kernel", "time_us")}
+#: claim protocol -> (the rows' protocol column value, metric) for trace rows; C9 has its own.
+CLAIM_PROTOCOLS = {"published": ("published", "time_us"), "fair": ("step", "time_us")}
+KERNEL_CLAIM_PROTOCOLS = {"published": ("eager", "time_us"), "fair": ("kernel", "time_us")}
 REFERENCE = "flashinfer-best"
 NUMBER_WORDS = ("Zero", "One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten",
                 "Eleven", "Twelve", "Thirteen", "Fourteen", "Fifteen")
@@ -182,7 +182,7 @@ def speedup_check(trace: str, backend: str, paper: float, paper_wall: float | No
     """Claim: ``backend`` is faster than the best FlashInfer on ``trace`` (interval above 1)."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
+        proto, metric = CLAIM_PROTOCOLS[protocol]
         cells = results.cells(experiment, proto, metric, trace, group_size=group_size)
         g, per = seed_ratio(cells, backend)
         if g is None:
@@ -207,7 +207,7 @@ def routed_check(trace: str, experiment: str = "published", group_size: int | No
     the best FlashInfer (no route's interval lies above 1). Our figure: the best route's ratio."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
+        proto, metric = CLAIM_PROTOCOLS[protocol]
         cells = results.cells(experiment, proto, metric, trace, group_size=group_size)
         best = None
         for route in PKV_BACKENDS:
@@ -243,7 +243,7 @@ def loses_check(trace: str, backend: str, paper: float, experiment: str):
     """Claim: ``backend`` loses to the best FlashInfer on ``trace`` (interval below 1)."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
+        proto, metric = CLAIM_PROTOCOLS[protocol]
         cells = results.cells(experiment, proto, metric, trace)
         g, per = seed_ratio(cells, backend)
         if g is None:
@@ -289,7 +289,7 @@ def _gqa_trace(results: Results) -> str:
 def isolated_check(results: Results, protocol: str) -> Outcome:
     """B=1 isolated kernels at 8K/32K/64K: our fastest PersistentKV route slower than FlashInfer
     at every length (each interval below 1). Figure: geometric mean over the three lengths."""
-    proto, metric = KERNEL_PROTOCOLS[protocol]
+    proto, metric = KERNEL_CLAIM_PROTOCOLS[protocol]
     cells = [c for c in results.cells(["bench_kernels", "long_context"], proto, metric, holdout=False)
              if c.info.get("batch_size") == 1 and c.info.get("max_len") in ISOLATED_LENGTHS]
     # bench_kernels is the isolated grid; long_context also has B=1 rows: prefer bench_kernels.
@@ -649,10 +649,10 @@ def published_rows(results: Results) -> list[dict]:
         entry = {"trace": r.trace, "label": r.label, "route": r.route, "backend": r.backend,
                  "paper_event": r.event, "paper_event_sd": r.event_sd, "paper_wall": r.wall,
                  "paper_wall_sd": r.wall_sd, "paper_wall_v1": r.wall_v1}
-        for name, (proto, metric), reference in (("pub_event", PROTOCOLS["published"], REFERENCE),
+        for name, (proto, metric), reference in (("pub_event", CLAIM_PROTOCOLS["published"], REFERENCE),
                                                  ("pub_wall", ("published", "wall_us"), REFERENCE),
-                                                 ("fair", PROTOCOLS["fair"], REFERENCE),
-                                                 ("fair_baseline", PROTOCOLS["fair"], "baseline-best")):
+                                                 ("fair", CLAIM_PROTOCOLS["fair"], REFERENCE),
+                                                 ("fair_baseline", CLAIM_PROTOCOLS["fair"], "baseline-best")):
             g, _ = seed_ratio(results.cells("published", proto, metric, r.trace), r.backend, reference)
             entry[name] = None if g is None else {"value": float(g["ratio"]), "lo": float(g["lo"]),
                                                   "hi": float(g["hi"]), "seeds": int(g["n_rows"])}

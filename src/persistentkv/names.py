@@ -39,6 +39,9 @@ EXPERIMENTS = ("calibration", "published", "long_context", "fragmented", "batch_
 #: call, a whole step (plan + L layers), and the paper's own window (plan inside, one layer).
 PROTOCOLS = ("kernel", "eager", "step", "published")
 
+#: The config traces of the paper's headline rows (docs/PAPER.md, Published numbers): the
+#: ``published`` experiment measures them and claims C1-C5 judge them.
+PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
 #: bench_kernels' grid (persistentkv bench-kernels): B rows of N tokens for every B and N here...
 BENCH_BATCHES = (1, 2, 4, 8, 16, 64)
 BENCH_LENGTHS = (1024, 4096, 8192, 16384, 32768, 131072)

@@ -29,12 +29,10 @@ from typing import Iterable
 from .. import configuration
 from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
 from ..errors import require
-from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, synthetic_name
+from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PUBLISHED_TRACES, synthetic_name
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
 
-#: The paper's headline rows (docs/PAPER.md, Published numbers), by config trace name.
-PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.
 SPLIT_SENSITIVITY_TRACES = ("bucketed_b1", "bimodal_b8")
 SPLIT_BACKENDS = ("pkv-buckets", "pkv-split")
