@@ -54,10 +54,10 @@ def parse_cases(text: str) -> list[tuple[str, list[int]]]:
     """``1x4096,B=4x8192,B8-bimodal,13184:19392`` -> [(label, row lengths), ...]; empty -> CASES.
 
     A case is BxN (B rows of N tokens), the name of one of bench-kernels' ragged row sets
-    (persistentkv.measure.workload.BENCH_EXTRA, e.g. B8-bimodal), so the development benches can
+    (persistentkv.names.BENCH_EXTRA, e.g. B8-bimodal), so the development benches can
     time the cases where bench-kernels found a route behind, or the row lengths themselves joined
     by ``:`` (a step of a trace, e.g. one where a measured route fell behind)."""
-    from persistentkv.measure.workload import BENCH_EXTRA
+    from persistentkv.names import BENCH_EXTRA
 
     if not text:
         return [(f"B={B} N={N}", [N] * B) for B, N in CASES]

@@ -22,7 +22,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 from bench_common import NOT_ATTENTION, print_paired  # noqa: E402
 from persistentkv.ceiling import fit_stream  # noqa: E402
-from persistentkv.claims import ENGINE_MID_RANGE, eager_case_medians  # noqa: E402
+from persistentkv.targets import ENGINE_MID_RANGE, eager_case_medians  # noqa: E402
 from persistentkv.names import BASELINES  # noqa: E402
 from trace_cta import call_table  # noqa: E402
 

@@ -95,7 +95,7 @@ def test_adaptive_without_policy_is_a_reason_not_a_crash():
 
 
 def test_a_missing_module_is_a_reason(monkeypatch):
-    monkeypatch.setitem(registry._ENTRIES, "ghost", registry.Entry("no_such_module_here", "Ghost", owner="nobody"))
+    monkeypatch.setitem(registry._ENTRIES, "ghost", registry.Entry("no_such_module_here", "Ghost"))
     with pytest.raises(PKVError, match="does not exist"):
         registry.create("ghost")
     assert "does not exist" in registry.available(AttentionSpec(), ["ghost"])["ghost"][0]

@@ -12,7 +12,7 @@ import pytest
 
 from persistentkv import ceiling
 from persistentkv.errors import PKVError
-from persistentkv.measure.rows import raw_frame
+from persistentkv.measure.rows import ceiling_rows, raw_frame
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (the kernel compiles on GPU hosts)")
@@ -31,12 +31,12 @@ def test_ceiling_rows_from_samples_and_failures():
     samples = [ceiling.CeilingSample("read-ceiling", i, 4 * 10**9, t) for i, t in enumerate([1000.0, 1100.0, 900.0])]
     samples.append(ceiling.CeilingSample("copy-ceiling", 0, 2 * 10**9, 1000.0))
     assert ceiling.median_gbps(samples) == pytest.approx(4000.0)
-    rows = ceiling.ceiling_rows(samples, {}, "rid", "bench_kernels")
+    rows = ceiling_rows(samples, {}, "rid", "bench_kernels")
     frame = raw_frame(rows)
     assert (frame["protocol"] == "ceiling").all() and np.allclose(frame["read_ceiling_gbps"], 4000.0)
     copy = frame[frame["backend"] == "copy-ceiling"]
     assert copy["frac_of_ceiling"].iloc[0] == pytest.approx(0.5)
-    failed = raw_frame(ceiling.ceiling_rows([], {"read-ceiling": "cupy cannot be imported"}, "rid", "x"))
+    failed = raw_frame(ceiling_rows([], {"read-ceiling": "cupy cannot be imported"}, "rid", "x"))
     assert failed["status"].tolist() == ["failed"] and math.isnan(failed["read_ceiling_gbps"].iloc[0])
 
 
@@ -81,7 +81,7 @@ def test_ceiling_is_the_largest_sizes_median_and_the_fit_only_informs():
     assert math.isnan(ceiling.ceiling_gbps([]))
     # copy samples never count, however large
     assert ceiling.ceiling_gbps(one + [ceiling.CeilingSample("copy-ceiling", 0, 4 * sixteen, 1.0)]) == ceiling.ceiling_gbps(one)
-    rows = raw_frame(ceiling.ceiling_rows(two, {}, "rid", "bench_kernels"))
+    rows = raw_frame(ceiling_rows(two, {}, "rid", "bench_kernels"))
     assert np.allclose(rows["read_ceiling_gbps"], at16)
     assert np.allclose(rows.loc[rows["kv_bytes"] == sixteen, "frac_of_ceiling"], 1.0)
     assert (rows.loc[rows["kv_bytes"] == four, "frac_of_ceiling"] < 0.995).all()

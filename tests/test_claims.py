@@ -8,15 +8,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from persistentkv import claims
-from persistentkv.render import inputs, synthetic
+from persistentkv import claims, targets
+from persistentkv.names import PUBLISHED_TRACES
+from persistentkv.render import synthetic
+from persistentkv.results import Results, load_results
 
 HOLDOUT = (20260623, 20260624, 20260625)
 
 
-def make_results(raw=None, ablation=None, holdout=HOLDOUT, hw="test-gpu") -> inputs.Results:
+def make_results(raw=None, ablation=None, holdout=HOLDOUT, hw="test-gpu") -> Results:
     empty = pd.DataFrame()
-    return inputs.Results(hw=hw, raw=raw if raw is not None else empty, bench=empty, validation_gpu=empty,
+    return Results(hw=hw, raw=raw if raw is not None else empty, bench=empty, validation_gpu=empty,
                           validation_cpu=empty, ablation_buckets=ablation if ablation is not None else empty,
                           ablation_splits=empty, provenance={"run-a": {"gpu": "Test GPU", "git_commit": "abc"}},
                           policy=None, kernels=None, holdout_seeds=tuple(holdout), calibration_seed=20260622,
@@ -154,6 +156,7 @@ def test_published_numbers_are_the_papers():
     assert [c.id for c in claims.CLAIMS] == [f"C{i}" for i in range(1, 12)]
     assert claim(1).paper_value == 1.471 and claim(2).paper_value == 1.106
     assert claims.PUBLISHED_FANOUT == (16, 2) and claims.PUBLISHED_MERGE_MB == (4.06, 2.54)
+    assert tuple(r.trace for r in claims.PUBLISHED_ROWS) == PUBLISHED_TRACES  # the traces the harness measures
     # C9's published ratio is derived from the typed kernel times, not typed itself.
     expected = np.exp(np.mean(np.log(np.array([0.119, 0.439, 0.889]) / np.array([0.160, 0.617, 1.218]))))
     assert claim(9).paper_value == pytest.approx(expected)
@@ -161,7 +164,7 @@ def test_published_numbers_are_the_papers():
 
 def test_synthetic_results_judge_end_to_end(tmp_path):
     hw_dir = synthetic.write_results(tmp_path)
-    results = inputs.load_results(hw_dir, tmp_path / "results" / "counters", synthetic.config())
+    results = load_results(hw_dir, tmp_path / "results" / "counters", synthetic.config())
     payload = claims.judge(results)
     assert sum(payload["counts"].values()) == len(claims.CLAIMS)
     assert payload["counts"][claims.NOT_MEASURED] == 0
@@ -210,7 +213,7 @@ def test_adaptive_verdicts_without_adaptive_rows_say_not_measured():
     assert out["protocols"]["step"]["cells"] == 0 and "not measured" in out["protocols"]["step"]["sentence"]
 
 
-def bench_results(frames) -> inputs.Results:
+def bench_results(frames) -> Results:
     results = make_results()
     results.bench = pd.concat(frames, ignore_index=True)
     return results
@@ -229,7 +232,7 @@ def test_engine_verdicts_mid_range_ceiling_and_floor():
         bench_case({"pkv-workqueue": 66.0, "flashinfer-tc": 73.0}, "B1xN65536", 256 << 20, 0.90),
         bench_case({"pkv-workqueue": 100.0, "flashinfer-tc": 96.0}, "B64xN131072", 32 << 30, 0.99),
     ]
-    out = claims.engine_verdicts(bench_results(frames))
+    out = targets.engine_verdicts(bench_results(frames))
     mid = {m["case"]: m for m in out["mid_range"]}
     assert mid["B=1 x 4K"]["ratio"] == pytest.approx(1.5) and mid["B=1 x 4K"]["holds"]
     assert mid["B=1 x 4K"]["baseline"] == "trtllm-xqa" and mid["B=1 x 4K"]["interval_clears"]
@@ -256,7 +259,7 @@ def test_engine_verdicts_flag_a_ceiling_the_kernel_outran():
         bench_case({"pkv-workqueue": 100.0, "flashinfer-tc": 101.0}, "B16xN32768", 2 << 30, 1.057),
         bench_case({"pkv-workqueue": 50.0, "flashinfer-tc": 51.0}, "B8xN16384", 512 << 20, 1.02),
     ]
-    out = claims.engine_verdicts(bench_results(frames))
+    out = targets.engine_verdicts(bench_results(frames))
     assert sorted(c["case"] for c in out["above_ceiling"]) == ["B16xN32768", "B8xN16384"]
     assert all(c["holds"] for c in out["ceiling"])
     said = " ".join(out["sentences"])
@@ -281,18 +284,18 @@ def test_engine_host_cost_judges_the_back_to_back_loop():
     fast = [kernel, eager_case({"pkv-workqueue": (22.0, 9.0), "trtllm-xqa": (110.0, 60.0),
                                 "flashinfer-tc": (80.0, 40.0)}, "B1xN4096"),
             eager_case({"pkv-workqueue": (30.0, 11.0), "trtllm-xqa": (120.0, 70.0)}, "B64xN1024")]
-    host = claims.engine_verdicts(bench_results(fast))["host"]
+    host = targets.engine_verdicts(bench_results(fast))["host"]
     assert host["measured"] and host["holds"] and host["cases"] == 2 and host["above"] == []
     assert host["median_us"] == pytest.approx(10.0) and host["worst"] == {"case": "B64xN1024", "us": 11.0}
     assert host["single_us"] == {"median": 26.0, "min": 22.0, "max": 30.0}
     assert host["baselines"] == {"flashinfer-tc": 40.0, "trtllm-xqa": 65.0}
-    said = claims.engine_verdicts(bench_results(fast))["sentences"][-1]
+    said = targets.engine_verdicts(bench_results(fast))["sentences"][-1]
     assert said.startswith("Eager use: one run() call with a reused plan costs 10.0 us") and ": holds;" in said
     assert "flashinfer-tc 40.0 us, trtllm-xqa 65.0 us" in said
     slow = fast + [eager_case({"pkv-workqueue": (40.0, 16.5)}, "B16xN8192")]
-    host = claims.engine_verdicts(bench_results(slow))["host"]
+    host = targets.engine_verdicts(bench_results(slow))["host"]
     assert not host["holds"] and host["above"] == ["B16xN8192"] and host["worst"]["us"] == 16.5
-    assert "does not hold" in claims.engine_verdicts(bench_results(slow))["sentences"][-1]
+    assert "does not hold" in targets.engine_verdicts(bench_results(slow))["sentences"][-1]
 
 
 def test_engine_host_cost_says_the_loops_longest_call_where_measured():
@@ -301,10 +304,10 @@ def test_engine_host_cost_says_the_loops_longest_call_where_measured():
     kernel = bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4)
     frames = [kernel, eager_case({"pkv-workqueue": (22.0, 12.0, 40.0), "trtllm-xqa": (110.0, 60.0, 90.0)}, "B1xN4096"),
               eager_case({"pkv-workqueue": (30.0, 16.0, 70.0)}, "B64xN1024")]
-    out = claims.engine_verdicts(bench_results(frames))
+    out = targets.engine_verdicts(bench_results(frames))
     assert out["host"]["longest_us"] == {"median": 55.0, "max": 70.0}  # ours only, not the baseline's 90
     assert "The loop's longest call takes 55.0 us (median over cases; up to 70.0 us)." in out["sentences"][-1]
-    without = claims.engine_verdicts(bench_results([kernel, eager_case({"pkv-workqueue": (22.0, 12.0)}, "B1xN4096")]))
+    without = targets.engine_verdicts(bench_results([kernel, eager_case({"pkv-workqueue": (22.0, 12.0)}, "B1xN4096")]))
     assert "longest_us" not in without["host"] and "longest call" not in without["sentences"][-1]
 
 
@@ -318,18 +321,18 @@ def test_engine_host_cost_says_where_the_timing_thread_ran():
     probe = np.full(len(eager), 500.0)  # the baseline's rounds: not ours, not said
     probe[ours.to_numpy()] = np.linspace(70.0, 110.0, n)
     pinned = eager.assign(host_cpu=np.where(ours, np.arange(len(eager)) % 2 + 3, 0), host_probe_us=probe)
-    out = claims.engine_verdicts(bench_results([kernel, pinned]))
+    out = targets.engine_verdicts(bench_results([kernel, pinned]))
     assert out["host"]["pinning"] == {"rounds": n, "pinned": n, "cpus": 2, "probe_us": [70.0, 110.0]}
     assert ("Every round ran with the timing thread pinned to one CPU (measure.host_cpu: by default the one a probe "
             "finds quickest at the round's start; 2 distinct CPUs over the run; the probe took 70-110 us there), as "
             "every backend's did.") in out["sentences"][-1]
     partly = pinned.assign(host_cpu=np.where(ours & (np.arange(len(eager)) == 0), -1, pinned["host_cpu"]))
-    said = claims.engine_verdicts(bench_results([kernel, partly]))["sentences"][-1]
+    said = targets.engine_verdicts(bench_results([kernel, partly]))["sentences"][-1]
     assert f"{n - 1} of {n} rounds ran with the timing thread pinned" in said
     loose = eager.assign(host_cpu=-1, host_probe_us=np.nan)
-    said = claims.engine_verdicts(bench_results([kernel, loose]))["sentences"][-1]
+    said = targets.engine_verdicts(bench_results([kernel, loose]))["sentences"][-1]
     assert said.endswith("The timing thread was not pinned to a CPU (measure.host_cpu: none).")
-    out = claims.engine_verdicts(bench_results([kernel, eager]))
+    out = targets.engine_verdicts(bench_results([kernel, eager]))
     assert "pinning" not in out["host"] and "pinned" not in out["sentences"][-1]
 
 
@@ -338,16 +341,16 @@ def test_engine_host_cost_of_a_run_without_the_loop_is_not_measured():
     target, and its single-call host time is said as what it is."""
     for frames in ([eager_case({"pkv-workqueue": (22.0, None)}, "B1xN4096", loop=False)],
                    [eager_case({"pkv-workqueue": (22.0, np.nan)}, "B1xN4096")]):
-        out = claims.engine_verdicts(bench_results(frames))
+        out = targets.engine_verdicts(bench_results(frames))
         assert not out["host"]["measured"] and "holds" not in out["host"]
         assert out["sentences"] == ["Eager use: not measured as the target asks (host time per call in a loop of "
                                     "back-to-back run() calls, host_loop_us, which this run predates); one call right "
                                     "after a synchronisation takes 22.0 us (case medians 22.0-22.0 us)."]
-    assert claims.engine_verdicts(make_results())["host"] == {"target_us": 15.0, "measured": False}
+    assert targets.engine_verdicts(make_results())["host"] == {"target_us": 15.0, "measured": False}
 
 
 def test_engine_verdicts_without_bench_rows_say_not_measured():
-    out = claims.engine_verdicts(make_results())
+    out = targets.engine_verdicts(make_results())
     assert not any(m["measured"] for m in out["mid_range"]) and out["ceiling"] == [] and out["floor"] == {}
     assert out["sentences"] == ["Not measured: no bench_kernels kernel rows of pkv-workqueue."]
     assert "engine" in claims.judge(make_results())

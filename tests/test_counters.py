@@ -75,7 +75,7 @@ def test_counts_follow_the_route_definitions(bimodal_b8):
 
 
 def test_paper_fanout_and_merge_numbers_on_bimodal_b8():
-    """PAPER.md: 16 launches/step with exact buckets -> 2 with the published queue, and merge state
+    """docs/PAPER.md: 16 launches/step with exact buckets -> 2 with the published queue, and merge state
     4.06 MiB (S=32 per bucket) -> 2.54 MiB (the B x Hq x 20 rectangle), at 8 active rows."""
     trace = traces.build(configuration.trace_entry(CONFIG, "bimodal_b8"), SEED)
     full = [s for s in trace.steps if s.batch_size == 8]

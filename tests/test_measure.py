@@ -23,13 +23,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persistentkv.cache import make_batch
+from persistentkv import configuration
+from persistentkv.cache import compact_batch, make_batch
 from persistentkv.errors import PKVError
+from persistentkv.names import PUBLISHED_TRACES
 from persistentkv.measure import rotation, schedule, statistics, workload
 from persistentkv.measure.rows import (RAW_COLUMNS, VALIDATION_COLUMNS, one_line, raw_frame, raw_row,
                                        validation_frame)
 from persistentkv.spec import AttentionSpec
-from persistentkv.traces import build, write_trace
+from persistentkv.traces import build, sampled_steps, write_trace
 
 torch = pytest.importorskip("torch")
 
@@ -37,11 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "config.yaml"
 
 
-# -- rotation ----------------------------------------------------------------------------------
+# -- compact caches and rotation -------------------------------------------------------------------
 def test_compact_batch_keeps_rows_order_and_scattering():
     spec = AttentionSpec(page_size=16)
     full = make_batch(spec, [100, 33, 500], hole_fraction=0.0, seed=4)
-    compact = rotation.compact_batch(full, 0.0, seed=1)
+    compact, used = compact_batch(full, 0.0, seed=1)
+    assert np.array_equal(used, np.unique(full.kv_indices))
     assert np.array_equal(compact.seq_lens, full.seq_lens) and np.array_equal(compact.kv_indptr, full.kv_indptr)
     n = full.kv_indices.size
     assert compact.num_pages == n and sorted(compact.kv_indices) == list(range(n))
@@ -52,19 +55,20 @@ def test_compact_batch_keeps_rows_order_and_scattering():
 def test_compact_batch_with_holes_spreads_pages_over_a_larger_universe():
     spec = AttentionSpec(page_size=16)
     full = make_batch(spec, [1000, 2000], hole_fraction=0.5, seed=2)
-    compact = rotation.compact_batch(full, 0.5, seed=9)
+    compact, used = compact_batch(full, 0.5, seed=9)
     n = full.kv_indices.size
+    assert np.array_equal(used, np.sort(full.kv_indices))
     assert compact.num_pages == math.ceil(n / 0.5)
     assert len(set(compact.kv_indices.tolist())) == n
     assert np.array_equal(np.argsort(compact.kv_indices), np.argsort(full.kv_indices))
-    again = rotation.compact_batch(full, 0.5, seed=9)
+    again, _ = compact_batch(full, 0.5, seed=9)
     assert np.array_equal(again.kv_indices, compact.kv_indices)
 
 
 def test_compact_batch_shrinks_a_trace_step_to_its_pages():
-    config = workload.load_config(CONFIG)
-    trace = build(workload.trace_entry(config, "bimodal_b8"), 20260622, ROOT)
-    spec = workload.spec_from_config(config)
+    config = configuration.load_config(CONFIG)
+    trace = build(configuration.trace_entry(config, "bimodal_b8"), 20260622, ROOT)
+    spec = configuration.spec(config)
     cases = workload.trace_cases("t", trace, spec, 0.0, [0, 10], (), "bimodal_b8")
     for case in cases:
         assert case.batch.num_pages == case.batch.kv_indices.size  # only used pages
@@ -186,7 +190,7 @@ def test_one_line_reasons():
 # -- experiments from the real config ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def config():
-    return workload.load_config(CONFIG)
+    return configuration.load_config(CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +205,7 @@ def traces_dir(tmp_path_factory, config):
 
 def test_published_experiment_uses_holdout_seeds_and_the_stride(config, traces_dir):
     cases = workload.experiment_cases("published", config, traces_dir)
-    assert {c.trace for c in cases} == set(workload.PUBLISHED_TRACES)
+    assert {c.trace for c in cases} == set(PUBLISHED_TRACES)
     assert workload.seeds_of(cases) == sorted(config["seeds"]["holdout"])
     stride = config["measure"]["step_stride"]
     for (trace, seed) in {(c.trace, c.seed) for c in cases}:
@@ -265,10 +269,13 @@ def test_bench_grid_and_sampled_steps(config, traces_dir):
     assert lengths["B8-ragged"][:3] == [65536] * 3 and len(lengths["B8-ragged"]) == 8
     assert lengths["B1xN262144"] == [262144]
     trace = workload.load_trace(traces_dir, "bimodal_b8", config["seeds"]["calibration"])
-    picked = workload.sampled_steps(trace, 4)
+    picked = sampled_steps(trace, 4)
     heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
     assert len(picked) == 4 and 0 in picked and heaviest in picked and picked == sorted(set(picked))
-    assert workload.sampled_steps(trace, 4) == picked
+    assert sampled_steps(trace, 4) == picked
+    from persistentkv.measure import runner
+
+    assert runner.sampled_steps is sampled_steps  # validate-gpu samples as validate-cpu does
 
 
 # -- the harness with fake backends on the CPU ------------------------------------------------------
@@ -970,7 +977,7 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert set(ok["backend"]) == {"flashinfer-tc", "pkv-buckets"}
     assert set(ok["protocol"]) == {"kernel", "eager", "step", "published"}
     assert (ok["read_ceiling_gbps"] == 4000.0).all()
-    assert sorted(set(ok["max_len"])) == sorted(workload.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
+    assert sorted(set(ok["max_len"])) == sorted(configuration.load_config(CONFIG)["measure"]["long_context"]["lengths"][:2])
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
 

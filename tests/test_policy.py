@@ -21,9 +21,10 @@ from persistentkv.cache import allocate, batch_for_step, make_batch, random_cach
 from persistentkv.cli import main as cli_main
 from persistentkv.errors import PKVError
 from persistentkv.io import atomic_write_json
+from persistentkv.calibration import calibrate, fit_cost_model, fit_threshold, nnls
 from persistentkv.policy import (
-    COST_FEATURES, POLICIES, DecisionMemo, Policy, StepFeatures, calibrate, cost_features, fit_cost_model,
-    fit_threshold, step_signature, length_bin_bounds, load_policy, nnls, paper_decision, paper_policy, threshold_decision, ThresholdRule,
+    COST_FEATURES, POLICIES, DecisionMemo, Policy, StepFeatures, ThresholdRule, cost_features, length_bin_bounds,
+    load_policy, paper_decision, paper_policy, route_shape, step_signature, threshold_decision,
 )
 from persistentkv.reference import reference_decode, relative_error
 from persistentkv.spec import AttentionSpec
@@ -618,20 +619,42 @@ def test_cost_features_equal_the_planners_counters(lengths, hkv, group, S, targe
         assert np.array_equal(got, want), (backend, options, got, want)
 
 
-@settings(max_examples=300, deadline=None)
+def shape_from_plan(route, lengths, hkv, options):
+    """route_shape's definition, read off a full plan."""
+    from persistentkv.plan import make_plan
+
+    plan = make_plan(make_batch(AttentionSpec(num_qo_heads=hkv, num_kv_heads=hkv), lengths), route, **options)
+    tokens = (plan.items[:, 2] - plan.items[:, 1]).astype(np.int64)
+    critical = sum(int(tokens[l.start:l.stop].max()) for l in plan.launches if l.kind != "merge")
+    partials = int(((plan.items[:, 3] >> 16) > 1).sum())   # one per (row, kv head, split) of a split row
+    return int(plan.row_tokens.astype(np.int64).sum()), len(plan.launches), partials, critical
+
+
+ROUTE_OPTIONS = lambda S, target, min_chunk, bucket, fused: [  # noqa: E731
+    ("workqueue", {"target_items": target, "min_chunk_tiles": min_chunk, "fused_merge": fused}),
+    ("workqueue", {"num_splits": S}), ("split", {"num_splits": S, "fused_merge": fused}),
+    ("buckets", {"num_splits": S, "bucket_tokens": bucket, "fused_merge": fused})]
+
+
+@settings(max_examples=200, deadline=None)
 @given(lengths=st.lists(st.one_of(st.integers(1, 70000), st.sampled_from([1, 31, 32, 33, 64, 65, 4096])),
                         min_size=1, max_size=40),
        hkv=st.sampled_from([1, 8]), S=st.integers(1, 64), target=st.integers(1, 600),
        min_chunk=st.sampled_from([1, 2, 5]), bucket=st.sampled_from([None, 512, 2048]), fused=st.booleans())
-def test_route_shape_python_path_equals_numpy_path(lengths, hkv, S, target, min_chunk, bucket, fused):
-    from persistentkv.policy import route_shape
+def test_route_shape_is_the_planners(lengths, hkv, S, target, min_chunk, bucket, fused):
+    """Long rows, up to 40 of them, every route: the same four numbers as the plan itself."""
+    for route, options in ROUTE_OPTIONS(S, target, min_chunk, bucket, fused):
+        shape = route_shape(route, np.asarray(lengths), hkv, options)
+        assert shape == shape_from_plan(route, lengths, hkv, options), (route, options)
+        assert all(isinstance(v, int) for v in shape)
+        assert route_shape(route, list(lengths), hkv, options) == shape
 
-    for route, options in [("workqueue", {"target_items": target, "min_chunk_tiles": min_chunk, "fused_merge": fused}),
-                           ("workqueue", {"num_splits": S}), ("split", {"num_splits": S, "fused_merge": fused}),
-                           ("buckets", {"num_splits": S, "bucket_tokens": bucket, "fused_merge": fused})]:
-        fast = route_shape(route, np.asarray(lengths), hkv, options)
-        assert fast == route_shape(route, np.asarray(lengths), hkv, options, use_numpy=True), (route, options)
-        assert all(isinstance(v, int) for v in fast)
+
+def test_route_shape_of_many_rows_is_the_planners():
+    """More rows than a decode step has (the shape used to switch to NumPy past 256 rows)."""
+    lengths = np.random.default_rng(5).integers(1, 9000, 300).tolist()
+    for route, options in ROUTE_OPTIONS(20, 264, 1, 512, False):
+        assert route_shape(route, lengths, 8, options) == shape_from_plan(route, lengths, 8, options), route
 
 
 def test_cost_features_bad_options():

@@ -11,7 +11,8 @@ import pytest
 
 from persistentkv import claims, cli
 from persistentkv.errors import PKVError
-from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, inputs, report, synthetic, tables
+from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, report, synthetic, tables
+from persistentkv.results import load_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,14 +22,14 @@ def measured(tmp_path_factory):
     """Synthetic results (clearly labelled as such) plus their claims."""
     root = tmp_path_factory.mktemp("syn")
     hw_dir = synthetic.write_results(root)
-    results = inputs.load_results(hw_dir, root / "results" / "counters", synthetic.config())
+    results = load_results(hw_dir, root / "results" / "counters", synthetic.config())
     return root, results, claims.judge(results)
 
 
 @pytest.fixture(scope="module")
 def empty(tmp_path_factory):
     root = tmp_path_factory.mktemp("empty")
-    results = inputs.load_results(root / "results" / "nvidia-h200", root / "results" / "counters", synthetic.config())
+    results = load_results(root / "results" / "nvidia-h200", root / "results" / "counters", synthetic.config())
     return root, results, claims.judge(results)
 
 
@@ -240,7 +241,7 @@ def test_corrupt_results_file_is_a_one_line_error(tmp_path):
     (hw_dir / "raw").mkdir(parents=True)
     (hw_dir / "raw" / "published.parquet").write_text("not parquet")
     with pytest.raises(PKVError, match="cannot read .*published.parquet"):
-        inputs.load_results(hw_dir)
+        load_results(hw_dir)
 
 
 @pytest.mark.slow

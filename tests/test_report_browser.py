@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from persistentkv import claims
-from persistentkv.render import FIGURE_NAMES, figures, inputs, report, synthetic
+from persistentkv.render import FIGURE_NAMES, figures, report, synthetic
+from persistentkv.results import load_results
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's /usr/bin/chromium "
@@ -165,7 +166,7 @@ def problems(events: list[dict], page: Path) -> list[str]:
 def build_report(root: Path, measured: bool) -> Path:
     """Render a report from synthetic results (or from nothing) into ``root``."""
     hw_dir = synthetic.write_results(root, hw="synthetic-gpu") if measured else root / "results" / "nvidia-h200"
-    results = inputs.load_results(hw_dir, root / "results" / "counters", synthetic.config())
+    results = load_results(hw_dir, root / "results" / "counters", synthetic.config())
     payload = claims.judge(results)
     figures.render_all(results, root / "figs", "svg")
     return report.render(payload, results, root / "figs", hw_dir / "report.html")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from persistentkv import cli, configuration, reference, traces
-from persistentkv.cache import allocate, batch_for_step, random_cache
+from persistentkv.cache import allocate, batch_for_step, compact_batch, random_cache
 from persistentkv.commands import validate_cpu
 from persistentkv.errors import PKVError
 from persistentkv.spec import AttentionSpec
@@ -42,10 +42,6 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
-def steps_of(totals) -> tuple[Step, ...]:
-    return tuple(Step(i, (0,), (int(t),)) for i, t in enumerate(totals))
-
-
 @pytest.fixture(scope="module")
 def tiny_trace(tmp_path_factory) -> traces.Trace:
     csv = tmp_path_factory.mktemp("tiny") / "tiny.csv"
@@ -53,23 +49,28 @@ def tiny_trace(tmp_path_factory) -> traces.Trace:
     return traces.from_file(csv, max_active=3, num_steps=6, name="tiny")
 
 
+def trace_of(totals) -> traces.Trace:
+    return traces.Trace("t", "file", 0, 1, (), tuple(Step(i, (0,), (int(t),)) for i, t in enumerate(totals)))
+
+
 @pytest.mark.parametrize("totals, count, expected", [
-    ([5, 9, 7, 9, 1], 2, [0, 1]),          # longest = first maximum
-    ([5, 9, 7, 9, 1], 1, [1]),             # one step: the longest
+    ([5, 9, 7, 9, 1], 2, [0, 1]),          # the first, then the longest (the first maximum)
+    ([5, 9, 7, 9, 1], 1, [0]),             # one step: the first
     ([9, 1, 2], 2, [0, 2]),                # the first is the longest: the spread adds the last
     ([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, [0, 3, 5, 8]),
     ([3, 2, 1], 7, [0, 1, 2]),             # more than there are: all
 ])
-def test_sample_steps(totals, count, expected):
-    picked = [s.index for s in validate_cpu.sample_steps(steps_of(totals), count)]
+def test_the_sampler_validate_cpu_uses(totals, count, expected):
+    """validate-cpu samples with traces.sampled_steps, the GPU validation's sampler."""
+    assert validate_cpu.sampled_steps is traces.sampled_steps
+    picked = traces.sampled_steps(trace_of(totals), count)
     assert picked == expected
     assert picked == sorted(set(picked)) and len(picked) == min(count, len(totals))
-    assert validate_cpu.sample_steps(steps_of(totals), count) == validate_cpu.sample_steps(steps_of(totals), count)
 
 
-def test_sample_steps_rejects_zero():
-    with pytest.raises(PKVError, match="steps per trace must be >= 1, got 0"):
-        validate_cpu.sample_steps(steps_of([1, 2]), 0)
+def test_sampler_rejects_zero():
+    with pytest.raises(PKVError, match="steps_per_trace must be >= 1, got 0"):
+        traces.sampled_steps(trace_of([1, 2]), 0)
 
 
 def test_compact_batch_reads_the_same_tokens_as_the_full_cache(tiny_trace):
@@ -78,7 +79,7 @@ def test_compact_batch_reads_the_same_tokens_as_the_full_cache(tiny_trace):
     allocation = allocate(trace.requests, spec.page_size, 0.5, 7)  # holes: scattered physical ids
     step = trace.steps[-1]
     full = batch_for_step(spec, allocation, step)
-    compact, used = validate_cpu.compact_batch(full)
+    compact, used = compact_batch(full)
     assert compact.num_pages == used.size < full.num_pages
     assert np.all(np.diff(used) > 0)
     np.testing.assert_array_equal(used[compact.kv_indices], full.kv_indices)  # same pages, renumbered by rank

@@ -1,4 +1,27 @@
-"""persistentkv: page-aware decode scheduling over a paged KV cache (planner, kernels, policy)."""
+"""persistentkv: page-aware decode scheduling over a paged KV cache (planner, kernels, policy).
+
+The library's floors, ground first. A module imports only from floors below its own (function-local
+imports too); the modules of one package share its floor and may import each other, never in a
+circle. tests/test_layers.py holds every import to this table.
+
+     1  errors names io                   -- user errors, the vocabulary, atomic files
+     2  spec hardware provenance analysis -- the attention shape, the machine, timing statistics
+     3  persistentkv env traces results   -- the package, what can run here, traces, the loader
+     4  configuration cache               -- the config; the paged cache
+     5  plan                              -- the planner: split counts, work items, merge groups
+     6  choose reference counters policy  -- the warps rule, the float64 oracle, counters, decisions
+     7  launch calibration                -- the engine's compile and launch layer; policy fitting
+     8  engine kernel_build ceiling       -- the GPU: the engine, its ahead-of-time build, the ceiling
+     9  backends                          -- one adapter per kernel family, the registry, adaptive
+    10  measure                           -- the timing harness: cases, protocols, rows, runs
+    11  model                             -- the Llama decode loop over any backend
+    12  targets                           -- the engine's own targets, judged from rows
+    13  claims                            -- the paper's claims, judged from rows
+    14  render                            -- figures, LaTeX tables and macros, the HTML report
+    15  commands                          -- one module per CLI command
+    16  cli                               -- the entry point
+    17  __main__                          -- python -m persistentkv
+"""
 
 from .errors import PKVError
 from .spec import AttentionSpec

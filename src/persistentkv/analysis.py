@@ -23,6 +23,7 @@ Pure pandas/NumPy, CPU-tested. The estimator, stated once:
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -207,6 +208,11 @@ def where(cells: list[Cell], **equal) -> list[Cell]:
     return [c for c in cells if match(c)]
 
 
+def run_ids(cells: list[Cell]) -> list[str]:
+    """The runs whose rows make up ``cells``, sorted."""
+    return sorted({r for c in cells for r in c.run_ids})
+
+
 def backend_times(cells: list[Cell], confidence: float = CONFIDENCE) -> pd.DataFrame:
     """Per cell and backend: cell time (mean of step medians) with its interval.
 
@@ -367,6 +373,33 @@ def winners(cells: list[Cell], exclude: tuple[str, ...] = ("adaptive",), confide
             out.append({**cell.key, "backend": b, "fastest": fastest, "ratio": r["ratio"], "lo": lo, "hi": hi,
                         "loses": bool(b != fastest and hi < 1)})
     return pd.DataFrame(out)
+
+
+def fmt_ratio(value: float | None, lo: float | None = None, hi: float | None = None, digits: int = 3) -> str:
+    """``1.234× [1.200, 1.270]`` (plain text), ``n/m`` for a missing or non-finite value."""
+    if value is None or not math.isfinite(value):
+        return "n/m"
+    text = f"{value:.{digits}f}×"
+    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return text
+
+
+def pinning(rows: pd.DataFrame) -> dict:
+    """Where the timing thread ran for ``rows`` (a frame of raw timing rows; measure.host_cpu pins
+    it): ``recorded`` rows that have a host_cpu (runs made before the column have none), of them
+    ``pinned`` (host_cpu >= 0), ``unrecorded`` the others, ``cpus`` the distinct CPUs pinned to, and
+    ``probe_us`` the probe's [min, max] on them (None without probe times). Shared by the run log,
+    the engine's targets and the report."""
+    cpu = pd.to_numeric(rows["host_cpu"], errors="coerce") if "host_cpu" in rows else \
+        pd.Series(math.nan, index=rows.index, dtype=float)
+    pinned = rows[cpu >= 0]
+    probe = pd.to_numeric(pinned["host_probe_us"], errors="coerce").dropna() if "host_probe_us" in pinned else \
+        pd.Series(dtype=float)
+    recorded = int(cpu.notna().sum())
+    return {"recorded": recorded, "pinned": int(len(pinned)), "unrecorded": int(len(rows)) - recorded,
+            "cpus": int(pinned["host_cpu"].nunique()) if len(pinned) else 0,
+            "probe_us": [float(probe.min()), float(probe.max())] if not probe.empty else None}
 
 
 def check_frame(frame: pd.DataFrame, columns: list[str], what: str) -> None:

@@ -244,3 +244,38 @@ def random_queries(spec: AttentionSpec, batch_size: int, seed: int) -> np.ndarra
     require(is_integer(batch_size) and batch_size >= 1, f"batch_size must be an integer >= 1, got {batch_size!r}")
     (q,) = _standard_normal(spec, (int(batch_size), spec.num_qo_heads, spec.head_dim), seed, Q_SEED_OFFSET, 1)
     return q
+
+
+def compact_batch(batch: Batch, hole_fraction: float = 0.0, seed: int = 0) -> tuple[Batch, np.ndarray]:
+    """The same step on a cache that holds only the pages it uses.
+
+    Parameters
+    ----------
+    batch : Batch
+        A step on its full page universe.
+    hole_fraction : float
+        rho in [0, MAX_HOLE_FRACTION]: the used pages are spread over a universe of
+        ceil(n_used / (1 - rho)) ids, the holes placed by a generator seeded with ``seed``; with
+        rho = 0 the universe is exactly the used pages, ids 0..n_used-1.
+    seed : int
+
+    Returns
+    -------
+    (Batch, numpy.ndarray)
+        The batch on the compact universe, and the used page ids of ``batch``, int64 [n_used] in
+        ascending order: page ``used[j]`` of the full cache is the j-th used page of the compact one.
+
+    The used ids keep their relative physical order (the trace's scattering: a row's logically
+    consecutive pages stay as far apart, in the same order), so rows stay scattered and
+    interleaved exactly as on the real cache.
+    """
+    rho = check_hole_fraction(hole_fraction)
+    used, inverse = np.unique(batch.kv_indices, return_inverse=True)
+    n_used = int(used.size)
+    universe = math.ceil(n_used / (1.0 - rho)) if rho > 0 else n_used
+    if universe == n_used:
+        slots = np.arange(n_used, dtype=np.int64)
+    else:
+        slots = np.sort(np.random.default_rng(seed).choice(universe, size=n_used, replace=False))
+    indices = slots[inverse.reshape(-1)].astype(np.int32)
+    return Batch(batch.spec, batch.seq_lens, batch.kv_indptr, indices, int(universe)), used.astype(np.int64)

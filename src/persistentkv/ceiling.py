@@ -14,8 +14,9 @@ read ceiling   kernels/ceiling.cu: a grid-stride kernel of 16-byte loads that XO
 copy ceiling   a device-to-device copy (torch ``dst.copy_(src)``, cudaMemcpyAsync D2D);
                bytes moved = read + written = 2 x buffer size.
 
-Each repeat is timed with CUDA events after warm-up launches; the rows (backend ``read-ceiling``
-/ ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into every GPU output. A GPU
+Each repeat is timed with CUDA events after warm-up launches; the rows (measure.rows.ceiling_rows:
+backend ``read-ceiling`` / ``copy-ceiling``, protocol ``ceiling``, kv_bytes = bytes moved) go into
+every GPU output. A GPU
 command measures both ceilings before its cases and again after them (the later repeats numbered
 on from the earlier ones), and the run's read ceiling, ``read_ceiling_gbps`` of every row, is the
 higher of the two measurements (:func:`run_read_gbps`): what the GPU streamed when it streamed
@@ -30,7 +31,7 @@ memory torch owns (shared through DLPack, no copy).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -182,8 +183,6 @@ def run_read_gbps(phases) -> float:
 
 def renumbered(samples, first: int) -> list[CeilingSample]:
     """``samples`` with their repeats moved on to start at ``first`` (a later phase of one run)."""
-    from dataclasses import replace
-
     return [replace(s, repeat=s.repeat + first) for s in samples]
 
 
@@ -226,24 +225,3 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
         else:
             log(f"{backend}: {median_gbps(samples, backend):.0f} GB/s (median of {repeats})")
     return samples, failures
-
-
-def ceiling_rows(samples: list[CeilingSample], failures: dict[str, str], run_id: str, experiment: str,
-                 read_gbps: float | None = None) -> list[dict]:
-    """Raw rows (docs/DATA.md) for the ceilings: one per repeat, or one ``failed`` row per ceiling.
-    ``read_gbps``: the run's read ceiling (default :func:`ceiling_gbps` of ``samples``)."""
-    from .measure.rows import raw_row
-
-    read = ceiling_gbps(samples) if read_gbps is None else float(read_gbps)
-    common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
-                  num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
-                  protocol="ceiling", layers=1, read_ceiling_gbps=read)
-    rows = []
-    for s in samples:
-        rows.append(raw_row(**common, trace=s.backend, kv_bytes=s.bytes_moved, backend=s.backend, route=s.backend,
-                            repeat=s.repeat, time_us=s.time_us, per_layer_us=s.time_us,
-                            frac_of_ceiling=(s.gbps / read) if read > 0 else math.nan))
-    for backend, reason in failures.items():
-        rows.append(raw_row(**common, trace=backend, kv_bytes=0, backend=backend, route=backend,
-                            status="failed", reason=reason))
-    return rows

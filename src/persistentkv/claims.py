@@ -2,15 +2,16 @@
 
 Each :class:`Claim` carries the paper's figure as published (typed once, here, with its source:
 they are the paper's RTX 3060 numbers, never ours), how our figure is computed, and a check that
-runs on :class:`~persistentkv.render.inputs.Results` under each protocol. Everything of ours comes
-from data; a claim whose rows are absent is "not measured", never a made-up number.
+runs on :class:`~persistentkv.results.Results` under each protocol. Everything of ours comes
+from data; a claim whose rows are absent is "not measured", never a made-up number. The engine's
+own targets (persistentkv.targets) are judged beside them, into the same claims.json.
 
 Protocols (docs/DATA.md, ``protocol`` column):
 
 * ``published``: the paper's timed region (plan inside for FlashInfer, metadata outside for ours,
   one layer); CUDA-event time in ``time_us``, synchronized wall time of the same run in ``wall_us``.
   For the isolated-kernel claim (C9) the paper timed eager calls with CUDA events: ``eager``.
-* ``fair``: ``step`` rows (plan once + L layers, synchronized wall clock; DESIGN.md, BENCHMARKING);
+* ``fair``: ``step`` rows (plan once + L layers, synchronized wall clock; docs/PROTOCOL.md);
   for C9, ``kernel`` rows (device time under CUDA-graph replay).
 
 Verdict rule (:data:`VERDICT_RULE`): each claim's check answers "does the claim's substance hold
@@ -29,13 +30,13 @@ import numpy as np
 import pandas as pd
 
 from . import analysis
-from .names import BASELINES, PKV_BACKENDS
-from .measure.host_cpu import pinning
-from .measure.workload import synthetic_name
-from .render.inputs import Results
+from .analysis import fmt_ratio
+from .names import PKV_BACKENDS
+from .results import Results
+from .targets import engine_verdicts
 
 FORMAT = "persistentkv-claims/1"
-SOURCE = "PAPER.md, Published numbers (RTX 3060)"
+SOURCE = "docs/PAPER.md, Published numbers (RTX 3060)"
 PAPER_GPU = "RTX 3060"
 HOLDS, FAILS, ONLY_PUBLISHED, NOT_MEASURED = ("holds", "does not hold", "holds only under the published protocol",
                                               "not measured")
@@ -50,9 +51,9 @@ VERDICT_RULE = (
     "protocol; fails under both -> does not hold; fair protocol not measured -> not measured. Whether the "
     "published figure lies inside our interval is shown beside it (hardware differs, so magnitude is "
     "reported, not judged).")
-#: protocol label -> (protocol column value, metric) for trace rows; C9 overrides.
-PROTOCOLS = {"published": ("published", "time_us"), "fair": ("step", "time_us")}
-KERNEL_PROTOCOLS = {"published": ("eager", "time_us"), "fair": ("kernel", "time_us")}
+#: claim protocol -> (the rows' protocol column value, metric) for trace rows; C9 has its own.
+CLAIM_PROTOCOLS = {"published": ("published", "time_us"), "fair": ("step", "time_us")}
+KERNEL_CLAIM_PROTOCOLS = {"published": ("eager", "time_us"), "fair": ("kernel", "time_us")}
 REFERENCE = "flashinfer-best"
 NUMBER_WORDS = ("Zero", "One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten",
                 "Eleven", "Twelve", "Thirteen", "Fourteen", "Fifteen")
@@ -83,7 +84,7 @@ PUBLISHED_ROWS = (
     PublishedRow("zipf_b8", "zipf B8", "work queue, 28", "pkv-workqueue", 1.105, 0.026, 1.068, 0.028, 1.063),
     PublishedRow("bimodal_b4", "B4", "FlashInfer", "adaptive", 1.000, None, 1.000, None, None),
 )
-#: The paper's setup (PAPER.md, "Evaluation protocol (as published)").
+#: The paper's setup (docs/PAPER.md, "Evaluation protocol (as published)").
 PAPER_SETUP = {"gpu": "RTX 3060 12 GB", "sms": 28, "arch": "sm_86", "bandwidth_gbps": "302-307",
                "theoretical_gbps": 360, "cuda": "12.1", "torch": "2.5.1", "flashinfer": "0.2.5",
                "vllm": "0.6.4", "trtllm": "0.8"}
@@ -144,51 +145,11 @@ def not_measured(protocol: str, what: str) -> Outcome:
     return Outcome(protocol, None, display="not measured", note=f"no {what} rows")
 
 
-def fmt_ratio(value: float | None, lo: float | None = None, hi: float | None = None, digits: int = 3) -> str:
-    if value is None or not math.isfinite(value):
-        return "n/m"
-    text = f"{value:.{digits}f}×"
-    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
-        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
-    return text
-
-
-def _run_ids(cells) -> list[str]:
-    return sorted({r for c in cells for r in c.run_ids})
-
-
 def _holdout(results: Results, frame: pd.DataFrame) -> pd.DataFrame:
     """Trace experiments are judged on holdout seeds only (the policy was fitted on calibration)."""
     if frame.empty or not results.holdout_seeds:
         return frame
     return frame[frame["seed"].isin(results.holdout_seeds)]
-
-
-def all_cells(results: Results, metric: str = "time_us") -> list[analysis.Cell]:
-    """Every timing cell of ``results``, bootstrapped once per metric and kept on ``results``.
-
-    Each cell's interval depends only on its own rows and key (analysis.bootstrap_cells), so
-    selecting cells afterwards gives exactly what bootstrapping the selected rows would.
-    """
-    cache = results.__dict__.setdefault("_cells", {})
-    if metric not in cache:
-        timing = results.timing
-        cache[metric] = [] if timing.empty or metric not in timing.columns else \
-            analysis.bootstrap_cells(timing, metric)
-    return cache[metric]
-
-
-def _cells(results: Results, experiment, protocol: str, metric: str = "time_us", trace: str | None = None,
-           holdout: bool = True, group_size: int | None = None) -> list[analysis.Cell]:
-    equal = {"experiment": experiment, "protocol": protocol}
-    if trace is not None:
-        equal["trace"] = trace
-    cells = analysis.where(all_cells(results, metric), **equal)
-    if holdout and results.holdout_seeds:
-        cells = [c for c in cells if c.key.get("seed") in results.holdout_seeds]
-    if group_size is not None:
-        cells = [c for c in cells if c.key["num_qo_heads"] // c.key["num_kv_heads"] == group_size]
-    return cells
 
 
 def seed_ratio(cells: list, backend: str, reference: str = REFERENCE) -> tuple[pd.Series | None, pd.DataFrame]:
@@ -221,17 +182,17 @@ def speedup_check(trace: str, backend: str, paper: float, paper_wall: float | No
     """Claim: ``backend`` is faster than the best FlashInfer on ``trace`` (interval above 1)."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
-        cells = _cells(results, experiment, proto, metric, trace, group_size=group_size)
+        proto, metric = CLAIM_PROTOCOLS[protocol]
+        cells = results.cells(experiment, proto, metric, trace, group_size=group_size)
         g, per = seed_ratio(cells, backend)
         if g is None:
             return not_measured(protocol, f"{experiment}/{trace} {backend} + FlashInfer '{proto}'")
         out = Outcome(protocol, bool(g["lo"] > 1), float(g["ratio"]), float(g["lo"]), float(g["hi"]),
-                      display=fmt_ratio(g["ratio"], g["lo"], g["hi"]), run_ids=_run_ids(cells),
+                      display=fmt_ratio(g["ratio"], g["lo"], g["hi"]), run_ids=analysis.run_ids(cells),
                       paper_inside=_inside(paper, g["lo"], g["hi"]))
         notes = [f"{backend} {_ref_note(per)}", f"{int(g['n_rows'])} seed(s)"]
         if protocol == "published" and paper_wall is not None:
-            gw, _ = seed_ratio(_cells(results, experiment, proto, "wall_us", trace, group_size=group_size), backend)
+            gw, _ = seed_ratio(results.cells(experiment, proto, "wall_us", trace, group_size=group_size), backend)
             if gw is not None:
                 out.extra["wall"] = {"value": float(gw["ratio"]), "lo": float(gw["lo"]), "hi": float(gw["hi"])}
                 out.display += f" events; {fmt_ratio(gw['ratio'], gw['lo'], gw['hi'])} wall"
@@ -246,8 +207,8 @@ def routed_check(trace: str, experiment: str = "published", group_size: int | No
     the best FlashInfer (no route's interval lies above 1). Our figure: the best route's ratio."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
-        cells = _cells(results, experiment, proto, metric, trace, group_size=group_size)
+        proto, metric = CLAIM_PROTOCOLS[protocol]
+        cells = results.cells(experiment, proto, metric, trace, group_size=group_size)
         best = None
         for route in PKV_BACKENDS:
             g, per = seed_ratio(cells, route)
@@ -258,7 +219,7 @@ def routed_check(trace: str, experiment: str = "published", group_size: int | No
         route, g, per = best
         out = Outcome(protocol, bool(not g["lo"] > 1), float(g["ratio"]), float(g["lo"]), float(g["hi"]),
                       display=f"best route {route}: {fmt_ratio(g['ratio'], g['lo'], g['hi'])}",
-                      run_ids=_run_ids(cells), paper_inside=_inside(1.0, g["lo"], g["hi"]))
+                      run_ids=analysis.run_ids(cells), paper_inside=_inside(1.0, g["lo"], g["hi"]))
         notes = [_ref_note(per)]
         ga, _ = seed_ratio(cells, "adaptive")
         if ga is not None:
@@ -282,13 +243,13 @@ def loses_check(trace: str, backend: str, paper: float, experiment: str):
     """Claim: ``backend`` loses to the best FlashInfer on ``trace`` (interval below 1)."""
 
     def evaluate(results: Results, protocol: str) -> Outcome:
-        proto, metric = PROTOCOLS[protocol]
-        cells = _cells(results, experiment, proto, metric, trace)
+        proto, metric = CLAIM_PROTOCOLS[protocol]
+        cells = results.cells(experiment, proto, metric, trace)
         g, per = seed_ratio(cells, backend)
         if g is None:
             return not_measured(protocol, f"{experiment}/{trace} {backend} + FlashInfer '{proto}'")
         return Outcome(protocol, bool(g["hi"] < 1), float(g["ratio"]), float(g["lo"]), float(g["hi"]),
-                       display=fmt_ratio(g["ratio"], g["lo"], g["hi"]), run_ids=_run_ids(cells),
+                       display=fmt_ratio(g["ratio"], g["lo"], g["hi"]), run_ids=analysis.run_ids(cells),
                        paper_inside=_inside(paper, g["lo"], g["hi"]),
                        note=f"{backend} {_ref_note(per)}; {int(g['n_rows'])} seed(s)")
 
@@ -328,13 +289,13 @@ def _gqa_trace(results: Results) -> str:
 def isolated_check(results: Results, protocol: str) -> Outcome:
     """B=1 isolated kernels at 8K/32K/64K: our fastest PersistentKV route slower than FlashInfer
     at every length (each interval below 1). Figure: geometric mean over the three lengths."""
-    proto, metric = KERNEL_PROTOCOLS[protocol]
-    cells = [c for c in _cells(results, ["bench_kernels", "long_context"], proto, metric, holdout=False)
+    proto, metric = KERNEL_CLAIM_PROTOCOLS[protocol]
+    cells = [c for c in results.cells(["bench_kernels", "long_context"], proto, metric, holdout=False)
              if c.info.get("batch_size") == 1 and c.info.get("max_len") in ISOLATED_LENGTHS]
     # bench_kernels is the isolated grid; long_context also has B=1 rows: prefer bench_kernels.
     if any(c.key["experiment"] == "bench_kernels" for c in cells):
         cells = [c for c in cells if c.key["experiment"] == "bench_kernels"]
-    by_len, notes, run_ids = {}, [], _run_ids(cells)
+    by_len, notes, run_ids = {}, [], analysis.run_ids(cells)
     for cell in sorted(cells, key=lambda c: int(c.info["max_len"])):
         length = int(cell.info["max_len"])
         routes = [r for r in PKV_BACKENDS if r in cell.point]
@@ -444,7 +405,7 @@ def thesis_check(results: Results, protocol: str) -> Outcome:
     significantly slower than the fastest in at least one measured cell (its interval below 1)."""
     protos = ("published",) if protocol == "published" else ("kernel", "step")
     trace_exps = ("published", "fragmented", "gqa_sweep", "calibration", "split_sensitivity")
-    cells = [c for c in analysis.where(all_cells(results), protocol=protos)
+    cells = [c for c in analysis.where(results.all_cells(), protocol=protos)
              if c.key["experiment"] not in trace_exps or not results.holdout_seeds
              or c.key.get("seed") in results.holdout_seeds]
     table = analysis.winners(cells)
@@ -465,7 +426,7 @@ def thesis_check(results: Results, protocol: str) -> Outcome:
                f"{', '.join(never_loses)} never significantly slower ({n_cells} cells)")
     return Outcome(protocol, check, float(len(fastest)), unit="backends", display=display,
                    note=f"fastest per cell: {winners_text}; protocols {'/'.join(protos)}",
-                   run_ids=_run_ids(cells), extra={"cells": int(n_cells), "fastest": fastest.to_dict()})
+                   run_ids=analysis.run_ids(cells), extra={"cells": int(n_cells), "fastest": fastest.to_dict()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,7 +584,7 @@ def adaptive_verdicts(results: Results) -> dict:
     are left out and counted."""
     out = {"floor": ADAPTIVE_FLOOR, "geomean_target": ADAPTIVE_GEOMEAN, "reference": REFERENCE, "protocols": {}}
     for protocol in ("step", "kernel"):
-        cells = _cells(results, "published", protocol) + _cells(results, "long_context", protocol, holdout=False)
+        cells = results.cells("published", protocol) + results.cells("long_context", protocol, holdout=False)
         with_adaptive = [c for c in cells if "adaptive" in c.point and np.isfinite(c.time("adaptive")[0])]
         per_cell = []
         for cell in with_adaptive:
@@ -636,7 +597,7 @@ def adaptive_verdicts(results: Results) -> dict:
                                  "ratio": float(r.ratio), "lo": float(r.lo), "hi": float(r.hi),
                                  "n_steps": int(r.n_steps)})
         entry = {"cells": len(per_cell), "cells_without_adaptive": len(cells) - len(with_adaptive),
-                 "per_cell": per_cell, "run_ids": _run_ids(with_adaptive)}
+                 "per_cell": per_cell, "run_ids": analysis.run_ids(with_adaptive)}
         if per_cell:
             worst = min(per_cell, key=lambda r: r["ratio"])
             below = [r["cell"] for r in per_cell if r["ratio"] < ADAPTIVE_FLOOR]
@@ -681,195 +642,6 @@ def _adaptive_sentence(protocol: str, entry: dict) -> str:
             f"{'holds' if entry['holds_geomean'] else 'does not hold'} ({clears}).")
 
 
-# -- the engine against its own targets (the GPU engine issue), on bench_kernels' kernel rows -----
-#: The backend the engine's targets are about: our work queue, as pkv-workqueue runs it.
-ENGINE_BACKEND = "pkv-workqueue"
-#: (B, tokens per row) -> the speedup over the fastest baseline the mid range must reach.
-ENGINE_MID_RANGE = {(1, 4096): 1.4, (1, 8192): 1.25, (1, 16384): 1.25, (1, 32768): 1.25, (2, 16384): 1.25,
-                    (4, 8192): 1.25}
-#: Every step that reads at least ENGINE_CEILING_BYTES must reach this fraction of the read ceiling
-#: measured in the same run...
-ENGINE_CEILING = 0.92
-ENGINE_CEILING_BYTES = 256 * 2**20
-#: ...and no bench_kernels case may fall below this fraction of the fastest baseline's speed.
-ENGINE_FLOOR = 0.97
-#: Eager use: the host time of one run() call with a reused plan, in a loop of calls made back to
-#: back as a serving loop makes them (bench_kernels' eager rows, host_loop_us), stays under this.
-ENGINE_HOST_US = 15.0
-
-
-def engine_verdicts(results: Results) -> dict:
-    """ENGINE_BACKEND on bench_kernels' kernel rows (CUDA-graph replay, cold L2) against the engine
-    issue's targets, with 95 % bootstrap intervals: the mid-range speedups over the fastest
-    baseline (ENGINE_MID_RANGE), the fraction of the same run's read ceiling on steps of at least
-    ENGINE_CEILING_BYTES (ENGINE_CEILING), and the floor against the fastest baseline on every
-    case (ENGINE_FLOOR). A target holds when every point estimate reaches it; each row says
-    whether its interval clears it too. Absent rows are "not measured", never guessed. Steps of
-    any size that read faster than the run's ceiling are listed (``above_ceiling``): the ceiling is
-    then below what the GPU streamed in that run, and every fraction of it is optimistic."""
-    out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "mid_range": [], "ceiling": [], "floor": {},
-           "ceiling_target": ENGINE_CEILING, "ceiling_bytes": ENGINE_CEILING_BYTES, "floor_target": ENGINE_FLOOR,
-           "ceiling_gbps": None, "above_ceiling": []}
-    cells = [c for c in _cells(results, "bench_kernels", "kernel", holdout=False) if ENGINE_BACKEND in c.point]
-    per = analysis.ratios(cells, "baseline-best", backends=[ENGINE_BACKEND])
-    by_trace = {str(r.trace): r for r in per.itertuples()}
-    out["run_ids"] = _run_ids(cells)
-    for (B, N), target in ENGINE_MID_RANGE.items():
-        label = synthetic_name([N] * B)  # the bench grid's name of B rows of N tokens
-        row = {"case": f"B={B} x {N // 1024}K", "target": target}
-        if label not in by_trace:
-            out["mid_range"].append({**row, "measured": False})
-            continue
-        r = by_trace[label]
-        out["mid_range"].append({**row, "measured": True, "trace": label, "ratio": float(r.ratio), "lo": float(r.lo),
-                                 "hi": float(r.hi), "baseline": str(r.ref_backend), "holds": bool(r.ratio >= target),
-                                 "interval_clears": bool(r.lo >= target)})
-    bench = results.bench
-    if not bench.empty and "backend" in bench:
-        mine = bench[(bench["backend"] == ENGINE_BACKEND) & (bench["protocol"] == "kernel")]
-        fr = analysis.ceiling_fraction(mine) if not mine.empty else pd.DataFrame()
-        for r in fr.itertuples() if not fr.empty else ():
-            if float(r.frac) > 1.0:
-                out["above_ceiling"].append({"case": str(r.trace), "frac": float(r.frac)})
-            if int(r.kv_bytes) < ENGINE_CEILING_BYTES:
-                continue
-            out["ceiling"].append({"case": str(r.trace), "kv_bytes": int(r.kv_bytes), "frac": float(r.frac),
-                                   "lo": float(r.lo), "hi": float(r.hi), "holds": bool(r.frac >= ENGINE_CEILING),
-                                   "interval_clears": bool(r.lo >= ENGINE_CEILING)})
-        gbps = pd.to_numeric(mine.get("read_ceiling_gbps"), errors="coerce") if not mine.empty else None
-        if gbps is not None and gbps.notna().any():
-            out["ceiling_gbps"] = float(gbps.median())
-        out["ceiling"].sort(key=lambda e: e["kv_bytes"])
-    if by_trace:
-        worst = min(by_trace.values(), key=lambda r: r.ratio)
-        below = sorted(t for t, r in by_trace.items() if r.ratio < ENGINE_FLOOR)
-        out["floor"] = {"cases": len(by_trace), "below": below,
-                        "significantly_below": sorted(t for t, r in by_trace.items() if r.hi < ENGINE_FLOOR),
-                        "min": {"case": str(worst.trace), "ratio": float(worst.ratio), "lo": float(worst.lo),
-                                "hi": float(worst.hi), "baseline": str(worst.ref_backend)},
-                        "holds": not below}
-    out["host"] = engine_host(bench)
-    out["sentences"] = _engine_sentences(out)
-    return out
-
-
-def eager_case_medians(bench: pd.DataFrame, column: str) -> pd.Series:
-    """Per (backend, trace), the median over rounds of ``column`` on bench_kernels' eager rows
-    with status ok (NaN rows dropped); an empty Series where the rows or the column are absent."""
-    if bench.empty or not {"protocol", "backend", "trace", column} <= set(bench.columns):
-        return pd.Series(dtype=float, index=pd.MultiIndex.from_arrays([[], []], names=["backend", "trace"]))
-    eager = bench[(bench["protocol"] == "eager") & (bench.get("status", "ok") == "ok")]
-    values = pd.to_numeric(eager[column], errors="coerce")
-    return values.groupby([eager["backend"], eager["trace"]]).median().dropna()
-
-
-def engine_host(bench: pd.DataFrame) -> dict:
-    """ENGINE_BACKEND's host cost per run() call on bench_kernels' eager rows: per case, the median
-    over rounds of host_loop_us (the back-to-back loop; the target ENGINE_HOST_US is about it) and of
-    host_us (one call right after a synchronisation, for context); then the median and the worst
-    case over the cases, and the baselines' loop medians measured beside it; ``longest_us`` (where
-    the run has host_loop_max_us) the median and the largest over cases of the loop's longest
-    call. ``measured`` is False when the run has no loop column (runs made before it existed) or
-    no eager rows of ours."""
-    out = {"target_us": ENGINE_HOST_US, "measured": False}
-
-    def ours(column: str) -> pd.Series:
-        per_case = eager_case_medians(bench, column)
-        mine = ENGINE_BACKEND in per_case.index.get_level_values(0)
-        return per_case.loc[ENGINE_BACKEND] if mine else pd.Series(dtype=float)
-
-    single = ours("host_us")
-    if not single.empty:
-        out["single_us"] = {"median": float(single.median()), "min": float(single.min()), "max": float(single.max())}
-    per_case = eager_case_medians(bench, "host_loop_us")
-    if ENGINE_BACKEND not in per_case.index.get_level_values(0):
-        return out
-    loop = per_case.loc[ENGINE_BACKEND]
-    out.update(measured=True, cases=int(loop.size), median_us=float(loop.median()),
-               worst={"case": str(loop.idxmax()), "us": float(loop.max())},
-               above=sorted(str(t) for t, v in loop.items() if v >= ENGINE_HOST_US),
-               holds=bool(loop.max() < ENGINE_HOST_US),
-               baselines={b: float(per_case.loc[b].median()) for b in BASELINES
-                          if b in per_case.index.get_level_values(0)})
-    longest = ours("host_loop_max_us")  # the loop's longest call: one stall, or every call slower
-    if not longest.empty:
-        out["longest_us"] = {"median": float(longest.median()), "max": float(longest.max())}
-    if "host_cpu" in bench.columns:  # where the timing thread ran (measure.host_cpu; runs since the column)
-        p = pinning(bench[(bench["protocol"] == "eager") & (bench["backend"] == ENGINE_BACKEND)
-                          & (bench.get("status", "ok") == "ok")])
-        out["pinning"] = {"rounds": p["recorded"] + p["unrecorded"], "pinned": p["pinned"], "cpus": p["cpus"],
-                          "probe_us": p["probe_us"]}
-    return out
-
-
-def _engine_sentences(entry: dict) -> list[str]:
-    who = entry["backend"]
-    mid = [m for m in entry["mid_range"] if m["measured"]]
-    host = entry.get("host", {})
-    if not mid and not entry["ceiling"] and not entry["floor"] and "single_us" not in host:
-        return [f"Not measured: no bench_kernels kernel rows of {who}."]
-    said = []
-    if mid:
-        held = [m for m in mid if m["holds"]]
-        short = ", ".join(f"{m['case']} {fmt_ratio(m['ratio'], m['lo'], m['hi'])} against {m['target']:g}x"
-                          for m in mid if not m["holds"])
-        said.append(f"Mid range: {who} reaches its speedup target over the fastest baseline in {len(held)} of "
-                    f"{len(mid)} cases" + (f"; short: {short}." if short else "."))
-    if entry["ceiling"]:
-        low = [c for c in entry["ceiling"] if not c["holds"]]
-        where = "; below: " + ", ".join(f"{c['case']} {100 * c['frac']:.1f} %" for c in low) if low else ""
-        gbps = f" ({entry['ceiling_gbps']:.0f} GB/s)" if entry["ceiling_gbps"] is not None else ""
-        said.append(f"Long range: {len(entry['ceiling']) - len(low)} of {len(entry['ceiling'])} steps of at least "
-                    f"{entry['ceiling_bytes'] / 2**20:.0f} MiB reach {100 * entry['ceiling_target']:.0f} % of the "
-                    f"run's read ceiling{gbps}{where}.")
-        above = entry.get("above_ceiling", [])
-        if above:
-            top = max(above, key=lambda c: c["frac"])
-            said.append(f"Caution: {who} read faster than that ceiling in {len(above)} step(s) (up to "
-                        f"{100 * top['frac']:.1f} %, {top['case']}): this run's ceiling is below what the GPU "
-                        f"streamed, so its fractions overstate how close the kernels come to the hardware.")
-    if entry["floor"]:
-        f = entry["floor"]
-        low = f["min"]
-        said.append(f"Floor: {f['cases'] - len(f['below'])} of {f['cases']} cases at or above "
-                    f"{entry['floor_target']:g}x of the fastest baseline (lowest {low['case']}, "
-                    f"{fmt_ratio(low['ratio'], low['lo'], low['hi'])} against {low['baseline']}): "
-                    f"{'holds' if f['holds'] else 'does not hold'}.")
-    if host:
-        single = host.get("single_us")
-        once = (f"; one call right after a synchronisation takes {single['median']:.1f} us "
-                f"(case medians {single['min']:.1f}-{single['max']:.1f} us)") if single else ""
-        if host["measured"]:
-            others = ", ".join(f"{b} {us:.1f} us" for b, us in sorted(host["baselines"].items(), key=lambda kv: kv[1]))
-            said.append(f"Eager use: one run() call with a reused plan costs {host['median_us']:.1f} us of host time "
-                        f"in a loop of back-to-back calls (median over {host['cases']} cases; worst "
-                        f"{host['worst']['case']} {host['worst']['us']:.1f} us) against a target of under "
-                        f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}{once}."
-                        + (f" The loop's longest call takes {host['longest_us']['median']:.1f} us (median over "
-                           f"cases; up to {host['longest_us']['max']:.1f} us)." if "longest_us" in host else "")
-                        + (f" The baselines in the same loop: {others}." if others else "")
-                        + _pinning_sentence(host.get("pinning")))
-        elif single:
-            said.append(f"Eager use: not measured as the target asks (host time per call in a loop of back-to-back "
-                        f"run() calls, host_loop_us, which this run predates){once}.")
-    return said
-
-
-def _pinning_sentence(pinning: dict | None) -> str:
-    """Where the eager rows' timing thread ran ('' for runs that do not say)."""
-    if not pinning or not pinning["rounds"]:
-        return ""
-    if not pinning["pinned"]:
-        return " The timing thread was not pinned to a CPU (measure.host_cpu: none)."
-    probe = pinning["probe_us"]
-    where = f"; the probe took {probe[0]:.0f}-{probe[1]:.0f} us there" if probe else ""
-    share = "Every round" if pinning["pinned"] == pinning["rounds"] else \
-        f"{pinning['pinned']} of {pinning['rounds']} rounds"
-    return (f" {share} ran with the timing thread pinned to one CPU (measure.host_cpu: by default the one a "
-            f"probe finds quickest at the round's start; {pinning['cpus']} distinct CPUs over the run{where}), "
-            f"as every backend's did.")
-
-
 def published_rows(results: Results) -> list[dict]:
     """The paper's headline rows beside ours (both protocols, vs best FlashInfer and vs best baseline)."""
     out = []
@@ -877,11 +649,11 @@ def published_rows(results: Results) -> list[dict]:
         entry = {"trace": r.trace, "label": r.label, "route": r.route, "backend": r.backend,
                  "paper_event": r.event, "paper_event_sd": r.event_sd, "paper_wall": r.wall,
                  "paper_wall_sd": r.wall_sd, "paper_wall_v1": r.wall_v1}
-        for name, (proto, metric), reference in (("pub_event", PROTOCOLS["published"], REFERENCE),
+        for name, (proto, metric), reference in (("pub_event", CLAIM_PROTOCOLS["published"], REFERENCE),
                                                  ("pub_wall", ("published", "wall_us"), REFERENCE),
-                                                 ("fair", PROTOCOLS["fair"], REFERENCE),
-                                                 ("fair_baseline", PROTOCOLS["fair"], "baseline-best")):
-            g, _ = seed_ratio(_cells(results, "published", proto, metric, r.trace), r.backend, reference)
+                                                 ("fair", CLAIM_PROTOCOLS["fair"], REFERENCE),
+                                                 ("fair_baseline", CLAIM_PROTOCOLS["fair"], "baseline-best")):
+            g, _ = seed_ratio(results.cells("published", proto, metric, r.trace), r.backend, reference)
             entry[name] = None if g is None else {"value": float(g["ratio"]), "lo": float(g["lo"]),
                                                   "hi": float(g["hi"]), "seeds": int(g["n_rows"])}
         out.append(entry)

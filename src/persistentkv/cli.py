@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from . import __version__
 from .errors import PKVError
 
 #: command -> (module under persistentkv.commands, one-line help)
@@ -54,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if argv[0] == "--version":
-        from . import __version__
-
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]
@@ -77,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `persistentkv info --json | head`: the reader left early
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

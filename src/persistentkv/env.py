@@ -6,6 +6,8 @@ into reasons (never an exception from deep inside an import).
 
 from __future__ import annotations
 
+import importlib
+
 from .errors import require
 from .spec import AttentionSpec
 
@@ -15,8 +17,6 @@ TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float3
 
 def missing_module(module: str) -> list[str]:
     """[] if ``module`` imports, else one reason naming the import error."""
-    import importlib
-
     try:
         importlib.import_module(module)
     except Exception as exc:  # ImportError, or a broken install raising anything else

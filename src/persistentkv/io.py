@@ -1,7 +1,11 @@
 """Atomic file output: write to a temporary name beside the target, then rename.
 
 An interrupted run therefore never leaves a half-written file under the final name, which
-Snakemake (or a later run) could take as done.
+Snakemake (or a later run) could take as done, and the file it replaces stays whole until the
+rename. The temporary name is ``.<name>.<random>.tmp``: hidden, and ending in no data suffix, so
+what a killed writer leaves behind (SIGKILL runs no cleanup) is never taken for a result by a
+loader or a glob for ``*.parquet`` (persistentkv.results skips names that start with a dot).
+Every file the library writes goes through :func:`atomic_path`.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from typing import Iterator
 
 
 @contextmanager
-def atomic_path(path: str | Path, suffix: str | None = None) -> Iterator[Path]:
-    """Yield a temporary path in the target's folder; rename it onto ``path`` on success."""
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path in the target's folder (``.<name>.<random>.tmp``); rename it onto
+    ``path`` on success, remove it on an exception. A writer that needs a format names it
+    explicitly: the temporary name carries none."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or path.suffix or ".tmp",
-                               dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -59,7 +64,7 @@ def atomic_write_parquet(path: str | Path, frame) -> None:
 
 
 def _jsonable(value):
-    import numpy as np
+    import numpy as np  # only for NumPy values: io stays import-light for the workflow's rules
 
     if isinstance(value, np.integer):
         return int(value)

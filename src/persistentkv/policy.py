@@ -1,45 +1,40 @@
-"""The adaptive policy: which backend runs a decode step, and its calibration from timings.
+"""The adaptive policy at run time: which backend runs a decode step, from the frozen policy.json.
 
 Three policies, each a pure function of the step (a :class:`~persistentkv.cache.Batch`):
 
 ``paper``
-    The published rules as the artifact had them (PAPER.md, "Policy"): G != 4 -> FlashInfer;
+    The published rules as the artifact had them (docs/PAPER.md, "Policy"): G != 4 -> FlashInfer;
     N_max < 16384 -> FlashInfer; B == 1 -> length buckets with S = 32; B >= 8 -> work queue;
     B = 2..7 -> FlashInfer. "FlashInfer" is the tensor-core decode, ``flashinfer-tc``.
 ``thresholds``
     The same rule shape re-fitted on calibration timings: per group size and batch-size class
     (1, 2-7, >= 8) one PKV route and the N_max at or above which it replaces the class's best
-    baseline, chosen to maximise the summed speedup over the calibration cells (ties go to the
-    baseline).
+    baseline.
 ``cost_model``
-    Per candidate backend a non-negative linear model of the time of one layer, fitted on the
-    calibration timings; the step goes to the candidate with the least predicted time among
-    those available here. Its features come from the Batch alone (see :func:`cost_features`).
+    Per candidate backend a non-negative linear model of the time of one layer; the step goes to
+    the candidate with the least predicted time among those available here. Its features come
+    from the Batch alone (see :func:`cost_features`).
 
-:func:`calibrate` fits the last two from a raw timing table (docs/DATA.md) into the dict that is
-written, frozen, as ``results/<hw>/policy.json``; :func:`load_policy` reads it back.
+persistentkv.calibration fits the last two offline, from a raw timing table (docs/DATA.md), into
+the dict written, frozen, as ``results/<hw>/policy.json``; :func:`load_policy` reads it back.
 Decisions never name a backend outside ``available`` (the backends that can run here).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
-from .cache import Batch, make_batch
+from .cache import Batch
 from .errors import PKVError, require
 from .names import PKV_BACKENDS
-from .plan import (PARTIAL_FLOATS_EXTRA, TILE_TOKENS, balanced_chunk_tiles, balanced_row_splits, length_buckets,
-                   num_tiles)
+from .plan import PARTIAL_FLOATS_EXTRA, TILE_TOKENS, balanced_chunk_tiles, split_tile_bounds
 from .spec import AttentionSpec
 
 POLICY_FORMAT = "persistentkv-policy/1"
@@ -58,12 +53,6 @@ DEFAULT_TARGET_ITEMS = 264
 #: intercept [us], kv_bytes [us/B], launches [us/launch], merge_state_bytes [us/B],
 #: critical_bytes [us/B], batch_size [us/row].
 COST_FEATURES = ("intercept", "kv_bytes", "launches", "merge_state_bytes", "critical_bytes", "batch_size")
-#: Synthetic calibration cases are named like "B4xN8192" (B rows of N tokens), seed 0, step 0.
-SYNTHETIC_TRACE = re.compile(r"^B(\d+)xN(\d+)$")
-PROTOCOL_PREFERENCE = ("step", "kernel", "eager")
-TIMING_COLUMNS = ("experiment", "trace", "seed", "step", "batch_size", "max_len", "total_tokens",
-                  "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "backend",
-                  "num_splits", "protocol", "per_layer_us", "status")
 
 
 def is_pkv(backend: str) -> bool:
@@ -166,29 +155,8 @@ def batch_class(batch_size: int) -> tuple[int, int | None]:
     raise PKVError(f"batch size {batch_size} is in no batch-size class")
 
 
-def _class_label(low: int, high: int | None) -> str:
+def class_label(low: int, high: int | None) -> str:
     return f"B={low}" if high == low else (f"B>={low}" if high is None else f"B={low}..{high}")
-
-
-def fit_threshold(max_lens: Sequence[int], speedups: Sequence[float]) -> tuple[int | None, float]:
-    """The N_max threshold that maximises the summed speedup of "route when N_max >= threshold".
-
-    ``speedups[i]`` = baseline time / route time on cell i. Returns (threshold, summed speedup over
-    all cells, 1.0 for each cell left on the baseline). Candidates are the observed N_max values;
-    ties go to the larger threshold (fewer steps leave the baseline), and None (never route) wins
-    unless routing strictly gains. Worked number: cells at 16384/20480/24576 with speedups
-    0.9/1.1/1.3 give gains -0.1+0.1+0.3 = 0.3 from 16384, 0.4 from 20480, 0.3 from 24576, so the
-    threshold is 20480 and the summed speedup 3.4.
-    """
-    n = np.asarray(max_lens, dtype=np.int64)
-    s = np.asarray(speedups, dtype=np.float64)
-    require(n.shape == s.shape, "max_lens and speedups differ in length")
-    best, best_gain = None, 0.0
-    for value in sorted(set(n.tolist()), reverse=True):
-        gain = float((s[n >= value] - 1.0).sum())
-        if gain > best_gain + 1e-12 * max(1.0, abs(best_gain)):
-            best, best_gain = int(value), gain
-    return best, float(n.size) + best_gain
 
 
 def threshold_decision(features: StepFeatures, rules: Sequence[ThresholdRule], default_baseline: str) -> Decision:
@@ -197,7 +165,7 @@ def threshold_decision(features: StepFeatures, rules: Sequence[ThresholdRule], d
     for rule in rules:
         if not rule.covers(f):
             continue
-        label = _class_label(rule.min_batch, rule.max_batch)
+        label = class_label(rule.min_batch, rule.max_batch)
         if rule.route is not None and rule.min_max_len is not None and f.max_len >= rule.min_max_len:
             return Decision(rule.route, dict(rule.options),
                             f"thresholds: G={f.group_size}, {label}, N_max={f.max_len} >= "
@@ -263,42 +231,49 @@ def _features(backend: str, shape: _StepShape, options: Mapping | None = None) -
             float(critical_tokens * head_bytes), float(len(shape.lens)))
 
 
-def _split_tokens(span: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens of every (row, split) under the row-local bound, and each split's row."""
-    owner = np.repeat(np.arange(span.size), splits)
-    s = np.arange(owner.size) - np.repeat(np.cumsum(splits) - splits, splits)
-    n, S = span[owner], splits[owner]
-    T = -(-n // TILE_TOKENS)
-    lo = np.minimum(T * s // S * TILE_TOKENS, n)
-    hi = np.minimum(T * (s + 1) // S * TILE_TOKENS, n)
-    return hi - lo, owner
-
-
-#: route_shape works in plain Python up to this many rows: on the few rows of a decode step,
-#: NumPy's per-call overhead, not arithmetic, is the cost (the adaptive backend evaluates this for
-#: every candidate inside each step's timed plan).
-PY_SHAPE_MAX_ROWS = 256
-
-
-def _max_split_tokens(n: int, tiles: int, splits: int) -> int:
-    """Largest (hi - lo) over the splits of one row of ``n`` tokens (``_split_tokens``' bounds),
-    in closed form. Split s holds tiles [floor(s T / S), floor((s + 1) T / S)): q = T // S or q + 1
-    of them, the r = T % S larger ones being the last split (when r > 0) and r - 1 others. Only the
-    last split is cut short by n (the others end at or before tile T - 1)."""
-    if splits <= 0 or tiles <= 0:
-        return 0
-    q, r = divmod(tiles, splits)
-    last_tiles = q + (r > 0)
-    last = n - TILE_TOKENS * (tiles - last_tiles)
+def _longest_split(n: int, tiles: int, splits: int) -> int:
+    """The most tokens one of ``splits`` splits of a row of ``n`` tokens (``tiles`` tiles) holds
+    under the planner's row-local bound (plan.split_tile_bounds), in closed form: a split holds
+    q = T // S or q + 1 tiles; the last ends at n, and another holds q + 1 when r = T % S >= 2.
+    Worked number: n = 1000 (32 tiles), S = 5 gives 6, 6, 7, 6, 7 tiles; the last covers tokens
+    800-1000 (200) and the third 7 whole tiles (224), so 224."""
     if splits == 1:
-        return last
-    return max(last, TILE_TOKENS * (q + (r >= 2)))
+        return n
+    last_lo, _ = split_tile_bounds(tiles, splits, splits - 1)
+    q, r = divmod(tiles, splits)
+    return max(n - last_lo * TILE_TOKENS, TILE_TOKENS * (q + (r >= 2)))
 
 
-def _route_shape_py(route: str, lens: list, num_kv_heads: int, options: dict, fused: bool):
-    """route_shape in plain Python (the same numbers)."""
-    tiles = [-(-x // TILE_TOKENS) for x in lens]
+def route_shape(route: str, seq_lens, num_kv_heads: int, options: Mapping) -> tuple[int, int, int, int]:
+    """What ``plan.make_plan(batch, route, **options)`` would count, from the row lengths alone.
+
+    Parameters
+    ----------
+    route : str
+        ``workqueue`` (options: ``target_items`` [+ ``min_chunk_tiles``] or ``num_splits``),
+        ``split`` or ``buckets`` / ``padded_buckets`` (``num_splits`` [+ ``bucket_tokens``]);
+        ``fused_merge`` as the planner takes it.
+    seq_lens : list of int, or array-like of int, shape [B]
+        The rows' real lengths.
+    num_kv_heads : int
+    options : mapping
+
+    Returns
+    -------
+    tuple of int
+        (tokens read, launches, partial states per query group, the longest item's tokens summed
+        over launches that run one after another).
+
+    Plain Python over the planner's own functions (balanced_chunk_tiles, the row-local bound):
+    on the few rows of a decode step NumPy's per-call overhead, not arithmetic, is the cost, and
+    the adaptive backend evaluates this for every candidate inside each step's timed plan.
+    """
+    fused = bool(options.get("fused_merge", route == "workqueue"))
+    lens = seq_lens if isinstance(seq_lens, list) else [int(x) for x in np.asarray(seq_lens).reshape(-1).tolist()]
     if route == "workqueue":
+        require(("target_items" in options) != ("num_splits" in options),
+                "pkv-workqueue options need exactly one of target_items and num_splits")
+        tiles = [-(-x // TILE_TOKENS) for x in lens]
         if "num_splits" in options:
             splits = [min(int(options["num_splits"]), t) for t in tiles]
         else:
@@ -307,86 +282,25 @@ def _route_shape_py(route: str, lens: list, num_kv_heads: int, options: dict, fu
             splits = [-(-t // chunk) for t in tiles]
         multi = [S for S in splits if S > 1]
         launches = 1 if fused else 1 + int(bool(multi))
-        critical = max(_max_split_tokens(x, t, S) for x, t, S in zip(lens, tiles, splits))
+        critical = max(_longest_split(x, t, S) for x, t, S in zip(lens, tiles, splits))
         return sum(lens), launches, num_kv_heads * sum(multi), critical
+    require("num_splits" in options, f"the {route} route needs num_splits")
+    require(route in ("split", "buckets", "padded_buckets"), f"unknown route {route!r}")
     S = int(options["num_splits"])
+    require(S >= 1, f"num_splits must be >= 1, got {S}")
     per_launch = 1 if (fused or S == 1) else 2
     partials = num_kv_heads * len(lens) * S if S > 1 else 0
     if route == "split":
-        return sum(lens), per_launch, partials, max(_max_split_tokens(x, -(-x // TILE_TOKENS), S) for x in set(lens))
+        return sum(lens), per_launch, partials, max(_longest_split(x, -(-x // TILE_TOKENS), S) for x in set(lens))
     bucket = options.get("bucket_tokens")
     if bucket is not None:
         require(bucket >= 1, f"bucket_tokens must be >= 1, got {bucket}")
-    counts: dict[int, int] = {}
+    counts: dict[int, int] = {}  # plan.length_buckets' spans, counted without its row arrays
     for x in lens:
         key = x if bucket is None else -(-x // bucket) * bucket
         counts[key] = counts.get(key, 0) + 1
-    critical = sum(_max_split_tokens(span, -(-span // TILE_TOKENS), S) for span in counts)
+    critical = sum(_longest_split(span, -(-span // TILE_TOKENS), S) for span in counts)
     return sum(span * rows for span, rows in counts.items()), per_launch * len(counts), partials, critical
-
-
-def route_shape(route: str, seq_lens: np.ndarray, num_kv_heads: int, options: dict,
-                use_numpy: bool = False) -> tuple[int, int, int, int]:
-    """(tokens read, launches, partial states per query group, summed per-launch max item tokens)
-    of ``make_plan(batch, route, **options)``, from the row lengths alone. Small steps are
-    computed in plain Python (``use_numpy`` forces the array path; tests hold both equal)."""
-    fused = bool(options.get("fused_merge", route == "workqueue"))
-    if route == "workqueue":
-        require(("target_items" in options) != ("num_splits" in options),
-                "pkv-workqueue options need exactly one of target_items and num_splits")
-    else:
-        require("num_splits" in options, f"the {route} route needs num_splits")
-        require(route in ("split", "buckets", "padded_buckets"), f"unknown route {route!r}")
-    if not use_numpy:
-        lens = seq_lens if isinstance(seq_lens, list) else [int(x) for x in np.asarray(seq_lens).reshape(-1).tolist()]
-        if len(lens) <= PY_SHAPE_MAX_ROWS:
-            return _route_shape_py(route, lens, num_kv_heads, options, fused)
-    n = np.asarray(seq_lens, dtype=np.int64)
-    if route == "workqueue":
-        if "num_splits" in options:
-            splits = np.minimum(int(options["num_splits"]), num_tiles(n))
-        else:
-            splits = balanced_row_splits(n, num_kv_heads, int(options["target_items"]),
-                                         int(options.get("min_chunk_tiles", 1))).astype(np.int64)
-        tokens, _ = _split_tokens(n, splits)
-        multi = splits > 1
-        launches = 1 if fused else 1 + int(multi.any())
-        return int(n.sum()), launches, num_kv_heads * int(splits[multi].sum()), int(tokens.max())
-    S = int(options["num_splits"])
-    per_launch = 1 if (fused or S == 1) else 2
-    partials = num_kv_heads * n.size * S if S > 1 else 0
-    if route == "split":
-        tokens, _ = _split_tokens(n, np.full(n.size, S, np.int64))
-        return int(n.sum()), per_launch, partials, int(tokens.max())
-    buckets = length_buckets(n, options.get("bucket_tokens"))
-    spans = np.array([key for key, _ in buckets], dtype=np.int64)
-    rows_per_bucket = np.array([rows.size for _, rows in buckets], dtype=np.int64)
-    tokens, _ = _split_tokens(spans, np.full(spans.size, S, np.int64))
-    per_bucket = tokens.reshape(spans.size, S).max(axis=1)   # one launch (pair) per bucket, in turn
-    return int((spans * rows_per_bucket).sum()), per_launch * spans.size, partials, int(per_bucket.sum())
-
-
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0, exactly, for a few columns.
-
-    The optimum is the unconstrained least-squares solution on its own support, so trying every
-    support (2**k - 1 small solves; k <= 6 here) and keeping the best non-negative one is exact.
-    Among equal residuals the smaller support wins (fewer terms to explain the same data).
-    """
-    k = a.shape[1]
-    best_x, best_r = np.zeros(k), float(np.linalg.norm(b))
-    for size in range(1, k + 1):
-        for support in itertools.combinations(range(k), size):
-            cols = list(support)
-            x_s = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-            if (x_s < 0).any():
-                continue
-            r = float(np.linalg.norm(a[:, cols] @ x_s - b))
-            if r < best_r * (1 - 1e-9) - 1e-15:
-                best_x = np.zeros(k)
-                best_x[cols] = x_s
-                best_r = r
-    return best_x
 
 
 @dataclass(frozen=True)
@@ -418,50 +332,6 @@ class CostModel:
         derived = {"read_gbps": (1e-3 / c["kv_bytes"]) if c.get("kv_bytes", 0) > 0 else None}
         return {"coefficients": c, "options": self.options, "rows": self.rows,
                 "residuals": self.residuals, "unidentified": list(self.unidentified), "derived": derived}
-
-
-def fit_cost_model(backend: str, features: np.ndarray, times_us: np.ndarray,
-                   options: Mapping | None = None) -> CostModel:
-    """Fit one backend's model: NNLS on relative residuals.
-
-    Why this form: every coefficient is a physical cost (us per launch, 1/bandwidth, ...), so it
-    must not be negative, and a non-negative linear model never predicts less time for more
-    bytes when it extrapolates past the calibration grid - a per-backend isotonic or piecewise
-    fit would be flat (or worse) outside it and needs many more cells per batch-size class than a
-    calibration run measures. Rows are weighted by 1/t so a 10 us step counts as much as a
-    10 ms one (the decision is about ratios). Columns that are all zero, or constant and so
-    indistinguishable from the intercept, are dropped before the fit (coefficient 0).
-    """
-    x = np.asarray(features, dtype=np.float64)
-    y = np.asarray(times_us, dtype=np.float64)
-    require(x.ndim == 2 and x.shape[1] == len(COST_FEATURES) and x.shape[0] == y.size,
-            "features must be [rows, len(COST_FEATURES)] and match the times")
-    require(y.size >= 1 and bool(np.all(np.isfinite(y))) and bool(np.all(y > 0)),
-            f"{backend}: times must be positive and finite")
-    keep = [0] + [j for j in range(1, x.shape[1])
-                  if np.any(x[:, j] != 0) and not np.all(x[:, j] == x[0, j])]
-    unidentified = tuple(COST_FEATURES[j] for j in range(1, x.shape[1])
-                         if j not in keep and COST_FEATURES[j] not in _fixed_features(backend))
-    cols = x[:, keep]
-    scale = np.abs(cols).max(axis=0)
-    scale[scale == 0] = 1.0
-    a = cols / scale / y[:, None]
-    coef_scaled = nnls(a, np.ones(y.size))
-    coefficients = {name: 0.0 for name in COST_FEATURES}
-    for j, c in zip(keep, coef_scaled / scale):
-        coefficients[COST_FEATURES[j]] = float(c)
-    predicted = x @ np.array([coefficients[n] for n in COST_FEATURES])
-    rel = (predicted - y) / y
-    residuals = {"rms_rel": float(np.sqrt(np.mean(rel ** 2))), "median_abs_rel": float(np.median(np.abs(rel))),
-                 "max_abs_rel": float(np.abs(rel).max()), "rows": int(y.size)}
-    return CostModel(backend, coefficients, dict(options or {}), int(y.size), residuals, unidentified)
-
-
-def _fixed_features(backend: str) -> tuple[str, ...]:
-    """Features constant for ``backend`` by construction (not a gap in the calibration)."""
-    if not is_pkv(backend):
-        return ("launches", "merge_state_bytes")
-    return ("launches",) if backend == "pkv-workqueue" else ()
 
 
 def cost_model_decision(batch: Batch, models: Mapping[str, CostModel], available: Collection[str] | None = None) -> Decision:
@@ -716,287 +586,3 @@ def load_policy(path: str | Path) -> Policy:
         return Policy.from_dict(data)
     except PKVError as exc:
         raise PKVError(f"policy file {path}: {exc}") from None
-
-
-# --------------------------------------------------------------------------- calibration
-
-def route_options_for(backend: str, num_splits: int, target_items: int = DEFAULT_TARGET_ITEMS) -> dict:
-    """Constructor options of ``backend`` (backends/pkv.py) for a timing row's ``num_splits``.
-
-    pkv-workqueue takes only ``target_items`` (the balanced queue, planner.min_chunk_tiles left
-    at the planner's default of 1), so its rows' ``num_splits`` does not change its options.
-    """
-    if backend == "pkv-workqueue":
-        return {"target_items": int(target_items)}
-    if backend in ("pkv-buckets", "pkv-split"):
-        return {"num_splits": int(num_splits) if num_splits > 0 else PAPER_BUCKET_SPLITS}
-    return {}
-
-
-class CellResolver:
-    """Rebuilds the batch a timing row measured, from its trace name, seed and step.
-
-    Config traces are regenerated (file traces read relative to ``base_dir``); synthetic names
-    ``B<b>xN<n>`` are b rows of n tokens. Row lengths decide every feature; page placement does not.
-    """
-
-    def __init__(self, trace_entries: Iterable[Mapping] = (), base_dir: str | Path = "."):
-        self.entries = {e["name"]: dict(e) for e in trace_entries}
-        self.base_dir = Path(base_dir)
-        self._traces: dict = {}
-
-    def lengths(self, trace: str, seed: int, step: int) -> list[int]:
-        match = SYNTHETIC_TRACE.match(trace)
-        if match:
-            b, n = int(match.group(1)), int(match.group(2))
-            require(b >= 1 and n >= 1, f"synthetic case {trace!r} needs B >= 1 and N >= 1")
-            return [n] * b
-        require(trace in self.entries,
-                f"timing rows name trace {trace!r}, which is neither in the config's traces "
-                f"({', '.join(sorted(self.entries)) or 'none given'}) nor a synthetic B<b>xN<n> case")
-        key = (trace, seed)
-        if key not in self._traces:
-            from .traces import build
-
-            built = build(self.entries[trace], seed, self.base_dir)
-            self._traces[key] = {s.index: list(s.lengths) for s in built.steps}
-        steps = self._traces[key]
-        require(step in steps, f"trace {trace!r} seed {seed} has no step {step}")
-        return steps[step]
-
-
-@dataclass
-class _Cell:
-    key: tuple
-    batch: Batch
-    times: dict            # (backend, options json) -> median us
-    max_len: int
-
-
-def _options_key(options: Mapping) -> str:
-    return json.dumps(dict(options), sort_keys=True)
-
-
-def check_timings(frame, source: str = "timings") -> None:
-    """One-line errors for a timing table that is empty or lacks the columns calibration reads."""
-    require(len(frame) > 0, f"{source} has no rows")
-    missing = [c for c in TIMING_COLUMNS if c not in frame.columns]
-    require(not missing, f"{source} lacks column(s) {', '.join(missing)} (docs/DATA.md, raw timing rows)")
-    import pandas as pd
-
-    for column in ("seed", "step", "batch_size", "max_len", "total_tokens", "num_qo_heads", "num_kv_heads",
-                   "head_dim", "page_size", "num_splits", "per_layer_us"):
-        require(pd.api.types.is_numeric_dtype(frame[column]),
-                f"{source}: column {column} must be numeric, got {frame[column].dtype}")
-
-
-def calibrate(timings, candidates: Sequence[str], *, trace_entries: Iterable[Mapping] = (),
-              base_dir: str | Path = ".", calibration_seed: int | None = None,
-              holdout_seeds: Collection[int] = (), long_context_threshold: int = PAPER_LONG_CONTEXT_THRESHOLD,
-              target_items: int = DEFAULT_TARGET_ITEMS,
-              protocol: str | None = None, source: str = "timings") -> dict:
-    """Fit the ``thresholds`` and ``cost_model`` policies on raw calibration timings.
-
-    ``timings``: a DataFrame in the raw format of docs/DATA.md; rows with experiment
-    ``calibration``, status ``ok`` and one protocol (``step`` if present, else ``kernel``, else
-    ``eager``) are used, target ``per_layer_us`` (median over repeats per cell and backend).
-    Returns the policy.json dict (see :class:`Policy.from_dict`).
-    """
-    check_timings(timings, source)
-    candidates = list(dict.fromkeys(candidates))
-    require(candidates, "no candidate backends given")
-    frame = timings[timings["experiment"] == "calibration"]
-    require(len(frame) > 0, f"{source} has no rows of experiment 'calibration' "
-                            f"(found: {', '.join(sorted(map(str, timings['experiment'].unique())))})")
-    leaked = sorted(set(int(s) for s in frame["seed"].unique()) & set(int(s) for s in holdout_seeds))
-    require(not leaked, f"{source} has calibration rows at holdout seed(s) {leaked}; "
-                        f"the policy must never see a holdout seed")
-    protocols = [str(p) for p in frame["protocol"].unique()]
-    if protocol is None:
-        preferred = [p for p in PROTOCOL_PREFERENCE if p in protocols]
-        require(preferred, f"{source} has no rows of protocol {', '.join(PROTOCOL_PREFERENCE)} "
-                           f"(found: {', '.join(sorted(protocols))})")
-        protocol = preferred[0]
-    require(protocol in protocols, f"{source} has no calibration rows of protocol {protocol!r}")
-    ok = frame[(frame["protocol"] == protocol) & (frame["status"] == "ok")
-               & frame["backend"].isin(candidates)]
-    ok = ok[np.isfinite(ok["per_layer_us"].astype(float)) & (ok["per_layer_us"].astype(float) > 0)].copy()
-    # baselines may leave num_splits empty rather than -1; groupby would silently drop NaN keys
-    ok["num_splits"] = ok["num_splits"].fillna(-1).astype(np.int64)
-    require(len(ok) > 0, f"{source}: no 'ok' calibration rows of protocol {protocol!r} for any candidate "
-                         f"({', '.join(candidates)})")
-
-    # one cell per measured workload; rebuild its batch and check it against the row
-    resolver = CellResolver(trace_entries, base_dir)
-    spec_cols = ["num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype"]
-    # cells at different hole fractions are different measurements even with equal lengths
-    cell_cols = ["trace", "seed", "step"] + spec_cols + (["hole_fraction"] if "hole_fraction" in ok.columns else [])
-    cells: list[_Cell] = []
-    route_counts: dict[str, dict[str, int]] = {}
-    for key, rows in ok.groupby(cell_cols, sort=True):
-        trace, seed, step = str(key[0]), int(key[1]), int(key[2])
-        require(calibration_seed is None or SYNTHETIC_TRACE.match(trace) or seed == calibration_seed,
-                f"{source}: calibration rows of trace {trace!r} use seed {seed}, not the calibration "
-                f"seed {calibration_seed}")
-        spec = AttentionSpec(int(key[3]), int(key[4]), int(key[5]), int(key[6]), str(key[7]))
-        lengths = resolver.lengths(trace, seed, step)
-        first = rows.iloc[0]
-        got = (len(lengths), max(lengths), sum(lengths))
-        want = (int(first["batch_size"]), int(first["max_len"]), int(first["total_tokens"]))
-        require(got == want, f"trace {trace!r} seed {seed} step {step}: the timings say (batch_size, max_len, "
-                             f"total_tokens) = {want} but the trace gives {got}")
-        times = {}
-        for (backend, splits), group in rows.groupby(["backend", "num_splits"], sort=True):
-            options = route_options_for(str(backend), int(splits), target_items)
-            times[(str(backend), _options_key(options))] = float(np.median(group["per_layer_us"].astype(float)))
-            counts = route_counts.setdefault(str(backend), {})
-            counts[_options_key(options)] = counts.get(_options_key(options), 0) + 1
-        cells.append(_Cell(tuple(key), make_batch(spec, lengths), times, max(lengths)))
-
-    # each backend's most-measured options are the ones the policy will pass
-    route_options = {b: json.loads(max(c.items(), key=lambda kv: (kv[1], kv[0]))[0])
-                     for b, c in route_counts.items() if is_pkv(b)}
-    chosen = {b: _options_key(route_options.get(b, {})) for b in candidates}
-
-    # ---- cost model: one fit per backend over all its rows (any options)
-    models, unfitted = {}, {}
-    for backend in candidates:
-        xs, ys = [], []
-        for cell in cells:
-            for (b, okey), t in cell.times.items():
-                if b == backend:
-                    xs.append(cost_features(backend, cell.batch, json.loads(okey)))
-                    ys.append(t)
-        if not ys:
-            unfitted[backend] = f"no 'ok' calibration rows of protocol {protocol!r}"
-            continue
-        models[backend] = fit_cost_model(backend, np.array(xs), np.array(ys), route_options.get(backend, {}))
-
-    # ---- thresholds: per G and batch-size class, the best (route, N_max threshold) over a baseline
-    def time_of(cell: _Cell, backend: str) -> float | None:
-        return cell.times.get((backend, chosen[backend]))
-
-    baselines = [b for b in candidates if not is_pkv(b) and b in models]
-    require(baselines, f"{source}: no baseline backend has 'ok' calibration rows (candidates: "
-                       f"{', '.join(candidates)}); the thresholds need one to beat")
-    global_baseline = _best_baseline(cells, baselines, time_of)
-    rules = []
-    for group in sorted({c.batch.spec.group_size for c in cells}):
-        for low, high in BATCH_CLASSES:
-            members = [c for c in cells if c.batch.spec.group_size == group
-                       and batch_class(c.batch.batch_size) == (low, high)]
-            present = [b for b in baselines if any(time_of(c, b) is not None for c in members)]
-            if not present:
-                continue
-            base = _best_baseline(members, present, time_of)
-            measured = sum(time_of(c, base) is not None for c in members)
-            best = ThresholdRule(group, low, high, base, cells=measured, summed_speedup=float(measured),
-                                 note="no PKV route beat the baseline")
-            best_gain = 0.0
-            for route in [b for b in candidates if is_pkv(b) and b in models]:
-                pairs = [(c.max_len, time_of(c, base) / time_of(c, route)) for c in members
-                         if time_of(c, base) is not None and time_of(c, route) is not None]
-                if not pairs:
-                    continue
-                threshold, summed = fit_threshold([p[0] for p in pairs], [p[1] for p in pairs])
-                gain = summed - len(pairs)
-                if threshold is not None and gain > best_gain + 1e-12:
-                    best_gain = gain
-                    best = ThresholdRule(group, low, high, base, route, threshold, route_options.get(route, {}),
-                                         len(pairs), summed, f"{route} from N_max >= {threshold}")
-            rules.append(best)
-
-    policy = Policy(tuple(candidates), int(long_context_threshold), route_options, global_baseline,
-                    tuple(rules), models)
-    run_ids = sorted(str(r) for r in ok["run_id"].unique()) if "run_id" in ok.columns else []
-    return {
-        "format": POLICY_FORMAT,
-        "calibration_seed": calibration_seed,
-        "fitted_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "run_id": ",".join(run_ids),
-        "protocol": protocol,
-        "target": "per_layer_us",
-        "candidates": list(candidates),
-        "cells": len(cells),
-        "long_context_threshold": int(long_context_threshold),
-        "baseline": global_baseline,
-        "route_options": route_options,
-        "thresholds": {"batch_classes": [list(c) for c in BATCH_CLASSES],
-                       "rules": [r.to_dict() for r in rules]},
-        "cost_model": {"features": list(COST_FEATURES),
-                       "form": "t_us = sum_j c_j * feature_j, c_j >= 0 (NNLS on relative residuals)",
-                       "models": {b: m.to_dict() for b, m in models.items()},
-                       "unfitted": unfitted},
-        "evaluation": evaluate(policy, cells, time_of),
-    }
-
-
-def _best_baseline(cells: Sequence[_Cell], baselines: Sequence[str], time_of: Callable) -> str:
-    """The baseline measured in the most cells; among those, the lowest geometric-mean time
-    relative to the best baseline of each cell (ties: candidate order)."""
-    def score(b: str):
-        ratios = []
-        for c in cells:
-            t = time_of(c, b)
-            others = [time_of(c, o) for o in baselines if time_of(c, o) is not None]
-            if t is not None:
-                ratios.append(math.log(t / min(others)))
-        return (-len(ratios), float(np.mean(ratios)) if ratios else 0.0)
-
-    return min(baselines, key=lambda b: (score(b), baselines.index(b)))
-
-
-def evaluate(policy: Policy, cells: Sequence[_Cell], time_of: Callable) -> dict:
-    """In-sample check of each policy on the calibration cells: how often it picks the fastest
-    measured backend, and its geometric-mean time relative to that oracle and to the baseline."""
-    out = {}
-    for kind in POLICIES:
-        picked = hits = 0
-        to_oracle, to_baseline = [], []
-        for cell in cells:
-            measured = [b for b in policy.candidates if time_of(cell, b) is not None]
-            if not measured or (kind == "cost_model" and not any(b in policy.models for b in measured)):
-                continue
-            if kind == "cost_model":
-                decision = cost_model_decision(cell.batch, policy.models, measured)
-            else:
-                decision = policy.decide(cell.batch, kind, measured)
-            t = time_of(cell, decision.backend)
-            if t is None:
-                continue
-            oracle = min(time_of(cell, b) for b in measured)
-            picked += 1
-            hits += t <= oracle * (1 + 1e-9)
-            to_oracle.append(math.log(t / oracle))
-            base = time_of(cell, policy.baseline)
-            if base is not None:
-                to_baseline.append(math.log(base / t))
-        out[kind] = {
-            "cells": picked,
-            "picked_fastest": hits,
-            "geomean_time_over_oracle": float(math.exp(np.mean(to_oracle))) if to_oracle else None,
-            "geomean_speedup_over_baseline": float(math.exp(np.mean(to_baseline))) if to_baseline else None,
-        }
-    return out
-
-
-def describe(policy_dict: Mapping) -> str:
-    """A few lines summarising a calibrated policy (for the calibrate command)."""
-    lines = [f"protocol {policy_dict['protocol']}, {policy_dict['cells']} cells, baseline {policy_dict['baseline']}"]
-    for rule in policy_dict["thresholds"]["rules"]:
-        label = _class_label(rule["min_batch"], rule["max_batch"])
-        what = (f"{rule['route']} from N_max >= {rule['min_max_len']}" if rule["route"] else f"always {rule['baseline']}")
-        lines.append(f"  thresholds G={rule['group_size']} {label}: {what} (summed speedup "
-                     f"{rule['summed_speedup']:.3f} over {rule['cells']} cells)")
-    for backend, model in policy_dict["cost_model"]["models"].items():
-        r = model["residuals"]
-        gaps = f"; not identified: {', '.join(model['unidentified'])}" if model.get("unidentified") else ""
-        lines.append(f"  cost model {backend}: {model['rows']} rows, rms rel residual {r['rms_rel']:.3f}, "
-                     f"max {r['max_abs_rel']:.3f}{gaps}")
-    for backend, why in policy_dict["cost_model"]["unfitted"].items():
-        lines.append(f"  cost model {backend}: not fitted ({why})")
-    for kind, ev in policy_dict["evaluation"].items():
-        if ev["cells"]:
-            lines.append(f"  {kind}: fastest in {ev['picked_fastest']}/{ev['cells']} cells, "
-                         f"geomean time / oracle {ev['geomean_time_over_oracle']:.3f}")
-    return "\n".join(lines)

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import importlib
 import json
+import os
 import platform
 import shlex
 import subprocess
 import sys
 import uuid
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from .io import atomic_write_json
 
 FIELDS = ("gpu", "sm_count", "l2_bytes", "sm_clock_mhz", "mem_clock_mhz", "driver", "cuda", "python", "torch",
           "cupy", "flashinfer", "vllm", "git_commit", "git_dirty", "config_hash", "seeds", "started_at", "command")
@@ -43,14 +48,10 @@ def config_hash(config: dict) -> str:
 def package_version(name: str, module: str | None = None) -> str | None:
     """Installed version of ``name``; else ``module.__version__`` (the vLLM slice carried to the H200
     has no dist-info, its vllm/_version.py has the version); else None."""
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         pass
-    import importlib
-
     for candidate in ([module] if module else []) + [name.replace("-", "_")]:
         try:
             mod = importlib.import_module(candidate)
@@ -77,8 +78,6 @@ def git_state(root: str | Path = ".") -> tuple[str | None, bool | None]:
     PERSISTENTKV_GIT_DIRTY (1/0); when set, they win over git, since a copied tree may carry a
     stale .git (one seen on the H200 host answered the session's first commit). Else git, else
     (None, None)."""
-    import os
-
     env_commit = os.environ.get("PERSISTENTKV_GIT_COMMIT") or None
     if env_commit is not None:
         env_dirty = os.environ.get("PERSISTENTKV_GIT_DIRTY")
@@ -140,8 +139,6 @@ def sidecar_path(out: str | Path) -> Path:
 
 
 def write_sidecar(out: str | Path, run_id: str, record: dict) -> Path:
-    from .io import atomic_write_json
-
     path = sidecar_path(out)
     atomic_write_json(path, {run_id: record})
     return path

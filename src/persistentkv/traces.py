@@ -451,3 +451,32 @@ def read_trace(path: str | Path) -> Trace:
         return Trace.from_json(path.read_bytes())
     except PKVError as exc:
         raise PKVError(f"{path}: {exc}") from None
+
+
+def sampled_steps(trace: Trace, count: int) -> list[int]:
+    """``count`` indices into ``trace.steps``, for validation: the first step, the one with the most
+    tokens (the earliest of equals), then evenly spaced others, in trace order (deterministic;
+    all of them when the trace has no more). The CPU and the GPU validation both sample with it.
+
+    Worked number: 9 steps, the last the heaviest, count 4: 0 and 8, then np.linspace(0, 8, 4)
+    rounds to 0, 3, 5, 8, which adds 3 and 5: [0, 3, 5, 8].
+    """
+    require(count >= 1, f"steps_per_trace must be >= 1, got {count}")
+    n = len(trace.steps)
+    if n == 0:
+        return []
+    chosen = [0]
+    heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
+    if heaviest not in chosen:
+        chosen.append(heaviest)
+    for x in np.linspace(0, n - 1, num=count):
+        if len(chosen) >= min(count, n):
+            break
+        if int(round(x)) not in chosen:
+            chosen.append(int(round(x)))
+    for i in range(n):  # fill up when rounding collided
+        if len(chosen) >= min(count, n):
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return sorted(chosen[:count])

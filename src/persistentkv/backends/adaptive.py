@@ -30,6 +30,7 @@ from ..cache import Batch
 from ..errors import PKVError, require
 from ..policy import POLICIES, Decision, DecisionMemo, Policy, load_policy
 from ..spec import AttentionSpec
+from . import registry
 
 
 #: Memo decisions whose delegate AdaptiveBackend remembers by identity; the cache is emptied when
@@ -182,10 +183,6 @@ class AdaptiveBackend:
 
     def _get_registry(self):
         if self._registry is None:
-            try:
-                from . import registry  # engineer B's registry module
-            except ImportError as exc:
-                raise PKVError(f"the backend registry cannot be imported ({exc})") from None
             self._registry = registry
         return self._registry
 

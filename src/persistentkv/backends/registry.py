@@ -9,7 +9,7 @@ A missing package (flashinfer, vllm, tensorrt_llm, cupy) never breaks another ba
 adapter imports its library inside its methods, and ``available`` turns any failure to create a
 backend into a reason instead of an exception.
 
-Constructor options come from the config (see persistentkv.measure.workload.variant_options):
+Constructor options come from the config (see persistentkv.measure.workload.variant_for):
 ``pkv-workqueue(target_items)``, ``pkv-buckets(num_splits)``,
 ``pkv-split(num_splits)``, ``adaptive(policy_path)``; baselines take none by default.
 """
@@ -17,6 +17,7 @@ Constructor options come from the config (see persistentkv.measure.workload.vari
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 
 from ..errors import PKVError
@@ -29,14 +30,13 @@ class Entry:
     module: str        # under persistentkv.backends
     attribute: str     # class or factory in that module
     fixed: dict = field(default_factory=dict)  # keyword arguments every instance gets
-    owner: str = ""    # who writes the module (for the reason when it is not there yet)
 
 
 _ENTRIES: dict[str, Entry] = {
-    "pkv-workqueue": Entry("pkv", "PKVWorkqueue", owner="the lead"),
-    "pkv-buckets": Entry("pkv", "PKVBuckets", owner="the lead"),
-    "pkv-split": Entry("pkv", "PKVSplit", owner="the lead"),
-    "adaptive": Entry("adaptive", "AdaptiveBackend", owner="engineer C"),
+    "pkv-workqueue": Entry("pkv", "PKVWorkqueue"),
+    "pkv-buckets": Entry("pkv", "PKVBuckets"),
+    "pkv-split": Entry("pkv", "PKVSplit"),
+    "adaptive": Entry("adaptive", "AdaptiveBackend"),
     "flashinfer-cc": Entry("flashinfer_backend", "make_cuda_core"),
     "flashinfer-tc": Entry("flashinfer_backend", "make_tensor_core"),
     "vllm-fa3": Entry("vllm_backend", "VllmFA3Backend"),
@@ -45,7 +45,6 @@ _ENTRIES: dict[str, Entry] = {
     "torch-sdpa": Entry("torch_sdpa", "TorchSdpaBackend"),
     "numpy": Entry("numpy_backend", "NumpyBackend"),
 }
-
 
 
 def names() -> list[str]:
@@ -59,8 +58,7 @@ def _import(name: str):
         module = importlib.import_module(module_name)
     except ImportError as exc:
         if exc.name == module_name:
-            who = f" (written by {entry.owner}; not in this tree yet)" if entry.owner else ""
-            raise PKVError(f"backend {name}: module {module_name} does not exist{who}") from None
+            raise PKVError(f"backend {name}: module {module_name} does not exist") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PKVError(f"backend {name}: importing {module_name} failed ({first})") from None
     factory = getattr(module, entry.attribute, None)
@@ -80,8 +78,6 @@ def create(name: str, **options):
     kwargs = dict(_ENTRIES[name].fixed)
     kwargs.update(options)
     if name == "adaptive":
-        import sys
-
         kwargs.setdefault("registry", sys.modules[__name__])
         if "policy_path" not in kwargs:
             raise PKVError("backend adaptive needs a policy file (policy_path); pass --policy")

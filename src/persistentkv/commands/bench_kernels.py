@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..measure.device import require_cuda
 from .measure import parse_backends
 
 
@@ -24,9 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..measure.device import require_cuda
-
     require_cuda()
-    from ..measure.runner import run_bench
+    from ..measure.runner import run_bench  # the harness and pandas: loaded to run, not for --help
 
     return run_bench(args.config, args.out, args.policy, parse_backends(args.backends), args.quick)

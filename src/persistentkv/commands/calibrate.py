@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pandas as pd
+
+from ..calibration import PROTOCOL_PREFERENCE, calibrate, describe
+from ..configuration import add_config_argument, load_config
 from ..errors import PKVError, require
-from ..policy import PROTOCOL_PREFERENCE
+from ..io import atomic_write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..configuration import add_config_argument
-
     add_config_argument(parser)
     parser.add_argument("--timings", required=True, type=Path,
                         help="raw calibration timings (results/<hw>/raw/calibration.parquet)")
@@ -27,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_timings(path: Path):
-    import pandas as pd
-
     require(path.is_file(), f"timings file {path} does not exist")
     try:
         frame = pd.read_parquet(path)
@@ -40,10 +40,6 @@ def read_timings(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..configuration import load_config
-    from ..io import atomic_write_json
-    from ..policy import calibrate, describe
-
     config = load_config(args.config, args.base_dir)
     timings = read_timings(args.timings)
     policy = calibrate(

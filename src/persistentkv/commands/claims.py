@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..io import atomic_write_json
 from ..render.cli_args import add_results_arguments, load
 
 
@@ -13,8 +14,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .. import claims
-    from ..io import atomic_write_json
+    from .. import claims  # pandas and the bootstrap: loaded when the claims are judged
 
     results = load(args)
     payload = claims.judge(results)

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from ..errors import require
 from ..io import atomic_write_json
 
 
@@ -26,8 +27,7 @@ def native_arch() -> str | None:
 
 
 def run(args) -> int:
-    from ..errors import require
-    from ..kernel_build import compile_all, nvcc_path
+    from ..kernel_build import compile_all, nvcc_path  # the engine's module (NumPy, CuPy probes): loaded to compile
 
     archs = []
     for arch in args.arch or ["native"]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..backends import registry
 from ..errors import require
+from ..measure.device import require_cuda
 from ..names import EXPERIMENTS
 
 
@@ -32,18 +34,14 @@ def parse_backends(text: str | None) -> list[str] | None:
         return None
     names = [n.strip() for n in text.split(",") if n.strip()]
     require(names, f"--backends {text!r} names no backend")
-    from ..backends import registry
-
     unknown = [n for n in names if n not in registry.names()]
     require(not unknown, f"unknown backend(s) {', '.join(unknown)} in --backends; expected among {', '.join(registry.names())}")
     return names
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..measure.device import require_cuda
-
     require_cuda()
-    from ..measure.runner import run_experiment
+    from ..measure.runner import run_experiment  # the harness and pandas: loaded to run, not for --help
 
     backends = parse_backends(args.backends)
     return run_experiment(args.config, args.experiment, args.traces_dir, args.out, args.policy, backends,

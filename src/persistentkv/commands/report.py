@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..render.report import render
+    from ..render.report import render  # jinja2, matplotlib: loaded when the report is rendered
 
     results = load(args)
     out = render(read_claims(args.claims), results, args.figures_dir, args.out)

@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..render.tables import render
+    from ..render.tables import render  # jinja2: loaded when the tables are rendered
 
     results = load(args)
     written = render(read_claims(args.claims), results, args.out_dir)

@@ -1,16 +1,17 @@
 """``persistentkv validate-cpu``: our routes, run by the NumPy executor, against float64.
 
-For each config trace at the calibration seed, ``validation.cpu.steps_per_trace`` steps (always
-the first and the longest) are planned with the workqueue, buckets and split routes and executed
-by ``reference.execute_plan`` on an FP16 cache laid out on the trace's real (scattered) pages;
+For each config trace at the calibration seed, ``validation.cpu.steps_per_trace`` steps
+(traces.sampled_steps, as validate-gpu samples them: the first, the longest, then evenly spaced)
+are planned with the workqueue, buckets and split routes and executed by
+``reference.execute_plan`` on an FP16 cache laid out on the trace's real (scattered) pages;
 ``reference.reference_decode`` (float64, plan-free) is the judge. Writes
 results/counters/validation_cpu.parquet (docs/DATA.md) and exits 1 after writing it when any row
 fails, so the workflow stops on a wrong plan.
 
 Cost, napkin math: the longest published step (homogeneous B8) holds 8 x 32.8K = 262K tokens, so
 its K and V are 262K x 8 heads x 128 x 2 B = 0.54 GB each in FP16. Only the pages the step
-uses are materialised (renumbered densely, physical order kept), never the trace's whole page
-universe (1.6 GB of FP16 for bimodal B8), and ``cache.random_cache`` draws them in chunks of
+uses are materialised (cache.compact_batch: renumbered densely, physical order kept), never the
+trace's whole page universe (1.6 GB of FP16 for bimodal B8), and ``cache.random_cache`` draws them in chunks of
 :data:`CACHE_CHUNK_PAGES` pages because it draws float64 first (4x the FP16 bytes at once).
 """
 
@@ -25,13 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from .. import configuration
-from ..cache import Batch, allocate, batch_for_step, random_cache, random_queries
+from ..cache import allocate, batch_for_step, compact_batch, random_cache, random_queries
 from ..counters import buckets_variant, split_variant, to_frame, workqueue_variant
 from ..errors import require
 from ..io import atomic_write_parquet
 from ..reference import execute_plan, reference_decode, relative_error
 from ..spec import AttentionSpec
-from ..traces import Step, Trace, read_trace
+from ..traces import Trace, read_trace, sampled_steps
 
 #: Pages per random_cache call: a 64 MB float64 draw per chunk instead of 2 GB for the longest step.
 CACHE_CHUNK_PAGES = 512
@@ -50,28 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="sampled steps per trace (default: validation.cpu.steps_per_trace)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def sample_steps(steps: tuple[Step, ...], count: int) -> list[Step]:
-    """``count`` steps, deterministic, in trace order: the longest (most tokens, earliest on a
-    tie), the first, then steps evenly spaced over the trace."""
-    require(count >= 1, f"steps per trace must be >= 1, got {count}")
-    totals = np.array([s.total_tokens for s in steps], dtype=np.int64)
-    spread = np.linspace(0, len(steps) - 1, num=min(count, len(steps))).round().astype(int).tolist()
-    priority = [int(np.argmax(totals)), 0] + spread + list(range(len(steps)))
-    chosen = list(dict.fromkeys(priority))[:count]  # first occurrences, in priority order
-    return [steps[i] for i in sorted(chosen)]
-
-
-def compact_batch(batch: Batch) -> tuple[Batch, np.ndarray]:
-    """The batch renumbered onto only the pages it uses.
-
-    Returns (batch on pages 0..U-1, used page ids int64 [U] in ascending order). Renumbering by
-    rank keeps the physical order of the original ids, so rows stay scattered and interleaved
-    exactly as on the real cache.
-    """
-    used, dense = np.unique(batch.kv_indices, return_inverse=True)
-    return Batch(batch.spec, batch.seq_lens, batch.kv_indptr, dense.astype(np.int32), int(used.size)), used
 
 
 def step_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +82,8 @@ def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: 
                 buckets_variant(num_splits), split_variant(num_splits)]
     allocation = allocate(trace.requests, spec16.page_size, 0.0, trace.seed)
     rows = []
-    for step in sample_steps(trace.steps, steps):
+    for index in sampled_steps(trace, steps):
+        step = trace.steps[index]
         batch, _ = compact_batch(batch_for_step(spec16, allocation, step))
         k_cache, v_cache = step_cache(spec16, batch.num_pages, trace.seed)
         q = random_queries(spec16, batch.batch_size, trace.seed)

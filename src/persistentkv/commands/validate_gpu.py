@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import require
+from ..measure.device import require_cuda
 from .measure import parse_backends
 
 
@@ -29,10 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..measure.device import require_cuda
-
     require_cuda()
-    from ..measure.runner import run_smoke_command, run_validation
+    from ..measure.runner import run_smoke_command, run_validation  # the harness and pandas: loaded to run
 
     backends = parse_backends(args.backends)
     if args.smoke:

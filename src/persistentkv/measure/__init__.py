@@ -1,9 +1,9 @@
-"""The timing harness (DESIGN.md, BENCHMARKING): fair protocols, the published one, raw rows.
+"""The timing harness (docs/PROTOCOL.md): fair protocols, the published one, raw rows.
 
 Everything that is not a CUDA call is pure and CPU-tested:
 
     workload    cases from trace steps or synthetic lengths; the experiment grids from the config
-    rotation    compact page re-mapping, cold-L2 copy counts, the copy cursor and graph offsets
+    rotation    cold-L2 copy counts, the copy cursor and graph offsets
     schedule    the interleaved, per-round shuffled backend order; warm-up rounds
     statistics  per-call times, GB/s, fraction of the read ceiling, medians for the printed table
     rows        the raw-row schema of docs/DATA.md (columns, dtypes, unavailable/failed rows)

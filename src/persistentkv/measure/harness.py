@@ -30,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..backends import registry
 from ..errors import PKVError, require
-from ..names import PKV_BACKENDS
+from ..names import PKV_BACKENDS, PROTOCOLS
 from .host_cpu import HostPinner, check_host_cpu
 from .protocols import eager_once, kernel_once, published_once, step_once
-from .rotation import CopyCursor, cold_copies, graph_copies, graph_offsets
-from ..names import PROTOCOLS
+from .rotation import CopyCursor, cache_bytes, cold_copies, graph_copies, graph_offsets
 from .rows import availability, case_fields, one_line, raw_row
 from .schedule import rounds
 from .statistics import frac_of_ceiling
@@ -121,8 +121,6 @@ class BackendFactory:
 
     def __init__(self, create: Callable[..., Any] | None = None):
         if create is None:
-            from ..backends import registry
-
             create = registry.create
         self._create = create
         self._instances: dict[tuple, Any] = {}
@@ -201,15 +199,13 @@ def route_of(name: str, backend, plan) -> str:
     when it names a registered backend, else "adaptive" (the decision could not be read)."""
     if name != "adaptive":
         return name
-    from ..backends.registry import names as registered
-
     decision = getattr(backend, "last_decision", None) or getattr(plan, "decision", None)
     chosen = getattr(decision, "backend", None)
-    if isinstance(chosen, str) and chosen in registered():
+    if isinstance(chosen, str) and chosen in registry.names():
         return chosen
     for attr in ("route", "backend"):
         value = getattr(plan, attr, None)
-        if isinstance(value, str) and value in registered():
+        if isinstance(value, str) and value in registry.names():
             return value
     return name
 
@@ -251,8 +247,6 @@ class Bound:
 
 def copies_for(case: Case, device, settings: Settings, log) -> int:
     """R for this case: the cold-L2 count, capped by ``max_copies`` and by free memory."""
-    from .rotation import cache_bytes
-
     wanted = cold_copies(case.batch.kv_bytes, device.l2_bytes, settings.cold_l2_factor)
     copies = min(wanted, settings.max_copies)
     if copies < wanted:

@@ -16,7 +16,8 @@ the backend.
 - an integer: pin to that CPU for the whole run.
 
 Each timing row records the CPU (``host_cpu``, -1 when not pinned) and the probe's time there
-(``host_probe_us``, NaN when not probed), so the host's state is part of the result. Only the
+(``host_probe_us``, NaN when not probed), so the host's state is part of the result
+(persistentkv.analysis.pinning sums it up for a set of rows). Only the
 calling thread is pinned (Linux affinity is per thread); the CUDA driver's threads stay free.
 On a platform without ``os.sched_setaffinity`` ``fastest`` logs once and pins nothing.
 """
@@ -112,21 +113,3 @@ class HostPinner:
     def restore(self) -> None:
         if self.active and self._saved is not None:
             self._set(0, self._saved)
-
-
-def pinning(rows) -> dict:
-    """Where the timing thread ran for ``rows`` (a frame of raw timing rows): ``recorded`` rows that
-    have a host_cpu (runs made before the column have none), of them ``pinned`` (host_cpu >= 0),
-    ``unrecorded`` the others, ``cpus`` the distinct CPUs pinned to, and ``probe_us`` the probe's
-    [min, max] on them (None without probe times). Shared by the run log, the claims and the report."""
-    import pandas as pd
-
-    cpu = pd.to_numeric(rows["host_cpu"], errors="coerce") if "host_cpu" in rows else \
-        pd.Series(math.nan, index=rows.index, dtype=float)
-    pinned = rows[cpu >= 0]
-    probe = pd.to_numeric(pinned["host_probe_us"], errors="coerce").dropna() if "host_probe_us" in pinned else \
-        pd.Series(dtype=float)
-    recorded = int(cpu.notna().sum())
-    return {"recorded": recorded, "pinned": int(len(pinned)), "unrecorded": int(len(rows)) - recorded,
-            "cpus": int(pinned["host_cpu"].nunique()) if len(pinned) else 0,
-            "probe_us": [float(probe.min()), float(probe.max())] if not probe.empty else None}

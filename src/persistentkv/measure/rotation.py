@@ -1,4 +1,4 @@
-"""Cold-cache rotation: compact per-case caches, how many copies, and which copy each call reads.
+"""Cold-cache rotation: how many copies of a case's (compact) cache, and which copy each call reads.
 
 A measured call must not find its K/V in L2 (60 MB on H200) because an earlier call just read
 them. Every backend reads the same bytes, so the rotation is global: one cursor walks the R copies
@@ -21,31 +21,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from ..cache import Batch, check_hole_fraction
+from ..cache import Batch
 from ..errors import require
-
-
-def compact_batch(batch: Batch, hole_fraction: float, seed: int) -> Batch:
-    """The same step on a cache that holds only the pages it uses.
-
-    The used page ids keep their relative physical order (the trace's scattering: a row's
-    logically consecutive pages stay as far apart, in the same order) and are spread over a
-    universe of ceil(n_used / (1 - rho)) ids, the holes placed by a generator seeded with ``seed``.
-    With rho = 0 the universe is exactly the used pages (ids 0..n_used-1, in physical order).
-    """
-    rho = check_hole_fraction(hole_fraction)
-    used, inverse = np.unique(batch.kv_indices, return_inverse=True)
-    n_used = int(used.size)
-    universe = max(n_used, math.ceil(n_used / (1.0 - rho)) if rho > 0 else n_used)
-    if universe == n_used:
-        slots = np.arange(n_used, dtype=np.int64)
-    else:
-        rng = np.random.default_rng(seed)
-        slots = np.sort(rng.choice(universe, size=n_used, replace=False))
-    indices = slots[inverse.reshape(-1)].astype(np.int32)
-    return Batch(batch.spec, batch.seq_lens.copy(), batch.kv_indptr.copy(), indices, int(universe))
 
 
 def cache_bytes(batch: Batch) -> int:

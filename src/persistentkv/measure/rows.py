@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from ..ceiling import ceiling_gbps
 from ..errors import PKVError, require
 from ..names import CEILING_BACKENDS, CPU_ONLY, PROTOCOLS
 
@@ -117,6 +118,26 @@ def case_fields(case) -> dict:
                 batch_size=b.batch_size, max_len=b.max_len, total_tokens=b.total_tokens, kv_bytes=b.kv_bytes,
                 num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 page_size=s.page_size, dtype=s.dtype, hole_fraction=float(case.hole_fraction))
+
+
+def ceiling_rows(samples: list, failures: dict[str, str], run_id: str, experiment: str,
+                 read_gbps: float | None = None) -> list[dict]:
+    """Raw rows for the ceilings (``samples``: ceiling.CeilingSample): one per repeat, or one
+    ``failed`` row per ceiling of ``failures`` ({backend: reason}). ``read_gbps``: the run's read
+    ceiling (default ceiling.ceiling_gbps of ``samples``)."""
+    read = ceiling_gbps(samples) if read_gbps is None else float(read_gbps)
+    common = dict(run_id=run_id, experiment=experiment, seed=0, step=0, batch_size=0, max_len=0, total_tokens=0,
+                  num_qo_heads=0, num_kv_heads=0, head_dim=0, page_size=0, dtype="", hole_fraction=0.0,
+                  protocol="ceiling", layers=1, read_ceiling_gbps=read)
+    rows = []
+    for s in samples:
+        rows.append(raw_row(**common, trace=s.backend, kv_bytes=s.bytes_moved, backend=s.backend, route=s.backend,
+                            repeat=s.repeat, time_us=s.time_us, per_layer_us=s.time_us,
+                            frac_of_ceiling=(s.gbps / read) if read > 0 else math.nan))
+    for backend, reason in failures.items():
+        rows.append(raw_row(**common, trace=backend, kv_bytes=0, backend=backend, route=backend,
+                            status="failed", reason=reason))
+    return rows
 
 
 def raw_frame(rows):

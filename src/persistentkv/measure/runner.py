@@ -9,14 +9,23 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .. import configuration
+from ..analysis import pinning
+from ..backends import registry
+from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
 from ..io import atomic_write_parquet
 from ..names import CPU_ONLY
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
-from .host_cpu import pinning
+from ..spec import AttentionSpec
+from ..traces import sampled_steps
+from .device import TorchDevice
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
-from .rows import raw_frame, validation_frame
-from .workload import (bench_grid, default_splits, experiment_cases, load_config, load_trace, sampled_steps,
-                       seeds_of, spec_from_config, synthetic_case, trace_cases, variants)
+from .rows import ceiling_rows, raw_frame, validation_frame
+from .smoke import run_smoke
+from .statistics import frac_of_ceiling, kernel_table
+from .validation import failing, validate_case
+from .workload import (Variant, bench_grid, default_splits, experiment_cases, load_trace, seeds_of, synthetic_case,
+                       trace_cases, variant_for, variants)
 
 
 def log(message: str) -> None:
@@ -24,8 +33,6 @@ def log(message: str) -> None:
 
 
 def _device():
-    from .device import TorchDevice
-
     device = TorchDevice("cuda")
     log(f"device: {device.name}, {device.sm_count} SMs, L2 {device.l2_bytes / 2**20:.0f} MiB, "
         f"{device.total_bytes / 2**30:.0f} GiB")
@@ -34,8 +41,6 @@ def _device():
 
 def _ceilings(device, quick: bool):
     """One measurement of both ceilings: (samples, {backend: why not measured})."""
-    from ..ceiling import measure_ceilings
-
     return measure_ceilings(device, repeats=3 if quick else 5, warmup=2, log=log)
 
 
@@ -44,9 +49,6 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
     run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
     measurements. A ceiling fails only if neither measurement has it."""
-    from ..ceiling import ceiling_gbps, ceiling_rows, renumbered, run_read_gbps
-    from .statistics import frac_of_ceiling
-
     before, failed_before = _ceilings(device, quick)
     rows = body(ceiling_gbps(before))
     after, failed_after = _ceilings(device, quick)
@@ -82,7 +84,7 @@ def _summary(frame) -> None:
 
 def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str, policy: str | None,
                    backends: list[str] | None, quick: bool) -> int:
-    config = load_config(config_path)
+    config = configuration.load_config(config_path)
     cases = experiment_cases(experiment, config, traces_dir, policy, backends, quick)
     device = _device()
     started = utc_now()
@@ -102,7 +104,7 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
 
 
 def bench_cases(config: dict, policy: str | None, backends: list[str] | None, quick: bool):
-    spec = spec_from_config(config)
+    spec = configuration.spec(config)
     names = list(backends) if backends else list(config["measure"]["backends"])
     vs = variants(names, config, default_splits(config), policy)
     grid = bench_grid()
@@ -112,9 +114,7 @@ def bench_cases(config: dict, policy: str | None, backends: list[str] | None, qu
 
 
 def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool) -> int:
-    from .statistics import kernel_table
-
-    config = load_config(config_path)
+    config = configuration.load_config(config_path)
     cases = bench_cases(config, policy, backends, quick)
     device = _device()
     started = utc_now()
@@ -141,10 +141,8 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
                    backends: list[str] | None) -> int:
     from tqdm import tqdm
 
-    from .validation import failing, validate_case
-
-    config = load_config(config_path)
-    spec = spec_from_config(config)
+    config = configuration.load_config(config_path)
+    spec = configuration.spec(config)
     names = list(backends) if backends else list(config["measure"]["backends"])
     seed = int(config["seeds"]["calibration"])
     gpu = config["validation"]["gpu"]
@@ -176,14 +174,8 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
 
 def run_smoke_command(config_path: str | None, out: str | None, policy: str | None,
                       backends: list[str] | None) -> int:
-    from ..backends import registry
-    from ..spec import AttentionSpec
-    from .smoke import run_smoke
-    from .validation import failing
-    from .workload import Variant, variant_for
-
-    config = load_config(config_path) if config_path else None
-    spec = spec_from_config(config) if config else AttentionSpec()
+    config = configuration.load_config(config_path) if config_path else None
+    spec = configuration.spec(config) if config else AttentionSpec()
     names = list(backends) if backends else [n for n in registry.names() if n not in CPU_ONLY]
     if config:
         vs = tuple(variant_for(n, config, default_splits(config), policy) for n in names)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 
-from ..cache import make_batch
+import numpy as np
+
+from ..cache import compact_batch, make_batch
 from ..spec import AttentionSpec
 from .harness import BackendFactory, RunContext, Settings, run_case
-from .rotation import compact_batch
+from .rows import ceiling_rows
 from .validation import failing, validate_case
 from .workload import Case, Variant
 
@@ -29,7 +31,7 @@ SMOKE_CASES = (
 def smoke_cases(spec: AttentionSpec, variants: tuple[Variant, ...]) -> list[Case]:
     cases = []
     for name, lengths, rho in SMOKE_CASES:
-        batch = compact_batch(make_batch(spec, lengths, rho, seed=7), rho, 7)
+        batch, _ = compact_batch(make_batch(spec, lengths, rho, seed=7), rho, 7)
         cases.append(Case("smoke", name, 0, 0, batch, rho, variants))
     return cases
 
@@ -44,7 +46,7 @@ def run_smoke(spec: AttentionSpec, variants: tuple[Variant, ...], device, run_id
     for case in cases:
         vrows += validate_case(case, device, factory, dtypes=("float16", "bfloat16"), rtols=rtols, log=log)
     if ceilings:
-        from ..ceiling import ceiling_rows, measure_ceilings
+        from ..ceiling import measure_ceilings
 
         samples, failures = measure_ceilings(device, repeats=3, warmup=1, read_bytes=2**30, copy_bytes=2**29,
                                              stream_bytes=2**32, log=log)
@@ -59,8 +61,6 @@ def run_smoke(spec: AttentionSpec, variants: tuple[Variant, ...], device, run_id
 
 
 def _median(values) -> float:
-    import numpy as np
-
     values = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.median(values)) if values else math.nan
 

@@ -1,7 +1,7 @@
 """Small numeric helpers: per-call times, bandwidth, fraction of the read ceiling, medians.
 
-The analysis proper (medians with intervals, ratios) is engineer A2's persistentkv.analysis; the
-harness writes raw repeats. These helpers only turn one measurement into its row fields, and
+The analysis proper (medians with intervals, ratios) is persistentkv.analysis; the harness
+writes raw repeats. These helpers only turn one measurement into its row fields, and
 summarise kernel rows for the table ``bench-kernels`` prints.
 """
 

@@ -1,6 +1,6 @@
 """Workload cases and the experiment grids, all read from the config (the only source of grids).
 
-A :class:`Case` is one decode step on a compact cache (persistentkv.measure.rotation.compact_batch)
+A :class:`Case` is one decode step on a compact cache (persistentkv.cache.compact_batch)
 plus the backend variants to run on it. Trace cases come from build/traces/{name}_s{seed}.json
 (pages from persistentkv.cache.allocate with the trace's seed, every ``measure.step_stride``-th
 step); synthetic cases are B rows of given lengths (persistentkv.cache.make_batch, seed 0).
@@ -26,33 +26,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
-
-from ..cache import Batch, allocate, batch_for_step, make_batch
-from ..errors import PKVError, require
-from ..names import EXPERIMENTS
+from .. import configuration
+from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
+from ..errors import require
+from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PUBLISHED_TRACES, synthetic_name
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
-from .rotation import compact_batch
 
-#: The paper's headline rows (PAPER.md, Published numbers), by config trace name.
-PUBLISHED_TRACES = ("bucketed_b1", "bimodal_b8", "uniform_b8", "zipf_b8", "bimodal_b4")
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.
 SPLIT_SENSITIVITY_TRACES = ("bucketed_b1", "bimodal_b8")
 SPLIT_BACKENDS = ("pkv-buckets", "pkv-split")
-
-#: bench-kernels: B x tokens-per-row grid, plus extra rows (docs/DATA.md, bench_kernels).
-BENCH_BATCHES = (1, 2, 4, 8, 16, 64)
-BENCH_LENGTHS = (1024, 4096, 8192, 16384, 32768, 131072)
-BENCH_EXTRA = {
-    "B1xN65536": [65536],
-    "B1xN262144": [262144],
-    "B4xN32768": [32768] * 4,
-    # bimodal-like: every 4th row long (the published bimodal trace's shape), 130K tokens in all
-    "B8-bimodal": [49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168],
-    # ragged: three long rows and five short ones (212K tokens)
-    "B8-ragged": [65536, 65536, 65536, 4096, 4096, 4096, 4096, 4096],
-}
 
 
 @dataclass(frozen=True)
@@ -92,53 +75,6 @@ class Case:
     @property
     def label(self) -> str:
         return f"{self.trace} s{self.seed} step {self.step}"
-
-
-# -- config -------------------------------------------------------------------------------------
-def load_config(path: str | Path) -> dict:
-    """The validated config. Uses engineer A1's persistentkv.configuration when it is there
-    (one-line errors naming the key), else parses YAML and validates it against the schema beside
-    it (config/schema.yaml) with jsonschema, reporting the first error in one line."""
-    path = Path(path)
-    require(path.is_file(), f"config file {path} does not exist")
-    try:
-        from .. import configuration  # engineer A1
-    except ImportError:
-        configuration = None
-    loader = getattr(configuration, "load_config", None) if configuration else None
-    if loader is not None:
-        return loader(path)
-    import yaml
-
-    try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise PKVError(f"config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    require(isinstance(config, dict), f"config {path}: expected a mapping at the top level")
-    schema_path = path.parent / "schema.yaml"
-    if schema_path.is_file():
-        import jsonschema
-
-        schema = yaml.safe_load(schema_path.read_text())
-        errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config), key=lambda e: list(e.path))
-        if errors:
-            err = errors[0]
-            where = ".".join(str(p) for p in err.path) or "(top level)"
-            raise PKVError(f"config: {where}: {err.message}")
-    return config
-
-
-def spec_from_config(config: dict, **overrides) -> AttentionSpec:
-    fields = dict(config["spec"])
-    fields.update(overrides)
-    return AttentionSpec(**fields)
-
-
-def trace_entry(config: dict, name: str) -> dict:
-    for entry in config["traces"]:
-        if entry["name"] == name:
-            return entry
-    raise PKVError(f"trace {name!r} is not in the config's traces ({', '.join(t['name'] for t in config['traces'])})")
 
 
 # -- variants -----------------------------------------------------------------------------------
@@ -188,30 +124,6 @@ def strided_steps(trace: Trace, stride: int) -> list[int]:
     return list(range(0, len(trace.steps), stride))
 
 
-def sampled_steps(trace: Trace, count: int) -> list[int]:
-    """``count`` step indices for validation: the first, the one with the most tokens, and evenly
-    spaced others (deterministic; fewer when the trace is shorter)."""
-    require(count >= 1, f"steps_per_trace must be >= 1, got {count}")
-    n = len(trace.steps)
-    if n == 0:
-        return []
-    chosen = [0]
-    heaviest = int(np.argmax([s.total_tokens for s in trace.steps]))
-    if heaviest not in chosen:
-        chosen.append(heaviest)
-    for x in np.linspace(0, n - 1, num=count):
-        if len(chosen) >= min(count, n):
-            break
-        if int(round(x)) not in chosen:
-            chosen.append(int(round(x)))
-    for i in range(n):  # fill up when rounding collided
-        if len(chosen) >= min(count, n):
-            break
-        if i not in chosen:
-            chosen.append(i)
-    return sorted(chosen[:count])
-
-
 def trace_cases(experiment: str, trace: Trace, spec: AttentionSpec, hole_fraction: float, steps: list[int],
                 variants_: tuple[Variant, ...], trace_name: str | None = None) -> list[Case]:
     """Cases for the given step indices of a trace, each on its own compact cache."""
@@ -220,22 +132,14 @@ def trace_cases(experiment: str, trace: Trace, spec: AttentionSpec, hole_fractio
     for index in steps:
         step = trace.steps[index]
         full = batch_for_step(spec, allocation, step)
-        batch = compact_batch(full, hole_fraction, trace.seed + step.index)
+        batch, _ = compact_batch(full, hole_fraction, trace.seed + step.index)
         cases.append(Case(experiment, trace_name or trace.name, trace.seed, step.index, batch, hole_fraction, variants_))
     return cases
 
 
-def synthetic_name(lengths: list[int]) -> str:
-    """``B4xN8192`` for equal lengths; ``B8-ragged-216K`` style otherwise."""
-    lengths = [int(n) for n in lengths]
-    if len(set(lengths)) == 1:
-        return f"B{len(lengths)}xN{lengths[0]}"
-    return f"B{len(lengths)}-ragged-{sum(lengths) // 1024}K"
-
-
 def synthetic_case(experiment: str, name: str, lengths: list[int], spec: AttentionSpec,
                    variants_: tuple[Variant, ...], hole_fraction: float = 0.0) -> Case:
-    batch = compact_batch(make_batch(spec, lengths, hole_fraction, seed=0), hole_fraction, 0)
+    batch, _ = compact_batch(make_batch(spec, lengths, hole_fraction, seed=0), hole_fraction, 0)
     return Case(experiment, name, 0, 0, batch, hole_fraction, variants_)
 
 
@@ -268,7 +172,7 @@ def experiment_cases(experiment: str, config: dict, traces_dir: str | Path | Non
     seeds = config["seeds"]
     holdout = list(seeds["holdout"])[:1] if quick else list(seeds["holdout"])
     stride = int(measure["step_stride"]) * (4 if quick else 1)
-    spec = spec_from_config(config)
+    spec = configuration.spec(config)
     names = _backend_names(config, backends, drop_adaptive=experiment == "calibration")
     if experiment == "calibration" and not backends:
         # calibration fits the policy, which chooses among policy.candidates: it times those
@@ -278,7 +182,7 @@ def experiment_cases(experiment: str, config: dict, traces_dir: str | Path | Non
     def for_traces(trace_names, seed_list, rho=0.0, spec_=spec, names_=names, splits=None):
         out = []
         for name in trace_names:
-            entry = trace_entry(config, name)
+            entry = configuration.trace_entry(config, name)
             s = int(entry["splits"]) if splits is None else splits
             for seed in seed_list:
                 trace = load_trace(traces_dir, name, seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import PKVError, require
@@ -14,14 +15,14 @@ def add_results_arguments(parser: argparse.ArgumentParser) -> None:
                         help="results/<hw> folder to render (must exist; may be partial: missing parts read 'not measured')")
     parser.add_argument("--counters", type=Path, default=None,
                         help="hardware-independent counters folder (default: results/counters beside --results)")
-    from ..configuration import add_config_argument
+    from ..configuration import add_config_argument  # yaml: loaded when a command is built, not at import
 
     add_config_argument(parser)
 
 
 def load(args: argparse.Namespace):
-    from ..configuration import load_config
-    from ..render.inputs import load_results
+    from ..configuration import load_config  # yaml and pandas load only when a command runs
+    from ..results import load_results
 
     # A mistyped folder would render every claim as "not measured" and exit 0.
     require(args.results.is_dir(), f"results folder {args.results} does not exist (or is not a folder); "

@@ -3,14 +3,15 @@
 Each ``fig_*`` function takes tidy frames and returns a matplotlib :class:`Figure` (no pyplot
 state); each ``data_*`` function derives those frames from :class:`Results`. A figure whose rows
 are absent renders as a placeholder that says "not measured on <hw> yet", never as an empty or
-invented plot. :func:`render_all` writes every figure of :data:`FIGURES` atomically.
+invented plot. :func:`render_all` writes every figure of :data:`FIGURES` atomically; the
+ablation command writes its two (:func:`fig_bucket_ablation`, :func:`fig_split_ablation`)
+through the same :func:`save`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,12 +25,13 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from .. import analysis, claims
+from .. import analysis, claims, targets
 from ..errors import PKVError, require
 from ..io import atomic_path
-from ..names import FLASHINFER
+from ..names import EQUAL_ROWS, FLASHINFER
+from ..results import Results
+from . import FIGURE_FORMATS
 from . import FIGURE_NAMES as _NAMES
-from .inputs import Results
 
 WIDTH = 6.8     # inches: the paper's text width and a comfortable report width
 #: One colour per backend in every figure (colour-blind-safe base palette).
@@ -42,7 +44,6 @@ PROTOCOL_LABELS = {"published": "published protocol (CUDA events)",
                    "step": "fair protocol (step: plan + L layers)"}
 #: Tick values offered on ratio axes (log scale): readable numbers rather than powers of ten.
 RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 7, 10, 20)
-FORMATS = ("svg", "pdf", "png")
 
 
 @contextlib.contextmanager
@@ -126,7 +127,7 @@ def data_trace_ratios(results: Results) -> pd.DataFrame:
     faster FlashInfer, published experiment. Columns: protocol, trace, backend, ratio, lo, hi, seeds."""
     out = []
     for protocol in PROTOCOL_LABELS:
-        cells = claims._cells(results, "published", protocol)
+        cells = results.cells("published", protocol)
         per = analysis.ratios(cells, claims.REFERENCE)
         per = per[~per["backend"].isin(FLASHINFER)]
         if per.empty:
@@ -264,7 +265,7 @@ def data_split_times(results: Results) -> pd.DataFrame:
     mean over holdout seeds. The sweep times only our split routes, so each route is its own
     reference: the figure says how much a wrong S costs, not how S compares with FlashInfer."""
     for protocol in ("step", "kernel"):
-        cells = claims._cells(results, "split_sensitivity", protocol)
+        cells = results.cells("split_sensitivity", protocol)
         parts = []
         for cell in cells:
             labels = [b for b in cell.backends if b.startswith("pkv") and "/S" in b]
@@ -341,7 +342,7 @@ def data_batch_sweep(results: Results) -> pd.DataFrame:
         return pd.DataFrame()
     protocol = "kernel" if (rows["protocol"] == "kernel").any() else "step"
     rows = rows[rows["protocol"] == protocol]
-    per = analysis.ratios(claims._cells(results, "batch_sweep", protocol, holdout=False), claims.REFERENCE)
+    per = analysis.ratios(results.cells("batch_sweep", protocol, holdout=False), claims.REFERENCE)
     per = per[~per["backend"].isin(FLASHINFER)]
     if per.empty:
         return pd.DataFrame()
@@ -491,37 +492,34 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
 # ---------------------------------------------------------------------------------------------
 # 8. The engine against its targets: the bench_kernels grid, and run()'s host cost
 
-_GRID_NAME = re.compile(r"^B(\d+)xN(\d+)$")
-
-
 def data_engine_grid(results: Results) -> pd.DataFrame:
-    """bench_kernels' equal-length cases (traces ``B{b}xN{n}``): claims.ENGINE_BACKEND's speedup
+    """bench_kernels' equal-length cases (traces ``B{b}xN{n}``): targets.ENGINE_BACKEND's speedup
     over the fastest baseline (kernel protocol, 95 % bootstrap interval) and the mid-range target
     of the cell where the engine issue sets one. Columns: batch_size, tokens, ratio, lo, hi,
     baseline, target (NaN where none)."""
-    cells = [c for c in claims._cells(results, "bench_kernels", "kernel", holdout=False)
-             if claims.ENGINE_BACKEND in c.point]
-    per = analysis.ratios(cells, "baseline-best", backends=[claims.ENGINE_BACKEND])
+    cells = [c for c in results.cells("bench_kernels", "kernel", holdout=False)
+             if targets.ENGINE_BACKEND in c.point]
+    per = analysis.ratios(cells, "baseline-best", backends=[targets.ENGINE_BACKEND])
     out = []
     for r in per.itertuples():
-        m = _GRID_NAME.match(str(r.trace))
+        m = EQUAL_ROWS.match(str(r.trace))
         if m is None:  # ragged cases (B8-ragged, B8-bimodal) have no place in the grid
             continue
         b, n = int(m.group(1)), int(m.group(2))
         out.append({"batch_size": b, "tokens": n, "ratio": float(r.ratio), "lo": float(r.lo), "hi": float(r.hi),
-                    "baseline": str(r.ref_backend), "target": claims.ENGINE_MID_RANGE.get((b, n), np.nan)})
+                    "baseline": str(r.ref_backend), "target": targets.ENGINE_MID_RANGE.get((b, n), np.nan)})
     return pd.DataFrame(out, columns=["batch_size", "tokens", "ratio", "lo", "hi", "baseline", "target"])
 
 
 def data_engine_host(results: Results) -> pd.DataFrame:
     """bench_kernels' eager rows: the per-case median host time per run() call of the back-to-back
-    loop (host_loop_us) of every backend (claims.eager_case_medians). Columns: backend, trace,
+    loop (host_loop_us) of every backend (targets.eager_case_medians). Columns: backend, trace,
     host_loop_us (empty for runs made before the column existed)."""
-    return claims.eager_case_medians(results.bench, "host_loop_us").rename("host_loop_us").reset_index()
+    return targets.eager_case_medians(results.bench, "host_loop_us").rename("host_loop_us").reset_index()
 
 
 def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
-    title = f"{claims.ENGINE_BACKEND} against the fastest baseline, and run()'s host cost"
+    title = f"{targets.ENGINE_BACKEND} against the fastest baseline, and run()'s host cost"
     if grid.empty and host.empty:
         return placeholder(title, not_measured(hw, "bench_kernels"))
     from matplotlib.colors import TwoSlopeNorm
@@ -563,7 +561,7 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
                 right.scatter(xs, ys, s=9, color=color(b), linewidths=0)
             right.set_xticks(range(len(order)), order)
             right.grid(axis="x", visible=False)
-            right.axhline(claims.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
+            right.axhline(targets.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
             right.set_yscale("log")
             right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             right.set_xlabel("")
@@ -571,8 +569,87 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
             right.tick_params(axis="x", rotation=60)
             for label in right.get_xticklabels():
                 label.set_ha("right")
-            right.set_title(f"eager host cost (target < {claims.ENGINE_HOST_US:g} us)")
+            right.set_title(f"eager host cost (target < {targets.ENGINE_HOST_US:g} us)")
         fig.suptitle(title, fontsize=9)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. The ablations' own figures (``persistentkv ablation --figure``; results/counters/ablation_*.svg)
+
+def fig_bucket_ablation(frame: pd.DataFrame) -> Figure:
+    """Three panels, bars per trace and variant (median over steps; whiskers span the 25-75% range)
+    of ablation_buckets.parquet: launches per step, KV read past the real lengths (% of useful KV),
+    and the paper-formula merge state per step (MiB, log)."""
+    data = frame.assign(padded_pct=100.0 * frame["padded_kv_bytes"] / frame["useful_kv_bytes"],
+                        merge_mib=frame["paper_merge_state_bytes"] / 2**20)
+    panels = [("launches", "launches per step", False),
+              ("padded_pct", "KV read past real lengths\n(% of useful KV)", False),
+              ("merge_mib", "merge state per step,\npaper formula (MiB, log)", True)]
+    order = list(dict.fromkeys(data["variant"]))
+    traces = list(dict.fromkeys(data["trace"]))
+    with style():
+        fig = Figure(figsize=(max(7.0, 1.6 * len(traces)), 2.6 * len(panels)), layout="constrained")
+        axes = fig.subplots(len(panels), 1, sharex=True)
+        for ax, (column, label, log) in zip(axes, panels):
+            plot = data[data[column] > 0] if log else data  # zero has no place on a log axis
+            sns.barplot(data=plot, x="trace", y=column, hue="variant", hue_order=order, order=traces,
+                        estimator="median", errorbar=("pi", 50), ax=ax, legend=ax is axes[0])
+            ax.set_ylabel(label)
+            ax.set_xlabel("")
+            if log:
+                ax.set_yscale("log")
+        handles, labels = axes[0].get_legend_handles_labels()
+        axes[0].get_legend().remove()
+        fig.legend(handles, labels, title="variant", ncols=min(len(order), 6), loc="outside lower center")
+        axes[-1].set_xlabel(f"trace (every step, seed {int(frame['seed'].iloc[0])})")
+        S = int(frame.loc[frame["variant"] == "exact", "num_splits"].iloc[0])
+        fig.suptitle(f"Bucketing ablation: exact and padded buckets (S={S} per bucket), balanced work queue, "
+                     "published rectangle (trace's S)", fontsize=9)
+    return fig
+
+
+def fig_split_ablation(frame: pd.DataFrame) -> Figure:
+    """Per trace (columns) of ablation_splits.parquet, median over steps against S, one line per
+    route (the balanced work queue, which has no S, as a dashed level): launches, and on log axes
+    decode CTAs, KV bytes per decode CTA and merge-state bytes."""
+    data = frame.assign(kib_per_cta=frame["useful_kv_bytes"] / frame["nonempty_items"] / 1024,
+                        merge_mib=frame["merge_state_bytes"] / 2**20)
+    metrics = [("launches", "launches per step", False),
+               ("decode_ctas", "decode CTAs per step (log)", True),
+               ("kib_per_cta", "KV per decode CTA (KiB, log)", True),
+               ("merge_mib", "merge state per step (MiB, log)", True)]
+    traces = list(dict.fromkeys(data["trace"]))
+    routes = ["split", "buckets", "workqueue_fixed"]
+    balanced = data[data["num_splits"] < 0]
+    medians = data[data["num_splits"] > 0].groupby(["trace", "route", "num_splits"], as_index=False)[
+        [m for m, _, _ in metrics]].median()
+    with style():
+        fig = Figure(figsize=(3.0 * len(traces), 2.4 * len(metrics)), layout="constrained")
+        axes = fig.subplots(len(metrics), len(traces), sharex=True, squeeze=False)
+        for col, trace in enumerate(traces):
+            for row, (column, label, log) in enumerate(metrics):
+                ax = axes[row][col]
+                # S=1 writes no merge state: log axes drop the zero.
+                points = medians[(medians["trace"] == trace) & (medians[column] > 0)]
+                sns.lineplot(data=points, x="num_splits", y=column, hue="route", style="route", hue_order=routes,
+                             style_order=routes, markers=True, dashes=False, ax=ax, legend=row == 0 and col == 0)
+                level = balanced.loc[balanced["trace"] == trace, column].median()
+                if pd.notna(level) and level > 0:
+                    ax.axhline(level, color="0.3", linestyle="--", linewidth=1, label="workqueue (balanced)")
+                ax.set_xscale("log", base=2)
+                if log:
+                    ax.set_yscale("log")
+                else:
+                    ax.set_ylim(bottom=0)
+                ax.set_title(trace if row == 0 else "")
+                ax.set_xlabel("splits per row S (log2)" if row == len(metrics) - 1 else "")
+                ax.set_ylabel(label if col == 0 else "")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if axes[0][0].get_legend() is not None:
+            axes[0][0].get_legend().remove()
+        fig.legend(handles, labels, ncols=len(labels), loc="outside lower center")
+        fig.suptitle(f"Split-count ablation (median over every step, seed {int(frame['seed'].iloc[0])})", fontsize=9)
     return fig
 
 
@@ -617,10 +694,10 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Left: pkv-workqueue's speedup over the fastest baseline on each equal-length case of bench_kernels "
                "(median kernel time under CUDA-graph replay, cold L2; blue = faster, red = slower); outlined cells "
                "carry the mid-range targets ("
-               + ", ".join(f"{t:g}x at B={b} x {n // 1024}K" for (b, n), t in claims.ENGINE_MID_RANGE.items())
+               + ", ".join(f"{t:g}x at B={b} x {n // 1024}K" for (b, n), t in targets.ENGINE_MID_RANGE.items())
                + "), black where the speedup reaches it, red where it falls short. Right: host time per run() call "
                f"in a loop of back-to-back calls with a reused plan, one point per case and backend; the dashed "
-               f"line is the {claims.ENGINE_HOST_US:g} us target.",
+               f"line is the {targets.ENGINE_HOST_US:g} us target.",
                lambda r: fig_engine(data_engine_grid(r), data_engine_host(r), r.hw)),
     FigureSpec("validation", "Validation status",
                "Relative error of every backend against the float64 reference at sampled steps (GPU) and of the "
@@ -635,7 +712,7 @@ def save(fig: Figure, path: str | Path) -> None:
     """Write ``fig`` atomically; the format follows the suffix; output is byte-stable."""
     path = Path(path)
     fmt = path.suffix.lstrip(".")
-    require(fmt in FORMATS, f"figure format {fmt!r} (from {path}) is not one of {', '.join(FORMATS)}")
+    require(fmt in FIGURE_FORMATS, f"figure format {fmt!r} (from {path}) is not one of {', '.join(FIGURE_FORMATS)}")
     metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "ModDate": None}, "png": {}}[fmt]
     # svg.fonttype and svg.hashsalt are read when saving: the style must be active here too.
     with style(), atomic_path(path) as tmp:
@@ -644,7 +721,7 @@ def save(fig: Figure, path: str | Path) -> None:
 
 def render_all(results: Results, out_dir: str | Path, fmt: str = "svg", only=None) -> list[Path]:
     """Build and write every figure (or the ``only`` names) as ``out_dir/<name>.<fmt>``."""
-    require(fmt in FORMATS, f"figure format {fmt!r} is not one of {', '.join(FORMATS)}")
+    require(fmt in FIGURE_FORMATS, f"figure format {fmt!r} is not one of {', '.join(FIGURE_FORMATS)}")
     names = list(only) if only else list(FIGURE_NAMES)
     unknown = [n for n in names if n not in FIGURE_NAMES]
     if unknown:

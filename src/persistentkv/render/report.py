@@ -17,12 +17,12 @@ import jinja2
 import pandas as pd
 
 from .. import analysis, claims
+from ..analysis import pinning
 from ..errors import PKVError, require
 from ..io import atomic_write_text
-from ..measure.host_cpu import pinning
-from . import figures
 from ..names import EXPERIMENTS
-from .inputs import Results
+from ..results import Results
+from . import figures
 from .tables import ablation_rows, provenance_rows, read_ceiling_gbps, variants
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -44,7 +44,7 @@ _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-
 def fmt_entry(entry: dict | None, digits: int = 3) -> str:
     if not entry or entry.get("value") is None or not math.isfinite(entry["value"]):
         return "n/m"
-    return claims.fmt_ratio(entry["value"], entry.get("lo"), entry.get("hi"), digits)
+    return analysis.fmt_ratio(entry["value"], entry.get("lo"), entry.get("hi"), digits)
 
 
 def fmt_pm(value, sd, digits: int = 3) -> str:

@@ -17,8 +17,8 @@ import jinja2
 from .. import claims
 from ..errors import PKVError, require
 from ..io import atomic_write_text
+from ..results import Results
 from . import TABLE_NAMES
-from .inputs import Results
 
 NM = r"\pkvNM{}"
 TEMPLATES = Path(__file__).parent / "templates"
@@ -165,7 +165,7 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
     for key, name in (("gpu", "GPUFull"), ("sms", "SMs"), ("arch", "Arch"), ("bandwidth_gbps", "Bandwidth"),
                       ("theoretical_gbps", "TheoreticalBandwidth"), ("cuda", "Cuda"), ("torch", "Torch"),
                       ("flashinfer", "FlashInfer"), ("vllm", "Vllm"), ("trtllm", "Trtllm")):
-        add(f"pkvPaper{name}", tex(claims.PAPER_SETUP[key]), "PAPER.md, Evaluation protocol (as published)")
+        add(f"pkvPaper{name}", tex(claims.PAPER_SETUP[key]), "docs/PAPER.md, Evaluation protocol (as published)")
     add("pkvCalibrationSeed", tex(seeds.get("calibration")), "config seeds.calibration")
     holdout = seeds.get("holdout") or []
     add("pkvHoldoutSeeds", tex(", ".join(map(str, holdout))) if holdout else NM, "config seeds.holdout")

@@ -1,7 +1,12 @@
 """Load whatever subset of one hardware's results exists (docs/DATA.md), and say what is missing.
 
 Nothing here invents a value: an absent file gives an empty frame (or None) and an entry in
-:attr:`Results.missing`, which the report shows as "not measured on <hw> yet".
+:attr:`Results.missing`, which the report shows as "not measured on <hw> yet". Only finished
+files are read: a name that starts with a dot is a writer's temporary file (persistentkv.io),
+whatever it ends in, and is never taken for a result.
+
+Below both the claims (persistentkv.claims, persistentkv.targets) and the renderers, which read
+their rows from here and their cells from :meth:`Results.cells`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..errors import PKVError, require
-from ..names import CEILING_BACKENDS, EXPERIMENTS
-
+from . import analysis
+from .errors import PKVError, require
+from .names import CEILING_BACKENDS, EXPERIMENTS
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Results:
     config: dict = field(default_factory=dict)
     found: dict = field(default_factory=dict)     # what -> path, for files that exist
     missing: list = field(default_factory=list)   # what, for files that do not
+    #: metric -> every timing cell, bootstrapped once (:meth:`all_cells`)
+    _cells: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def timing(self) -> pd.DataFrame:
@@ -69,10 +76,43 @@ class Results:
             return []
         return sorted(timing.loc[timing["status"] == "ok", "experiment"].unique())
 
+    def all_cells(self, metric: str = "time_us") -> list[analysis.Cell]:
+        """Every timing cell, bootstrapped once per metric and kept.
+
+        Each cell's interval depends only on its own rows and key (analysis.bootstrap_cells), so
+        selecting cells afterwards gives exactly what bootstrapping the selected rows would.
+        """
+        if metric not in self._cells:
+            timing = self.timing
+            self._cells[metric] = [] if timing.empty or metric not in timing.columns else \
+                analysis.bootstrap_cells(timing, metric)
+        return self._cells[metric]
+
+    def cells(self, experiment, protocol: str, metric: str = "time_us", trace: str | None = None,
+              holdout: bool = True, group_size: int | None = None) -> list[analysis.Cell]:
+        """The cells of ``experiment`` (a name or a list) under ``protocol``; on ``trace`` only when
+        given; at holdout seeds only (``holdout``, when the config names any: trace experiments are
+        judged on holdout seeds, the policy was fitted on calibration); of group size Hq / Hkv =
+        ``group_size`` only when given."""
+        equal = {"experiment": experiment, "protocol": protocol}
+        if trace is not None:
+            equal["trace"] = trace
+        cells = analysis.where(self.all_cells(metric), **equal)
+        if holdout and self.holdout_seeds:
+            cells = [c for c in cells if c.key.get("seed") in self.holdout_seeds]
+        if group_size is not None:
+            cells = [c for c in cells if c.key["num_qo_heads"] // c.key["num_kv_heads"] == group_size]
+        return cells
+
     def gpu_name(self) -> str:
         """The GPU named by the provenance, else the hardware slug."""
         names = sorted({str(p.get("gpu")) for p in self.provenance.values() if p.get("gpu")})
         return " / ".join(names) if names else self.hw
+
+
+def finished(paths) -> list[Path]:
+    """``paths`` without the temporary files of an unfinished or killed write (a leading dot)."""
+    return [p for p in paths if not p.name.startswith(".")]
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -109,7 +149,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
             missing.append(f"raw/{exp}")
     # Any other experiment file present is read too (the grid may grow); never silently dropped.
     if raw_dir.is_dir():
-        for path in sorted(raw_dir.glob("*.parquet")):
+        for path in finished(sorted(raw_dir.glob("*.parquet"))):
             if path.stem not in EXPERIMENTS:
                 raw_parts.append(_read_parquet(path))
                 found[f"raw/{path.stem}"] = str(path)
@@ -131,7 +171,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
 
     provenance: dict = {}
     prov_path = results_dir / "provenance.json"
-    sidecars = sorted(raw_dir.glob("*.json")) if raw_dir.is_dir() else []
+    sidecars = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
     sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
     for path in sidecars + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)

@@ -1,0 +1,93 @@
+"""Atomic writes: a writer killed mid-write (SIGKILL, no cleanup) leaves the previous file whole,
+and what it leaves behind is never read as a result."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from persistentkv import io
+from persistentkv.results import load_results
+
+#: A child that writes a frame big enough (128 MB of random float64, about half a second of
+#: parquet encoding here) to be caught mid-write, through the library's atomic writer.
+CHILD = """
+import sys
+import numpy as np
+import pandas as pd
+from persistentkv.io import atomic_write_parquet
+
+frame = pd.DataFrame(np.random.default_rng(0).standard_normal((4_000_000, 4)), columns=list("abcd"))
+atomic_write_parquet(sys.argv[1], frame)
+"""
+
+
+def temporaries(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name.startswith("."))
+
+
+def timing_rows() -> pd.DataFrame:
+    return pd.DataFrame({"run_id": ["r"] * 3, "experiment": ["published"] * 3, "trace": ["t"] * 3,
+                         "backend": ["pkv-workqueue"] * 3, "protocol": ["kernel"] * 3,
+                         "time_us": [1.0, 2.0, 3.0], "status": ["ok"] * 3})
+
+
+def test_the_temporary_name_is_hidden_and_ends_in_no_data_suffix(tmp_path):
+    target = tmp_path / "out" / "rows.parquet"
+    with io.atomic_path(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".rows.parquet.")
+        assert tmp.suffix == ".tmp" and not tmp.name.endswith(".parquet")
+        tmp.write_text("done")
+    assert target.read_text() == "done" and temporaries(target.parent) == []
+
+
+def test_a_killed_writer_leaves_the_previous_file_and_nothing_a_loader_reads(tmp_path):
+    raw = tmp_path / "results" / "test-gpu" / "raw"
+    target = raw / "published.parquet"
+    before = timing_rows()
+    io.atomic_write_parquet(target, before)
+    env = {**os.environ, "PYTHONPATH": str(Path(io.__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(target)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.stat().st_size > 0 for p in temporaries(raw) if p.exists()):
+            assert child.poll() is None, "the writer finished before it could be killed: enlarge its frame"
+            assert time.monotonic() < deadline, "the writer never started writing"
+            time.sleep(0.001)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    (left,) = temporaries(raw)                      # killed mid-write: its temporary file stays...
+    assert left.stat().st_size > 0 and left.name.endswith(".tmp")
+    pd.testing.assert_frame_equal(pd.read_parquet(target), before)   # ...and the previous file is whole
+    results = load_results(raw.parent, tmp_path / "results" / "counters")
+    assert [k for k in results.found if k.startswith("raw/")] == ["raw/published"]
+    pd.testing.assert_frame_equal(results.raw, before)
+
+
+@pytest.mark.parametrize("leftover", [".published.parquet.x1y2.parquet", ".published.json.x1y2.json"])
+def test_the_loader_skips_hidden_files_whatever_they_end_in(tmp_path, leftover):
+    """A temporary file of the old naming (it kept the data suffix) is no result either."""
+    raw = tmp_path / "hw" / "raw"
+    io.atomic_write_parquet(raw / "published.parquet", timing_rows())
+    (raw / leftover).write_bytes(b"PAR1 half a file")
+    results = load_results(raw.parent, tmp_path / "counters")
+    assert len(results.raw) == 3 and set(results.found) == {"raw/published"}
+    assert results.provenance == {}
+
+
+def test_a_failed_write_removes_its_temporary_file(tmp_path):
+    target = tmp_path / "rows.parquet"
+    io.atomic_write_parquet(target, timing_rows())
+    with pytest.raises(ValueError):
+        io.atomic_write_parquet(target, pd.DataFrame({"a": [object()]}))
+    assert temporaries(tmp_path) == []
+    pd.testing.assert_frame_equal(pd.read_parquet(target), timing_rows())

@@ -1,0 +1,134 @@
+"""The library's floors (persistentkv/__init__.py): every import, function-local ones included,
+runs down the floors, and no modules import each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import persistentkv
+
+PACKAGE = Path(persistentkv.__file__).resolve().parent
+#: Files whose imports are brought onto the table with the kernel cut (engine, plan and their new
+#: neighbours), with why each is skipped; the table already gives them their floors.
+OWNED_ELSEWHERE: dict[str, str] = {}
+_ROW = re.compile(r"^ +(\d+)  +([a-z_ ]+?) +-- ")
+
+
+def floors_table() -> dict[str, int]:
+    """{module or package name under persistentkv: floor} from the package docstring's table."""
+    floors = {}
+    for line in (persistentkv.__doc__ or "").splitlines():
+        row = _ROW.match(line)
+        if row:
+            for name in row.group(2).split():
+                assert name not in floors, f"{name} is on two floors"
+                floors[name] = int(row.group(1))
+    return floors
+
+
+FLOORS = floors_table()
+
+
+def module_name(path: Path) -> str:
+    """'measure.rows' for persistentkv/measure/rows.py; '' for persistentkv/__init__.py."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def floor_of(module: str) -> int:
+    """A module's floor: its own row, else its package's (a package's modules share its floor)."""
+    name = module or "persistentkv"
+    if name in FLOORS:
+        return FLOORS[name]
+    return FLOORS[name.split(".")[0]]
+
+
+def imports_of(module: str) -> set[str]:
+    """Every module of ours that ``module`` imports anywhere in its file (top level, functions,
+    TYPE_CHECKING blocks), as names under persistentkv ('' for the package itself)."""
+    path = MODULES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = [p for p in package if p]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "persistentkv":
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            target = ".".join(base)
+            for alias in node.names:
+                inner = f"{target}.{alias.name}" if target else alias.name
+                found.add(inner if inner in MODULES else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "persistentkv":
+                    found.add(".".join(parts[1:]))
+    found.discard(module)
+    return found
+
+
+def test_every_module_has_a_floor():
+    unplaced = sorted(m for m in MODULES if (m or "persistentkv") not in FLOORS and m.split(".")[0] not in FLOORS)
+    assert not unplaced, f"add these to the floors of persistentkv/__init__.py: {unplaced}"
+    stale = sorted(n for n in FLOORS if n != "persistentkv" and n not in MODULES and n not in OWNED_ELSEWHERE)
+    assert not stale, f"the floors name modules that do not exist: {stale}"
+
+
+def test_the_table_parses():
+    assert FLOORS["errors"] == 1 and FLOORS["commands"] > FLOORS["render"] > FLOORS["claims"] > FLOORS["results"]
+    assert len(FLOORS) >= 20
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.split(".")[0] not in OWNED_ELSEWHERE])
+def test_imports_run_down_the_floors(module):
+    """A module imports from lower floors only; modules of one package may import each other."""
+    package = module.split(".")[0] if "." in module or (module and MODULES[module].name == "__init__.py") else None
+    upward = []
+    for target in sorted(imports_of(module)):
+        same_package = package is not None and target.split(".")[0] == package
+        if not same_package and floor_of(target) >= floor_of(module):
+            upward.append(f"{target or 'persistentkv'} (floor {floor_of(target)})")
+    assert not upward, f"{module or 'persistentkv'} (floor {floor_of(module)}) imports {', '.join(upward)}"
+
+
+def test_no_circles():
+    graph = {m: imports_of(m) & set(MODULES) for m in MODULES}
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                circle = path[path.index(n):] + [n]
+                pytest.fail("circle: " + " -> ".join(x or "persistentkv" for x in circle))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_checker_sees_a_function_local_import_that_climbs(tmp_path, monkeypatch):
+    """The parser must see an import inside a function: a floor-1 module importing render."""
+    fake = tmp_path / "io.py"
+    fake.write_text("def f():\n    from .render import figures\n    from . import claims\n")
+    monkeypatch.setitem(MODULES, "io", fake)
+    assert imports_of("io") == {"render.figures", "claims"}
+    with pytest.raises(AssertionError, match="imports claims"):
+        test_imports_run_down_the_floors("io")
