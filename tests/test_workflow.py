@@ -3,44 +3,28 @@ errors when it loads, lint, and a small real run that is then up to date."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from workflow_support import NO_GPU, ROOT, copy_workflow, job_counts, needs_snakemake, snakemake
 
 from persistentkv import configuration, hardware
 from persistentkv.errors import PKVError
 
-#: Tests that run Snakemake itself (the hardware tests below need only the library).
-needs_snakemake = pytest.mark.skipif(importlib.util.find_spec("snakemake") is None,
-                                     reason="the workflow needs snakemake (Python >= 3.11)")
-
-ROOT = Path(__file__).resolve().parents[1]
-#: What the workflow reads from the repository (results/ and paper/ are outputs or optional inputs).
-WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "kernels", "environment.yml")
 CONFIG = configuration.load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
 SEED = configuration.calibration_seed(CONFIG)
 
-NO_GPU = "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\nexit 9\n"
 H200 = ("#!/bin/sh\ncase \"$*\" in\n  *compute_cap*) echo 9.0 ;;\n  *name*) echo 'NVIDIA H200' ;;\n"
         "  *) echo unknown ;;\nesac\n")
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    copy = tmp_path_factory.mktemp("repo")
-    for part in WORKFLOW_PARTS:
-        source = ROOT / part
-        if source.is_dir():
-            shutil.copytree(source, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
-        elif source.is_file():
-            shutil.copy2(source, copy / part)
-    return copy
+    return copy_workflow(tmp_path_factory.mktemp("repo"))
 
 
 def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
@@ -53,17 +37,6 @@ def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return env
-
-
-def snakemake(repo: Path, *args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def job_counts(output: str) -> dict[str, int]:
-    """Snakemake's 'Job stats' table as {rule: count}."""
-    table = output.split("Job stats:", 1)[1]
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
 
 
 @needs_snakemake
@@ -99,6 +72,9 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
             " --out results/nvidia-h200/policy.json") in out
     assert "persistentkv bench-kernels --config config/config.yaml --out results/nvidia-h200/bench_kernels.parquet" in out
     assert "results/nvidia-h200/provenance.json" in out
+    # every GPU job asks for a GPU (Snakemake's gpu resource) and takes one of the target's kind
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 2
+    assert out.count("gpu=1") == counts["measure"] + 2
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 
@@ -109,6 +85,14 @@ def test_lint_is_clean(repo, tmp_path):
         done = snakemake(repo, "--lint", env=fake_nvidia_smi(tmp_path, script))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
+
+
+@needs_snakemake
+def test_auto_is_refused_where_a_cluster_job_reads_the_workflow_again(repo, tmp_path):
+    done = snakemake(repo, "-n", "--mode", "remote", "all", env=fake_nvidia_smi(tmp_path, H200))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: hardware.target is auto, which names the GPU of the host reading the workflow"), done.stderr
 
 
 def edited_copy(repo: Path, tmp_path: Path, old: str, new: str) -> Path:
@@ -126,7 +110,7 @@ def edited_copy(repo: Path, tmp_path: Path, old: str, new: str) -> Path:
     ("max_active: 8, num_steps: 48, splits: 20}", "max_active: 0, num_steps: 48, splits: 20}",
      "error: config: traces[1].max_active: 0 is less than the minimum of 1"),
     ("  page_size: 16\n", "  page_size: 16\n  colour: blue\n", "error: config: spec: unknown key 'colour'"),
-    ("measure: auto", "measure: always", "error: hardware.measure is 'always' but no GPU was found"),
+    ("target: auto", "target: NVIDIA H200", "error: config: hardware.target: 'NVIDIA H200' does not match"),
 ])
 def test_workflow_load_errors_are_one_line(repo, tmp_path, old, new, message):
     copy = edited_copy(repo, tmp_path, old, new)
@@ -178,19 +162,17 @@ def test_slug_of_nothing_is_an_error():
 
 
 @pytest.mark.parametrize("script, gpu, arch", [(H200, "NVIDIA H200", "sm_90"), (NO_GPU, None, None)])
-def test_detect_gpu_and_measure_modes(tmp_path, monkeypatch, script, gpu, arch):
+def test_detect_gpu_and_targets(tmp_path, monkeypatch, script, gpu, arch):
     monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, script)["PATH"])
     assert hardware.detect_gpu() == gpu
     assert hardware.detect_arch() == arch
-    mode = lambda m: {"hardware": {"measure": m, "kernel_archs": ["sm_80"]}}
-    assert hardware.measure_enabled(mode("never")) is False
-    assert hardware.measure_enabled(mode("auto")) is (gpu is not None)
-    if gpu is None:
-        with pytest.raises(PKVError, match="hardware.measure is 'always' but no GPU was found"):
-            hardware.measure_enabled(mode("always"))
-    else:
-        assert hardware.measure_enabled(mode("always")) is True
-    assert hardware.kernel_archs(mode("auto"), arch) == ([arch] if arch else ["sm_80"])
+    config = lambda target: {"hardware": {"target": target, "kernel_archs": ["sm_80"]}}
+    assert hardware.target(config("none")) is None
+    assert hardware.target(config("auto")) == (hardware.slug(gpu) if gpu else None)
+    assert hardware.target(config("nvidia-a100-sxm4-80gb")) == "nvidia-a100-sxm4-80gb"  # whatever is here
+    hw = hardware.target(config("auto"))
+    assert hardware.kernel_archs(config("auto"), hw) == ([arch] if arch else ["sm_80"])
+    assert hardware.kernel_archs(config("nvidia-h200"), "nvidia-h200") == ["sm_80"]  # a named target probes nothing
 
 
 def test_no_nvidia_smi_means_no_gpu(tmp_path, monkeypatch):
@@ -251,51 +233,3 @@ def test_merge_provenance_annotations_fill_or_correct_commits(tmp_path):
     out.unlink()
     done = merge_provenance("--out", out, "--annotations", notes, sidecar)
     assert done.returncode == 2 and not out.exists() and "c corrects" in done.stderr
-
-
-# ---- gpu_lanes.sh: lanes of GPU targets, one per GPU ---------------------------------------------
-
-def run_lanes(tmp_path, *lanes, fail=(), env=None):
-    """Run workflow/scripts/gpu_lanes.sh with a fake `snakemake` that logs its targets and GPU."""
-    import os
-    import stat
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    fake = bin_dir / "snakemake"
-    bad = "|".join(fail) or "__none__"
-    fake.write_text("#!/bin/sh\n"
-                    f'echo "$* gpu=${{CUDA_VISIBLE_DEVICES:-none}}" >> "{tmp_path}/calls.log"\n'
-                    'sleep 0.2\n'
-                    f'case " $* " in *" {bad} "*) exit 1;; esac\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    pkv = bin_dir / "persistentkv"  # a `persistentkv` command is present: the script adds no wrapper
-    pkv.write_text("#!/bin/sh\n")
-    pkv.chmod(pkv.stat().st_mode | stat.S_IEXEC)
-    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CORES": "4", **(env or {})}
-    done = subprocess.run(["bash", str(ROOT / "workflow" / "scripts" / "gpu_lanes.sh"), *lanes], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, env=full_env)
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    return done, calls
-
-
-def test_gpu_lanes_run_each_lane_on_its_gpu_after_the_shared_inputs(tmp_path):
-    done, calls = run_lanes(tmp_path, "calibrate measure_published", "bench_kernels after:calibrate measure_long_context",
-                            env={"FINAL": "all"})
-    assert done.returncode == 0, done.stderr
-    assert calls[0].endswith("--cores 4 traces kernels gpu=none")          # shared inputs first, every core
-    assert calls[-1].endswith("--cores 4 all gpu=none")                     # FINAL last
-    lane = {c.split(" gpu=")[0].split()[-1]: c.split(" gpu=")[1] for c in calls[1:-1]}
-    assert lane == {"calibrate": "0", "measure_published": "0", "bench_kernels": "1", "measure_long_context": "1"}
-    assert all("--nolock --cores 2" in c for c in calls[1:-1])               # cores shared between lanes
-    order = [c.split(" gpu=")[0].split()[-1] for c in calls]
-    assert order.index("measure_long_context") > order.index("calibrate")   # waited for the other lane
-
-
-def test_gpu_lanes_stop_a_lane_whose_dependency_failed(tmp_path):
-    done, calls = run_lanes(tmp_path, "calibrate measure_published", "after:calibrate measure_gqa_sweep",
-                            fail=("calibrate",))
-    assert done.returncode == 1
-    targets = [c.split(" gpu=")[0].split()[-1] for c in calls]
-    assert "calibrate" in targets and "measure_published" not in targets and "measure_gqa_sweep" not in targets
-    assert "calibrate FAILED" in done.stderr and "calibrate failed elsewhere: stopping" in done.stdout + done.stderr

@@ -1,10 +1,13 @@
 """Provenance of a GPU run: the sidecar JSON written beside every GPU output (docs/DATA.md).
 
-``{run_id: {gpu, sm_count, l2_bytes, sm_clock_mhz, mem_clock_mhz, driver, cuda, python, torch,
-cupy, flashinfer, vllm, git_commit, git_dirty, config_hash, seeds, started_at, command}}``
+``{run_id: {gpu, gpu_uuid, gpu_index, cpus, sm_count, l2_bytes, sm_clock_mhz, mem_clock_mhz, driver,
+cuda, python, torch, cupy, flashinfer, vllm, git_commit, git_dirty, config_hash, seeds, started_at,
+command}}``
 
-Anything that cannot be determined is null (never guessed): a missing package's version, clocks
-without nvidia-smi, the git commit of a tree copied without its .git.
+``gpu_index`` (nvidia-smi's) and ``cpus`` are what the workflow job was given
+(persistentkv.slots); ``gpu_uuid`` is that GPU's, else the one torch reports. Anything that
+cannot be determined is null (never guessed): a missing package's version, clocks without
+nvidia-smi, the git commit of a tree copied without its .git.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import Any
 
 from .io import atomic_write_json
 
-FIELDS = ("gpu", "sm_count", "l2_bytes", "sm_clock_mhz", "mem_clock_mhz", "driver", "cuda", "python", "torch",
-          "cupy", "flashinfer", "vllm", "git_commit", "git_dirty", "config_hash", "seeds", "started_at", "command")
+FIELDS = ("gpu", "gpu_uuid", "gpu_index", "cpus", "sm_count", "l2_bytes", "sm_clock_mhz", "mem_clock_mhz",
+          "driver", "cuda", "python", "torch", "cupy", "flashinfer", "vllm", "git_commit", "git_dirty",
+          "config_hash", "seeds", "started_at", "command")
 
 
 def utc_now() -> str:
@@ -89,9 +93,10 @@ def git_state(root: str | Path = ".") -> tuple[str | None, bool | None]:
     return commit, (None if status is None else bool(status))
 
 
-def nvidia_smi(index: int = 0) -> dict[str, Any]:
-    """Current SM and memory clocks (MHz) and the driver version, from nvidia-smi (None if absent)."""
-    out = _run(["nvidia-smi", f"--id={index}", "--query-gpu=clocks.sm,clocks.mem,driver_version",
+def nvidia_smi(gpu: int | str = 0) -> dict[str, Any]:
+    """Current SM and memory clocks (MHz) and the driver version of ``gpu`` (nvidia-smi's index, or
+    a UUID), from nvidia-smi (None if absent)."""
+    out = _run(["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,clocks.mem,driver_version",
                 "--format=csv,noheader,nounits"])
     result: dict[str, Any] = {"sm_clock_mhz": None, "mem_clock_mhz": None, "driver": None}
     if not out:
@@ -107,13 +112,30 @@ def nvidia_smi(index: int = 0) -> dict[str, Any]:
     return result
 
 
+def torch_uuid(device) -> str | None:
+    """``GPU-<uuid>`` of a TorchDevice's GPU as torch reports it (None where this torch cannot)."""
+    try:
+        import torch
+
+        uuid_ = torch.cuda.get_device_properties(device.device).uuid
+    except Exception:
+        return None
+    return f"GPU-{uuid_}" if uuid_ else None
+
+
 def collect(config: dict, seeds: list[int], started_at: str, device=None, argv: list[str] | None = None,
             root: str | Path = ".") -> dict[str, Any]:
     """Every provenance field (``device``: a persistentkv.measure.device.TorchDevice, or None)."""
+    from .slots import slot_record
+
     record: dict[str, Any] = {k: None for k in FIELDS}
+    slot = slot_record()
+    record["cpus"] = slot.get("cpus", sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     if device is not None and getattr(device, "is_cuda", False):
         record.update(gpu=device.name, sm_count=device.sm_count, l2_bytes=device.l2_bytes)
-        record.update(nvidia_smi(device.device.index or 0))
+        record.update(gpu_index=slot.get("gpu_index"), gpu_uuid=slot.get("gpu_uuid") or torch_uuid(device))
+        # torch counts devices after CUDA_VISIBLE_DEVICES, nvidia-smi before it: ask by UUID where known
+        record.update(nvidia_smi(record["gpu_uuid"] or device.device.index or 0))
     try:
         import torch
 

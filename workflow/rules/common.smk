@@ -1,5 +1,6 @@
-# Names shared by the workflow's .smk files: the conda environment, traces and seeds, wildcard
-# constraints. The Snakefile has validated the config and set CONFIG_FILE before this file is read.
+# Names shared by the workflow's .smk files: the job prefix, the conda environment, traces and
+# seeds, wildcard constraints. The Snakefile has validated the config and set CONFIG_FILE and HW
+# before this file is read.
 
 import glob
 import mimetypes
@@ -8,7 +9,14 @@ import os
 from persistentkv import configuration, hardware
 
 #: The environment of DESIGN.md; declared only where the file exists (a missing one fails every job).
-CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.basedir, "environment.yml")) else None
+CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.basedir, "..", "environment.yml")) else None
+
+
+def job(command, gpu=None):
+    """``command`` as a job's shell command: it holds {threads} CPUs of its own for its lifetime,
+    so no two jobs share one, and with ``gpu`` (a results/<hw>/ name) also a GPU of that kind
+    (persistentkv.slots)."""
+    return f"python -m persistentkv.slots --threads {{threads}}{f' --gpu {gpu}' if gpu else ''} -- {command}"
 
 # `snakemake --report` embeds tables as downloads; without a type it labels parquet text/plain.
 mimetypes.add_type("application/vnd.apache.parquet", ".parquet")

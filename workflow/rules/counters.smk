@@ -16,8 +16,10 @@ rule counter:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv counters --config {params.config} --trace-json {input} --out {output}"
-        " --no-progress > {log} 2>&1"
+        job(
+            "persistentkv counters --config {params.config} --trace-json {input} --out {output}"
+            " --no-progress > {log} 2>&1",
+        )
 
 
 rule counters:
@@ -43,8 +45,10 @@ rule ablation_buckets:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv ablation buckets --config {params.config} --traces-dir {params.traces_dir}"
-        " --out {output.table} --figure {output.figure} --no-progress > {log} 2>&1"
+        job(
+            "persistentkv ablation buckets --config {params.config} --traces-dir {params.traces_dir}"
+            " --out {output.table} --figure {output.figure} --no-progress > {log} 2>&1",
+        )
 
 
 rule ablation_splits:
@@ -65,5 +69,7 @@ rule ablation_splits:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv ablation splits --config {params.config} --traces-dir {params.traces_dir}"
-        " --out {output.table} --figure {output.figure} --no-progress > {log} 2>&1"
+        job(
+            "persistentkv ablation splits --config {params.config} --traces-dir {params.traces_dir}"
+            " --out {output.table} --figure {output.figure} --no-progress > {log} 2>&1",
+        )

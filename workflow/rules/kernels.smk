@@ -1,6 +1,6 @@
-# Compile kernels/ for the present GPU's architecture, else for hardware.kernel_archs (no GPU needed).
+# Compile kernels/ for the GPU hardware.target: auto found, else for hardware.kernel_archs (no GPU needed).
 
-KERNEL_ARCHS = hardware.kernel_archs(config, hardware.detect_arch() if GPU else None)
+KERNEL_ARCHS = hardware.kernel_archs(config, HW)
 
 
 rule kernels:
@@ -15,4 +15,6 @@ rule kernels:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv compile-kernels {params.archs} --out {output} > {log} 2>&1"
+        job(
+            "persistentkv compile-kernels {params.archs} --out {output} > {log} 2>&1",
+        )

@@ -1,15 +1,16 @@
 import os
 
-# GPU rules, included only when hardware.measure_enabled(config): a GPU is present (measure: auto)
-# or required (measure: always). Everything lands in results/<hw>/ of the GPU found, never in
-# another hardware's folder. A GPU job asks for every core (threads: workflow.cores), so no other
-# job, GPU or CPU, runs beside it and disturbs its timings.
+# GPU rules, included when the Snakefile has a results folder to measure into (HW, from
+# hardware.target). Everything lands in results/<HW>/, never in another hardware's folder.
+# A GPU job declares gpu=1 (`--resources gpu=N` runs N at once; SLURM gets --gpus=1) and
+# hardware.gpu_job_threads CPUs; job(..., gpu=HW) gives it a GPU of that name and CPUs that no
+# other job uses.
 
 from persistentkv.names import EXPERIMENTS
 
-HW = hardware.slug(GPU)
 RESULTS = f"results/{HW}"
 POLICY = f"{RESULTS}/policy.json"
+GPU_JOB_THREADS = config["hardware"]["gpu_job_threads"]
 #: Provenance sidecars the GPU commands write beside their parquet (docs/DATA.md).
 SIDECARS = expand(f"{RESULTS}/raw/{{experiment}}.json", experiment=EXPERIMENTS) + [
     f"{RESULTS}/bench_kernels.json",
@@ -30,17 +31,21 @@ wildcard_constraints:
 
 
 rule kernels_report:
-    """The compile report of the kernels this GPU ran (rule kernels compiles for its arch)."""
+    """The compile report of the kernels beside this GPU's results, copied whole (rule kernels)."""
     input:
         rules.kernels.output,
     output:
         report(f"{RESULTS}/kernels.json", caption="../report/kernels.rst", category="Kernels", subcategory=HW),
     log:
         f"logs/measure/{HW}/kernels_report.log",
+    params:
+        script=workflow.source_path("../scripts/copy_file.py"),
     conda:
         CONDA_ENV
     shell:
-        "cp {input} {output} 2> {log}"
+        job(
+            "python {params.script} {input} {output} > {log} 2>&1",
+        )
 
 
 rule bench_kernels:
@@ -55,11 +60,16 @@ rule bench_kernels:
         config=CONFIG_FILE,
         spec=config["spec"],
         measure=config["measure"],
-    threads: workflow.cores
+    threads: GPU_JOB_THREADS
+    resources:
+        gpu=1,
     conda:
         CONDA_ENV
     shell:
-        "persistentkv bench-kernels --config {params.config} --out {output.table} > {log} 2>&1"
+        job(
+            "persistentkv bench-kernels --config {params.config} --out {output.table} > {log} 2>&1",
+            gpu=HW,
+        )
 
 
 rule measure:
@@ -79,12 +89,17 @@ rule measure:
         measure=config["measure"],
         traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
         policy=lambda wildcards, input: f"--policy {input.policy}" if input.policy else "",
-    threads: workflow.cores
+    threads: GPU_JOB_THREADS
+    resources:
+        gpu=1,
     conda:
         CONDA_ENV
     shell:
-        "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
-        " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1"
+        job(
+            "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
+            " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1",
+            gpu=HW,
+        )
 
 
 # One named target per experiment: `snakemake measure_published`.
@@ -113,12 +128,17 @@ rule validate_gpu:
         spec=config["spec"],
         validation=config["validation"]["gpu"],
         traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
-    threads: workflow.cores
+    threads: GPU_JOB_THREADS
+    resources:
+        gpu=1,
     conda:
         CONDA_ENV
     shell:
-        "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
-        " --out {output.table} --policy {input.policy} > {log} 2>&1"
+        job(
+            "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
+            " --out {output.table} --policy {input.policy} > {log} 2>&1",
+            gpu=HW,
+        )
 
 
 rule calibrate:
@@ -134,7 +154,9 @@ rule calibrate:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1"
+        job(
+            "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1",
+        )
 
 
 rule provenance:
@@ -153,4 +175,6 @@ rule provenance:
     conda:
         CONDA_ENV
     shell:
-        "python {params.script} --out {output} {params.annotations} {input} > {log} 2>&1"
+        job(
+            "python {params.script} --out {output} {params.annotations} {input} > {log} 2>&1",
+        )

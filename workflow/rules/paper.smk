@@ -1,4 +1,4 @@
-# The paper (engineer A2): paper/generated/ (PDF figures, LaTeX tables, macros.tex) from the
+# The paper: paper/generated/ (PDF figures, LaTeX tables, macros.tex) from the
 # reference hardware's results, and paper/main.pdf. Include after render.smk. PAPER_TARGETS
 # (paper/generated/) belong in `all`; `paper_pdf` does not (it needs a TeX installation).
 
@@ -35,8 +35,10 @@ rule paper_figures:
     params:
         results=lambda w: f"results/{PAPER_HW}",
     shell:
-        "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
-        " --format pdf --out-dir paper/generated/figures > {log} 2>&1"
+        job(
+            "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
+            " --format pdf --out-dir paper/generated/figures > {log} 2>&1",
+        )
 
 
 rule paper_tables:
@@ -57,8 +59,10 @@ rule paper_tables:
     params:
         results=lambda w: f"results/{PAPER_HW}",
     shell:
-        "persistentkv tables --results {params.results} --counters results/counters --config {input.config}"
-        " --claims {input.claims} --out-dir paper/generated > {log} 2>&1"
+        job(
+            "persistentkv tables --results {params.results} --counters results/counters --config {input.config}"
+            " --claims {input.claims} --out-dir paper/generated > {log} 2>&1",
+        )
 
 
 rule paper_pdf:

@@ -1,4 +1,4 @@
-# Rendering (engineer A2): claims.json, SVG figures and the self-contained HTML report for every
+# Rendering: claims.json, SVG figures and the self-contained HTML report for every
 # hardware under results/ (the reference hardware always, measured or not). The Snakefile includes
 # this file after common.smk (CONFIG_FILE, CONDA_ENV) and adds RENDER_TARGETS to `all`.
 #
@@ -65,8 +65,10 @@ rule render_claims:
     params:
         results=lambda w: f"results/{w.hw}",
     shell:
-        "persistentkv claims --results {params.results} --counters results/counters"
-        " --config {input.config} --out {output} > {log} 2>&1"
+        job(
+            "persistentkv claims --results {params.results} --counters results/counters"
+            " --config {input.config} --out {output} > {log} 2>&1",
+        )
 
 
 rule render_figures:
@@ -89,8 +91,10 @@ rule render_figures:
         results=lambda w: f"results/{w.hw}",
         out_dir=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "persistentkv figures --results {params.results} --counters results/counters"
-        " --config {input.config} --format svg --out-dir {params.out_dir} > {log} 2>&1"
+        job(
+            "persistentkv figures --results {params.results} --counters results/counters"
+            " --config {input.config} --format svg --out-dir {params.out_dir} > {log} 2>&1",
+        )
 
 
 rule render_report:
@@ -112,5 +116,7 @@ rule render_report:
         results=lambda w: f"results/{w.hw}",
         figures_dir=lambda w, input: os.path.dirname(input.figures[0]),
     shell:
-        "persistentkv report --results {params.results} --counters results/counters --config {input.config}"
-        " --claims {input.claims} --figures-dir {params.figures_dir} --out {output} > {log} 2>&1"
+        job(
+            "persistentkv report --results {params.results} --counters results/counters --config {input.config}"
+            " --claims {input.claims} --figures-dir {params.figures_dir} --out {output} > {log} 2>&1",
+        )

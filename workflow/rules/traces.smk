@@ -14,8 +14,10 @@ rule trace:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv traces --config {params.config} --trace {wildcards.trace} --seed {wildcards.seed}"
-        " --out {output} > {log} 2>&1"
+        job(
+            "persistentkv traces --config {params.config} --trace {wildcards.trace} --seed {wildcards.seed}"
+            " --out {output} > {log} 2>&1",
+        )
 
 
 rule traces:

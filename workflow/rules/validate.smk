@@ -18,5 +18,7 @@ rule validate_cpu:
     conda:
         CONDA_ENV
     shell:
-        "persistentkv validate-cpu --config {params.config} --traces-dir {params.traces_dir} --out {output}"
-        " --no-progress > {log} 2>&1"
+        job(
+            "persistentkv validate-cpu --config {params.config} --traces-dir {params.traces_dir} --out {output}"
+            " --no-progress > {log} 2>&1",
+        )

@@ -1,0 +1,250 @@
+"""The workflow run through its profiles as a user runs it, on a small grid: GPU jobs side by side
+on fake GPUs (workflow/profiles/gpus), the DAG of a named GPU target on a host without one, runs
+interrupted by Ctrl-C and by a kill, a failed job's one line on the console, `--report`, and every
+`snakemake` command docs/WORKFLOW.md gives."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from workflow_support import (ROOT, copy_workflow, fake_calls, fake_gpu_env, job_counts, needs_snakemake,
+                              small_config, snakemake)
+
+from persistentkv import configuration
+from persistentkv.names import EXPERIMENTS
+from persistentkv.render import FIGURE_NAMES
+
+pytestmark = [needs_snakemake, pytest.mark.slow]
+
+GPU_RULES = {"measure": len(EXPERIMENTS), "bench_kernels": 1, "validate_gpu": 1, "calibrate": 1, "provenance": 1,
+             "kernels_report": 1}
+H200 = "NVIDIA H200"
+
+
+def small_repo(tmp_path: Path, **hardware) -> tuple[Path, dict]:
+    repo = copy_workflow(tmp_path / "repo")
+    return repo, small_config(repo, **hardware)
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+# ---- several GPUs of one host ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two GPU jobs at once need two CPUs here")
+def test_gpus_profile_runs_gpu_jobs_side_by_side_on_slots_of_their_own(tmp_path):
+    repo, _ = small_repo(tmp_path, target="nvidia-h200", gpu_job_threads=1)
+    env = fake_gpu_env(tmp_path, [H200, H200], PKV_FAKE_SLEEP=2, PKV_FAKE_FAIL="--experiment fragmented")
+    done = snakemake(repo, "results/nvidia-h200/provenance.json", "--workflow-profile", "workflow/profiles/gpus",
+                     "--resources", "gpu=2", env=env)
+    # the failed measurement stops the run's result, not the other jobs (keep-going)
+    assert done.returncode != 0
+    assert "error: --experiment fragmented failed on purpose" in done.stderr  # its one line, on the console
+    raw = repo / "results" / "nvidia-h200" / "raw"
+    assert sorted(p.stem for p in raw.glob("*.json")) == sorted(set(EXPERIMENTS) - {"fragmented"})
+    assert not (raw / "fragmented.parquet").exists() and not (repo / "results/nvidia-h200/provenance.json").exists()
+    calls = fake_calls(tmp_path)
+    gpu_calls = [c for c in calls if c["slot"].get("gpu_uuid")]
+    assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 2  # every measurement but the failed one, bench, validate
+    assert all(c["cuda_visible_devices"] == c["slot"]["gpu_uuid"] and c["cpus"] == c["slot"]["cpus"]
+               for c in gpu_calls)
+    side_by_side = [(a, b) for a, b in itertools.combinations(gpu_calls, 2) if overlap(a, b)]
+    assert side_by_side, "no two GPU jobs ran at the same time"
+    for a, b in itertools.combinations(calls, 2):  # GPU jobs and the faked CPU jobs alike
+        if overlap(a, b):
+            assert not set(a["cpus"]) & set(b["cpus"]), (a, b)
+            assert a["cuda_visible_devices"] is None or a["cuda_visible_devices"] != b["cuda_visible_devices"]
+
+
+def test_a_named_target_lists_every_gpu_job_on_a_host_without_one(tmp_path):
+    repo, _ = small_repo(tmp_path, target="nvidia-h200")
+    probes = tmp_path / "nvidia-smi.calls"
+    env = fake_gpu_env(tmp_path, None)
+    (tmp_path / "bin" / "nvidia-smi").write_text(f'#!/bin/sh\necho "$*" >> "{probes}"\nexit 9\n')
+    done = snakemake(repo, "-n", "-p", "all", env=env)
+    assert done.returncode == 0, done.stderr
+    counts = job_counts(done.stdout)
+    assert {rule: counts.get(rule) for rule in GPU_RULES} == GPU_RULES
+    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 2
+    assert not probes.exists()  # nothing asked this host for a GPU
+    for target in ("none", "auto"):
+        small_config(repo, target=target)
+        done = snakemake(repo, "-n", "all", env=env)
+        assert done.returncode == 0 and not set(GPU_RULES) & set(job_counts(done.stdout)), done.stderr
+        assert probes.exists() == (target == "auto")
+
+
+# ---- interrupted runs (default profile) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
+def test_an_interrupted_run_goes_on_with_the_documented_commands(tmp_path, sig):
+    repo, _ = small_repo(tmp_path, target="nvidia-h200")
+    env = fake_gpu_env(tmp_path, [H200], PKV_FAKE_SLEEP=8)
+    table = repo / "results" / "nvidia-h200" / "raw" / "calibration.parquet"
+    # a session of its own, as a terminal runs it: Ctrl-C reaches snakemake and its jobs
+    run = subprocess.Popen([sys.executable, "-m", "snakemake", "measure_calibration", "--cores", "1"], cwd=repo,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not table.exists():  # the job wrote one of its two outputs
+            assert run.poll() is None and time.monotonic() < deadline, "the measurement never started"
+            time.sleep(0.1)
+        os.killpg(run.pid, sig)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    again = snakemake(repo, "measure_calibration", "--cores", "1", env={**env, "PKV_FAKE_SLEEP": "0"})
+    if sig == signal.SIGKILL:
+        assert again.returncode != 0 and "LockException" in again.stderr and "--unlock" in again.stderr
+        unlock = snakemake(repo, "--unlock", env=env)
+        assert unlock.returncode == 0, unlock.stderr
+        again = snakemake(repo, "measure_calibration", "--cores", "1", env={**env, "PKV_FAKE_SLEEP": "0"})
+    assert again.returncode == 0, again.stderr
+    assert table.with_suffix(".json").is_file()  # the stopped job ran again, whole
+
+
+# ---- a failed job's reason on the console -------------------------------------------------------
+
+
+def test_a_failed_jobs_one_line_reaches_the_console(tmp_path):
+    repo, config = small_repo(tmp_path, target="none")
+    csv = repo / "config" / "tiny_trace.csv"
+    csv.write_text(csv.read_text().replace("1,0,900,4", "1,0,abc,4"))
+    seed = configuration.calibration_seed(config)
+    done = snakemake(repo, f"build/traces/tiny_s{seed}.json", "--cores", "1", env=fake_gpu_env(tmp_path, None))
+    assert done.returncode != 0
+    line = "error: config/tiny_trace.csv:3: column prompt_len must be an integer, got 'abc'"
+    assert (repo / f"logs/traces/tiny_s{seed}.log").read_text() == line + "\n"
+    assert line in done.stderr.splitlines(), done.stderr
+
+
+def test_kernels_report_never_shows_a_partial_file(tmp_path):
+    repo, _ = small_repo(tmp_path, target="nvidia-h200")
+    env = fake_gpu_env(tmp_path, [H200])
+    done = snakemake(repo, "build/kernels/report.json", "--cores", "1", env=env)
+    assert done.returncode == 0, done.stderr
+    source, target = repo / "build" / "kernels" / "report.json", repo / "results" / "nvidia-h200" / "kernels.json"
+    source.unlink()
+    os.mkfifo(source)  # the copy blocks on reading it until the test writes
+    copy = subprocess.Popen([sys.executable, "-m", "snakemake", str(target.relative_to(repo)), "--cores", "1"],
+                            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = repo / "logs" / "measure" / "nvidia-h200" / "kernels_report.log"
+        deadline = time.monotonic() + 120
+        while not log.exists():  # the job has started
+            assert copy.poll() is None and time.monotonic() < deadline, copy.stderr.read()
+            time.sleep(0.1)
+        while True:  # until the copy opens its source (a FIFO without a reader refuses a writer)
+            assert copy.poll() is None and time.monotonic() < deadline, copy.stderr.read()
+            try:
+                fifo = os.open(source, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(0.5)
+        assert not target.exists()  # nothing under the final name while the copy is under way
+        os.write(fifo, b'{"arch": "sm_90"}\n')
+        os.close(fifo)
+        assert copy.wait(timeout=120) == 0, copy.stderr.read()
+    finally:
+        if copy.poll() is None:
+            copy.kill()
+    assert target.read_text() == '{"arch": "sm_90"}\n'
+
+
+# ---- a small grid built once: --report and the documented commands -------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    """A small grid's `all`, built by `snakemake --cores 2 all` without a GPU (hardware.target: none)."""
+    tmp_path = tmp_path_factory.mktemp("built")
+    repo, _ = small_repo(tmp_path, target="none")
+    env = fake_gpu_env(tmp_path, None)  # the compile is faked: CI has no nvcc, and it is slow where there is one
+    done = snakemake(repo, "all", "--cores", "2", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return repo, env
+
+
+def test_report_holds_every_report_output(built):
+    repo, env = built
+    done = snakemake(repo, "--report", "report.html", env=env)
+    assert done.returncode == 0, done.stderr
+    expected = (["results/counters/validation_cpu.parquet", "results/counters/ablation_buckets.svg",
+                 "results/counters/ablation_splits.svg", "results/nvidia-h200/report.html",
+                 "paper/generated/macros.tex"]
+                + [f"build/figures/nvidia-h200/{name}.svg" for name in FIGURE_NAMES]
+                + [f"paper/generated/figures/{name}.pdf" for name in FIGURE_NAMES])
+    added = re.findall(r"^Adding (\S+) \(", done.stderr, re.MULTILINE)
+    assert sorted(added) == sorted(Path(p).name for p in expected)
+    html = (repo / "report.html").read_text()
+    for path in expected:
+        assert Path(path).name in html, path
+
+
+#: Every `snakemake` command of docs/WORKFLOW.md and what its dry run must list: a job count per
+#: rule ({}: nothing to do), on the small grid built without a GPU ("built") or on a fresh copy
+#: whose hardware.target is nvidia-h200 ("gpu").
+GPU_ALL = {"trace": 4, "counter": 4, "validate_cpu": 1, "ablation_buckets": 1, "ablation_splits": 1, "kernels": 1,
+           **GPU_RULES, "render_claims": 1, "render_figures": 1, "render_report": 1, "paper_tables": 1,
+           "paper_figures": 1, "all": 1}
+DOCUMENTED = {
+    "snakemake --cores 1 all": ("built", {}),
+    "snakemake -n all": ("built", {}),
+    "snakemake --report report.html": ("report", None),  # test_report_holds_every_report_output
+    "snakemake ablation_buckets --cores 1": ("built", {}),
+    "snakemake ablation_splits --cores 1 --force": ("built", {"ablation_splits": 1}),
+    "snakemake counters --cores 1 --forcerun counter": ("built", {"counter": 4, "counters": 1}),
+    "snakemake --cores 1 --forcerun ablation_splits ablation_splits": ("built", "all"),  # the pitfall it names
+    "snakemake --unlock": ("unlock", None),
+    "snakemake all --cores 1": ("built", {}),
+    "snakemake all --cores all": ("gpu", GPU_ALL),
+    "snakemake measure_published --cores all": ("gpu", {"trace": 4, "kernels": 1, "measure": 2, "calibrate": 1,
+                                                        "measure_published": 1}),
+    "snakemake all --workflow-profile workflow/profiles/gpus --resources gpu=4": ("gpu", GPU_ALL),
+    "snakemake all --workflow-profile workflow/profiles/slurm": ("gpu", GPU_ALL),
+}
+
+
+def documented_commands() -> list[str]:
+    text = (ROOT / "docs" / "WORKFLOW.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith("snakemake "):
+                commands.append(line)
+    commands += re.findall(r"`(snakemake [^`]+)`", text)  # and those the prose quotes
+    return sorted(set(commands))
+
+
+def test_every_documented_command_has_an_expected_dry_run():
+    assert documented_commands() == sorted(DOCUMENTED)
+
+
+def test_documented_commands_do_what_they_say(built, tmp_path):
+    repo, env = built
+    gpu_repo, _ = small_repo(tmp_path, target="nvidia-h200")
+    for command, (where, expected) in DOCUMENTED.items():
+        if where in ("report", "unlock"):
+            continue
+        args = command.split()[1:]
+        done = snakemake(repo if where == "built" else gpu_repo, "-n", *args, env=env)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+        counts = job_counts(done.stdout)
+        if expected == "all":
+            assert counts.get("all") == 1 and counts.get("ablation_splits") == 1, (command, counts)
+        else:
+            assert counts == ({**expected, "total": sum(expected.values())} if expected else {}), (command, counts)
