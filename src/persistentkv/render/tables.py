@@ -180,6 +180,7 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
     add("pkvNBoot", str(payload["n_boot"]), "bootstrap replicates")
     add("pkvConfidence", f"{payload['confidence'] * 100:g}", "interval coverage, percent")
     add("pkvBootSeed", str(payload["boot_seed"]), "bootstrap generator seed")
+    add("pkvMargin", f"{payload['margin'] * 100:g}", "claims.MARGIN, percent: the smallest difference between designs")
     counts = payload["counts"]
     add("pkvNumClaims", str(len(payload["claims"])), "")
     for verdict, name in ((claims.HOLDS, "Hold"), (claims.ONLY_PUBLISHED, "OnlyPublished"),
