@@ -424,7 +424,40 @@ def test_engine_host_cost_of_a_run_without_the_loop_is_not_measured():
         assert out["sentences"] == ["Eager use: not measured as the target asks (host time per call in a loop of "
                                     "back-to-back run() calls, host_loop_us, which this run predates); one call right "
                                     "after a synchronisation takes 22.0 us (case medians 22.0-22.0 us)."]
-    assert targets.engine_verdicts(make_results())["host"] == {"target_us": 15.0, "measured": False}
+    assert targets.engine_verdicts(make_results())["host"] == {"target_us": 15.0, "measured": False, "by_file": []}
+
+
+def test_engine_host_cost_states_the_unpinned_figures_beside_the_pinned():
+    """The target is judged on pinned bench_kernels rows; a committed file whose eager rows ran
+    unpinned (the calibration run predates pinning: no host_cpu, no loop) is stated beside them,
+    with its file, commit and single-call figures, and that the target cannot be judged there."""
+    kernel = bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0}, "B1xN4096", 16 << 20, 0.4)
+    eager = eager_case({"pkv-workqueue": (22.0, 9.0), "trtllm-xqa": (110.0, 60.0)}, "B1xN4096")
+    pinned = eager.assign(host_cpu=3, host_probe_us=150.0)
+    results = bench_results([kernel, pinned])
+    said = targets.engine_verdicts(results)["sentences"][-1]
+    assert ": holds with the timing thread pinned;" in said
+    assert said.endswith("No committed file holds eager rows of pkv-workqueue timed with the thread unpinned: "
+                         "the target is judged pinned only.")
+    calibration = timing({("pkv-workqueue", None): 50.0}, experiment="calibration", trace="bimodal_b8",
+                         seeds=(20260622,), protocols=("eager",), steps=2, repeats=3, noise=0.0, host_us=31.0)
+    calibration["run_id"] = "run-old"
+    results.raw = calibration
+    results.provenance["run-old"] = {"gpu": "Test GPU", "git_commit": "0ld0ld0ld0ld"}
+    out = targets.engine_verdicts(results)
+    files = {e["file"]: e for e in out["host"]["by_file"]}
+    assert list(files) == ["bench_kernels.parquet", "raw/calibration.parquet"]
+    assert files["bench_kernels.parquet"]["thread"] == "pinned"
+    assert files["raw/calibration.parquet"]["thread"] == targets.UNRECORDED
+    assert files["raw/calibration.parquet"]["host_loop_us"] is None
+    assert files["raw/calibration.parquet"]["host_us"] == {"median": 31.0, "worst": 31.0, "cases": 2}
+    assert files["bench_kernels.parquet"]["host_loop_us"] == {"median": 9.0, "worst": 9.0, "cases": 1}
+    said = out["sentences"][-1]
+    assert ("Unpinned, in raw/calibration.parquet (commit 0ld0ld0ld0; not pinned (the run predates pinning)): it "
+            "has no back-to-back loop (host_loop_us), so the target cannot be judged unpinned; one call right after a "
+            "synchronisation took 31.0 us (median over 2 cases; worst 31.0 us).") in said
+    assert "Pinned, one call right after a synchronisation took (median): bench_kernels.parquet 22.0 us." in said
+    assert said.endswith("so their difference mixes code changes with where the thread ran.")
 
 
 def test_engine_verdicts_without_bench_rows_say_not_measured():
