@@ -449,3 +449,19 @@ def test_engine_figure_data_places_every_grid_case_and_its_target(measured):
     row = host[(host["backend"] == "pkv-workqueue") & (host["trace"] == host["trace"].iloc[0])]
     assert row["host_loop_us"].iloc[0] == pytest.approx(one["host_loop_us"].median())
 
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs git and a checkout")
+def test_gitignore_hides_no_tracked_file_but_a_killed_writers_leftovers():
+    """.gitignore names no file the repository tracks (a tracked file it matched would vanish from
+    `git status` once re-rendered), and it does name the temporary file a writer killed mid-write
+    leaves beside a result (persistentkv.io), which `git status` would otherwise show."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+    assert git("ls-files", "--cached", "--ignored", "--exclude-per-directory=.gitignore").stdout == ""
+    for leftover in ("results/nvidia-h200/.claims.json.k3x9q1.tmp", "paper/generated/.macros.tex.a1b2c3.tmp"):
+        assert git("check-ignore", "--no-index", "-q", leftover).returncode == 0, leftover
+    for kept in ("results/nvidia-h200/claims.json", "paper/main.pdf", "results/nvidia-h200/report.html"):
+        assert git("check-ignore", "--no-index", "-q", kept).returncode == 1, kept
