@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import PKVError, require
 from ..io import atomic_path
 
-INSTALL_HINT = ("no TeX engine found: install one with 'apt-get install latexmk texlive-latex-recommended "
+INSTALL_HINT = ("no TeX engine found: install one with 'apt-get install latexmk lmodern texlive-latex-recommended "
                 "texlive-latex-extra texlive-fonts-recommended' (Debian/Ubuntu) or put 'tectonic' on PATH")
 #: The time TeX engines write wherever they would write the build's clock (pdfTeX with
 #: FORCE_SOURCE_DATE, tectonic): fixed, so no timestamp depends on when the paper was built.
