@@ -170,13 +170,33 @@ def test_ceiling_fraction_from_column_or_computed():
     assert analysis.ceiling_fraction(frame).iloc[0]["frac"] == pytest.approx(0.25)
 
 
-def test_winners_flag_only_significant_losses():
-    frame = rows({"flashinfer-tc": const(100.0), "pkv-workqueue": const(50.0), "vllm-fa3": const(50.0),
-                  "adaptive": const(10.0)}, noise=0.01, rng_seed=2)
-    w = analysis.winners(analysis.bootstrap_cells(frame)).set_index("backend")
-    assert "adaptive" not in w.index                     # a policy, not a kernel
-    assert bool(w.loc["flashinfer-tc", "loses"])
-    assert not w.loc["pkv-workqueue", "loses"] and not w.loc["vllm-fa3", "loses"]
+def test_fastest_member_and_split_labels():
+    frame = rows({"pkv-split": const(90.0), "pkv-workqueue": const(100.0), "flashinfer-tc": const(80.0)})
+    sweep = pd.concat([rows({"pkv-split": const(100.0 + s)}, num_splits=s) for s in (8, 16)], ignore_index=True)
+    (cell,) = analysis.bootstrap_cells(frame)
+    assert cell.fastest(["pkv-workqueue", "pkv-split", "pkv-buckets"]) == "pkv-split"
+    assert cell.fastest(["pkv-buckets"]) is None and cell.resolve("flashinfer-best") == "flashinfer-tc"
+    (swept,) = analysis.bootstrap_cells(sweep)
+    assert swept.backends == ["pkv-split/S16", "pkv-split/S8"]
+    assert {analysis.unlabelled(b) for b in swept.backends} == {"pkv-split"}
+    assert analysis.unlabelled("vllm-fa3") == "vllm-fa3"
+
+
+def test_corrected_interval_widens_with_the_number_of_tests():
+    rng = np.random.default_rng(5)
+    boot = np.exp(rng.normal(np.log(1.05), 0.01, 4000))
+    lo1, hi1 = analysis.corrected_interval(1.05, boot, 1)
+    # one test: the normal 95 % interval, close to the bootstrap's own percentiles
+    assert lo1 == pytest.approx(np.quantile(boot, 0.025), rel=2e-3)
+    assert hi1 == pytest.approx(np.quantile(boot, 0.975), rel=2e-3)
+    lo, hi = analysis.corrected_interval(1.05, boot, 1000)
+    assert lo < lo1 < 1.05 < hi1 < hi
+    z = np.log(hi / 1.05) / np.log(hi1 / 1.05)                  # z(0.025 / 1000) / z(0.025) = 4.06 / 1.96
+    assert z == pytest.approx(4.0556 / 1.95996, rel=0.01)
+    assert np.log(1.05 / lo) == pytest.approx(np.log(hi / 1.05))  # symmetric on the log scale
+    assert all(np.isnan(analysis.corrected_interval(1.05, np.array([1.05, np.nan]), 3)))
+    with pytest.raises(PKVError, match="tests must be a positive integer"):
+        analysis.corrected_interval(1.05, boot, 0)
 
 
 @settings(max_examples=25, deadline=None)

@@ -59,12 +59,115 @@ def test_missing_data_renders_placeholders_that_say_so(empty, tmp_path):
         assert "not measured on nvidia-h200 yet" in text or "not computed yet" in text, spec.name
 
 
-def test_figures_are_byte_stable(measured, tmp_path):
+@pytest.mark.parametrize("fmt", ["svg", "pdf"])
+def test_figures_are_byte_stable(measured, tmp_path, fmt):
+    """Rendered twice, every figure is the same bytes: no date, no random id (a rerun of the
+    pipeline leaves the committed figures untouched)."""
+    import time
+
     _, results, _ = measured
-    a = figures.render_all(results, tmp_path / "a", "svg", only=["trace_ratios", "policy", "engine"])
-    b = figures.render_all(results, tmp_path / "b", "svg", only=["trace_ratios", "policy", "engine"])
+    a = figures.render_all(results, tmp_path / "a", fmt)
+    time.sleep(1.1)                       # a timestamp to the second would differ now
+    b = figures.render_all(results, tmp_path / "b", fmt)
     for x, y in zip(a, b):
-        assert x.read_bytes() == y.read_bytes()
+        assert x.read_bytes() == y.read_bytes(), x.name
+    text = a[0].read_bytes()
+    assert b"CreationDate" not in text and b"<dc:date>" not in text
+
+
+def tick_overlaps(fig) -> list[str]:
+    """Pairs of visible tick labels on one log axis of ``fig`` whose boxes overlap once drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            if axis.get_scale() != "log":
+                continue
+            labels = [t for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
+            boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
+            for i, (ta, a) in enumerate(boxes):
+                for tb, b in boxes[i + 1:]:
+                    if a.overlaps(b) and a.intersection(a, b).width * a.intersection(a, b).height > 1:
+                        out.append(f"{ax.get_title() or '?'} {name}: {ta!r} / {tb!r}")
+    return out
+
+
+def test_no_figure_has_crowded_tick_labels(measured):
+    _, results, _ = measured
+    for spec in figures.FIGURES:
+        with figures.style():
+            assert tick_overlaps(spec.build(results)) == [], spec.name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / "results" / "nvidia-h200" / "raw").is_dir(), reason="no committed H200 rows")
+def test_committed_figures_have_no_crowded_tick_labels():
+    """The committed H200 rows span 0.07-30x on the trace figure and under a decade of errors on
+    the validation figure, where the labels used to run together."""
+    from persistentkv.configuration import load_config
+
+    results = load_results(REPO / "results" / "nvidia-h200", REPO / "results" / "counters",
+                           load_config(REPO / "config" / "config.yaml"))
+    for spec in figures.FIGURES:
+        with figures.style():
+            assert tick_overlaps(spec.build(results)) == [], spec.name
+
+
+def test_log_axes_keep_their_labels_apart():
+    """A ratio axis over 0.07-30 (the published protocol's range) and a short log axis
+    (relative errors 2e-4-2e-3): labels readable and apart, at 1, 2, 5 x 10^k or plain ratios."""
+    from matplotlib.figure import Figure
+
+    with figures.style():
+        fig = Figure(figsize=(3.4, 3.0), layout="constrained")
+        left, right = fig.subplots(1, 2)
+        left.plot([0, 1], [0.07, 30])
+        figures.ratio_axis(left)
+        right.plot([2e-4, 2.2e-3], [0, 1])
+        figures.log_axis(right, "x")
+        assert tick_overlaps(fig) == []
+        assert [t.get_text() for t in left.get_yticklabels()] == ["0.1", "0.3", "1", "3", "10", "30"]
+        shown = [t.get_text() for t in right.get_xticklabels() if t.get_text()]
+        assert {"5e-4", "1e-3", "2e-3"} <= set(shown)
+        assert not [t for t in right.xaxis.get_ticklabels(minor=True) if t.get_text()]
+    assert figures.ratio_ticks(0.8, 1.6) == [0.8, 0.9, 1.0, 1.25, 1.5]
+
+
+def test_validation_tells_the_dtypes_apart_with_their_own_tolerance(measured):
+    """Each cache dtype has its panel (and its report rows) with its own tolerance: float16's is
+    2e-3, bfloat16's 1e-2; the CPU executor's rows, float16, sit in the float16 panel."""
+    _, results, _ = measured
+    frame = figures.data_validation(results)
+    assert set(frame["dtype"]) == {"float16", "bfloat16"}
+    assert set(frame.loc[frame["source"] == "cpu", "dtype"]) == {"float16"}
+    fig = figures.fig_validation(frame, results.hw)
+    assert [ax.get_title() for ax in fig.axes] == ["float16 (tolerance 0.002)", "bfloat16 (tolerance 0.01)"]
+    rows = {(r["backend"], r["dtype"]): r for r in report.validation_rows(results)}
+    assert rows[("pkv-workqueue", "float16")]["rtol"] == "2.0e-03"
+    assert rows[("pkv-workqueue", "bfloat16")]["rtol"] == "1.0e-02"
+    assert rows[("cpu:workqueue", "float16")]["rtol"] == "2.0e-03" and ("cpu:workqueue", "bfloat16") not in rows
+
+
+def test_recorded_reasons_read_as_sentences():
+    """A reason recorded from an exception shows its message, not the exception's class."""
+    assert report.reader_text("PKVError: backend adaptive needs a policy file (policy_path); pass --policy") == \
+        "backend adaptive needs a policy file (policy_path); pass --policy"
+    assert report.reader_text("persistentkv.errors.PKVError: x") == "x"
+    assert report.reader_text("ModuleNotFoundError: No module named 'vllm'") == "No module named 'vllm'"
+    assert report.reader_text("synthetic: torch-sdpa skipped") == "synthetic: torch-sdpa skipped"
+    assert report.reader_text("needs sm_90 (ValueError: no)") == "needs sm_90 (ValueError: no)"
+
+
+def test_provenance_says_once_what_every_run_shares():
+    rows = [{"run_id": "a", "gpu": "H200", "sm_count": 132, "driver": "580", "torch": "2.11", "cuda": "13.0"},
+            {"run_id": "b", "gpu": "H200", "sm_count": 132, "driver": "580", "torch": "2.12", "cuda": "13.0"}]
+    shared, varying = tables.machine_columns(rows)
+    assert shared == [("GPU", "H200 (132 SMs)"), ("driver", "580"), ("CUDA", "13.0")]
+    assert varying == [("torch", "torch")]
 
 
 def test_pdf_and_bad_format(measured, tmp_path):
@@ -174,6 +277,8 @@ def test_report_is_self_contained(measured, tmp_path):
     for c in payload["claims"]:
         assert f'<td class="id">{c["id"]}</td>' in html
     assert synthetic.GPU in html and "synthetic-run" in html             # provenance shown
+    full = synthetic.provenance()[synthetic.RUN_ID]["config_hash"]
+    assert f'<code title="{full}">{full[:tables.HASH_CHARS]}</code>' in html and f">{full}<" not in html
     assert "torch-sdpa" in html and "synthetic: torch-sdpa skipped" in html   # unavailable with reason
     engine = payload["engine"]
     assert 'id="engine"' in html and all(s.replace("'", "&#39;") in html for s in engine["sentences"])
@@ -244,11 +349,22 @@ def test_corrupt_results_file_is_a_one_line_error(tmp_path):
         load_results(hw_dir)
 
 
+NEEDS_LATEX = pytest.mark.skipif(shutil.which("latexmk") is None or shutil.which("pdflatex") is None,
+                                 reason="needs latexmk and pdflatex (apt-get install latexmk lmodern "
+                                        "texlive-latex-recommended texlive-latex-extra texlive-fonts-recommended)")
+
+
+def overfull(log: Path, tolerance_pt: float = 1.0) -> list[str]:
+    """The boxes TeX reports wider than their line (text running into the margin or the next
+    column) by more than ``tolerance_pt``."""
+    text = log.read_text(errors="replace")
+    return [m.group(0) for m in re.finditer(r"Overfull \\hbox \((\d+(?:\.\d+)?)pt too wide\)[^\n]*", text)
+            if float(m.group(1)) > tolerance_pt]
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("latexmk") is None or shutil.which("pdflatex") is None,
-                    reason="needs latexmk and pdflatex (apt-get install latexmk texlive-latex-recommended "
-                           "texlive-latex-extra texlive-fonts-recommended)")
-def test_paper_builds_without_undefined_references(measured, tmp_path):
+@NEEDS_LATEX
+def test_paper_builds_without_undefined_references_byte_for_byte(measured, tmp_path):
     from persistentkv.render.paper import build_pdf
 
     _, results, payload = measured
@@ -263,6 +379,38 @@ def test_paper_builds_without_undefined_references(measured, tmp_path):
     # Every macro the text uses is defined by macros.tex (an undefined one fails the build above).
     used = set(re.findall(r"\\(pkv[A-Za-z]+)", (paper / "main.tex").read_text()))
     assert used <= set(macro_map(paper / "generated" / "macros.tex"))
+    # A rebuild from scratch a second later is the same file: no date, no trailer id.
+    import time
+
+    time.sleep(1.1)
+    again = build_pdf(paper / "main.tex", tmp_path / "again.pdf", tmp_path / "build-again")
+    assert again.read_bytes() == pdf.read_bytes()
+    assert b"/CreationDate" not in pdf.read_bytes() and b"/ID [" not in pdf.read_bytes()
+    assert overfull(tmp_path / "build" / "main.log") == []
+
+
+@pytest.mark.slow
+@NEEDS_LATEX
+def test_committed_paper_fits_its_page(tmp_path):
+    """The paper as the repository renders it (its generated/ from the H200 rows): no line or
+    table cell runs past its box (the commit and config-hash lists once ran 188 pt off page 2)."""
+    from persistentkv.render.paper import build_pdf
+
+    paper = tmp_path / "paper"
+    shutil.copytree(REPO / "paper" / "generated", paper / "generated")
+    shutil.copy(REPO / "paper" / "main.tex", paper)
+    shutil.copy(REPO / "paper" / "refs.bib", paper)
+    build_pdf(paper / "main.tex", paper / "main.pdf", tmp_path / "build")
+    assert overfull(tmp_path / "build" / "main.log") == []
+
+
+@NEEDS_LATEX
+def test_paper_build_error_is_the_tex_error(tmp_path):
+    from persistentkv.render.paper import build_pdf
+
+    (tmp_path / "bad.tex").write_text("\\documentclass{article}\\usepackage{nosuchpackage}\\begin{document}x\\end{document}\n")
+    with pytest.raises(PKVError, match=r"bad.tex did not build: ! LaTeX Error: File `nosuchpackage.sty' not found"):
+        build_pdf(tmp_path / "bad.tex", tmp_path / "bad.pdf", tmp_path / "build")
 
 
 def test_paper_text_has_no_hand_typed_numbers():
@@ -300,3 +448,20 @@ def test_engine_figure_data_places_every_grid_case_and_its_target(measured):
     one = eager[(eager["backend"] == "pkv-workqueue") & (eager["trace"] == host["trace"].iloc[0])]
     row = host[(host["backend"] == "pkv-workqueue") & (host["trace"] == host["trace"].iloc[0])]
     assert row["host_loop_us"].iloc[0] == pytest.approx(one["host_loop_us"].median())
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs git and a checkout")
+def test_gitignore_hides_no_tracked_file_but_a_killed_writers_leftovers():
+    """.gitignore names no file the repository tracks (a tracked file it matched would vanish from
+    `git status` once re-rendered), and it does name the temporary file a writer killed mid-write
+    leaves beside a result (persistentkv.io), which `git status` would otherwise show."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+    assert git("ls-files", "--cached", "--ignored", "--exclude-per-directory=.gitignore").stdout == ""
+    for leftover in ("results/nvidia-h200/.claims.json.k3x9q1.tmp", "paper/generated/.macros.tex.a1b2c3.tmp"):
+        assert git("check-ignore", "--no-index", "-q", leftover).returncode == 0, leftover
+    for kept in ("results/nvidia-h200/claims.json", "paper/main.pdf", "results/nvidia-h200/report.html"):
+        assert git("check-ignore", "--no-index", "-q", kept).returncode == 1, kept

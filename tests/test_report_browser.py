@@ -3,8 +3,9 @@
 Chromium is driven through its own DevTools protocol over a pipe (``--remote-debugging-pipe``:
 JSON messages separated by NUL on file descriptors 3 and 4), so no websocket client and no
 downloaded browser are needed. Checks: every figure decodes with a nonzero size, the claims
-table is there with one row per claim, the page logs no console error or exception, and it asks
-for nothing outside itself (no network request other than data: URIs and the file itself).
+table is there with one row per claim, no table is wider than its column in a laptop's window
+(:data:`WINDOW`), the page logs no console error or exception, and it asks for nothing outside
+itself (no network request other than data: URIs and the file itself).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's /u
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-extensions", "--mute-audio", "--remote-debugging-pipe"]
+#: A laptop's browser window: the report's tables must fit its column there.
+WINDOW = (1280, 900)
 PROBE = """(async () => {
   const imgs = [...document.images];
   const out = [];
@@ -40,7 +43,16 @@ PROBE = """(async () => {
               shown: r.width * r.height});
   }
   const svgs = [...document.querySelectorAll('svg')].map(s => s.getBoundingClientRect().width);
-  return JSON.stringify({images: out, svgs,
+  const tables = [...document.querySelectorAll('table')].map(t => {
+    const box = t.parentElement, style = getComputedStyle(box);
+    let label = t.previousElementSibling;
+    while (label && !/^H[23]$/.test(label.tagName)) label = label.previousElementSibling;
+    return {name: t.id || (label ? label.textContent.trim() : box.id),
+            width: Math.max(t.getBoundingClientRect().width, t.scrollWidth),
+            column: box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)};
+  });
+  return JSON.stringify({images: out, svgs, tables, page: document.documentElement.scrollWidth,
+    window: window.innerWidth,
     claimRows: document.querySelectorAll('#claims-table tbody tr').length,
     verdicts: [...document.querySelectorAll('#claims-table .badge')].map(b => b.textContent.trim()),
     title: document.title});
@@ -133,6 +145,8 @@ def open_in_chromium(page: Path, tmp_path: Path) -> tuple[dict, list[dict]]:
         session = tools.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             tools.send(f"{domain}.enable", session=session)
+        tools.send("Emulation.setDeviceMetricsOverride", {"width": WINDOW[0], "height": WINDOW[1],
+                                                          "deviceScaleFactor": 1, "mobile": False}, session=session)
         tools.send("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
         tools.wait_event("Page.loadEventFired", timeout=60)
         result = tools.send("Runtime.evaluate", {"expression": PROBE, "awaitPromise": True, "returnByValue": True},
@@ -163,6 +177,16 @@ def problems(events: list[dict], page: Path) -> list[str]:
     return out
 
 
+def too_wide(probe: dict) -> list[str]:
+    """Tables wider than the column they sit in (a reader would have them cut off), and the page
+    itself when it scrolls sideways."""
+    out = [f"{t['name']}: {t['width']:.0f} px in a {t['column']:.0f} px column" for t in probe["tables"]
+           if t["width"] > t["column"] + 0.5]
+    if probe["page"] > probe["window"]:
+        out.append(f"the page: {probe['page']} px in a {probe['window']} px window")
+    return out
+
+
 def build_report(root: Path, measured: bool) -> Path:
     """Render a report from synthetic results (or from nothing) into ``root``."""
     hw_dir = synthetic.write_results(root, hw="synthetic-gpu") if measured else root / "results" / "nvidia-h200"
@@ -189,6 +213,31 @@ def test_report_opens_offline_with_every_figure(tmp_path, measured):
         # Nothing measured: timing claims must say so (counters are absent too here).
         assert set(probe["verdicts"]) == {claims.NOT_MEASURED}
     assert problems(events, page) == []
+    assert len(probe["tables"]) >= 3 and too_wide(probe) == []
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "nvidia-h200" / "report.html"
+
+
+@pytest.mark.skipif(not COMMITTED.is_file(), reason="the repository's rendered report is not there")
+def test_committed_report_fits_a_laptop_window(tmp_path):
+    """The report the repository ships, with its real run ids, hashes and intervals: every table
+    fits its column at WINDOW's width, and nothing in it is broken."""
+    probe, events = open_in_chromium(COMMITTED, tmp_path)
+    assert too_wide(probe) == []
+    assert all(img["decoded"] and img["w"] > 100 for img in probe["images"])
+    assert problems(events, COMMITTED) == []
+
+
+def test_probe_detects_a_table_wider_than_its_column(tmp_path):
+    """The width check can fail: a table with a long unbreakable cell is caught, by its heading."""
+    page = build_report(tmp_path, measured=False)
+    html = page.read_text()
+    wide = '<h3>Too wide</h3><table><tr><td><code>' + "0123456789abcdef" * 20 + '</code></td></tr></table>'
+    spoilt = tmp_path / "wide.html"
+    spoilt.write_text(html.replace('<section id="provenance">', '<section id="provenance">' + wide, 1))
+    probe, _ = open_in_chromium(spoilt, tmp_path)
+    assert [w.split(":")[0] for w in too_wide(probe)] == ["Too wide", "the page"]
 
 
 def test_probe_detects_a_broken_figure(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from . import analysis
-from .names import BASELINES, synthetic_name
+from .names import BASELINES, EXPERIMENTS, synthetic_name
 from .results import Results
 
 #: The backend the engine's targets are about: our work queue, as pkv-workqueue runs it.
@@ -82,6 +82,7 @@ def engine_verdicts(results: Results) -> dict:
                                 "hi": float(worst.hi), "baseline": str(worst.ref_backend)},
                         "holds": not below}
     out["host"] = engine_host(bench)
+    out["host"]["by_file"] = engine_host_by_file(results)
     out["sentences"] = _engine_sentences(out)
     return out
 
@@ -135,6 +136,48 @@ def engine_host(bench: pd.DataFrame) -> dict:
     return out
 
 
+#: Where the timing thread ran in a run made before the host_cpu column: before the harness pinned it.
+UNRECORDED = "not pinned (the run predates pinning)"
+#: Columns that make one eager case of a file: a step of a trace (or a bench_kernels case) under
+#: one attention spec; its host times are the median over that case's rounds.
+_EAGER_CASE = ["trace", "seed", "step", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype",
+               "hole_fraction"]
+
+
+def engine_host_by_file(results: Results) -> list[dict]:
+    """ENGINE_BACKEND's eager host cost in every committed file that has eager rows of it, with
+    where the timing thread ran there (analysis.pinning), so pinned and unpinned figures stand
+    side by side, each with the file it comes from: ``file`` (under results/<hw>/), ``runs``
+    (run_id -> commit), ``thread`` ("pinned", "not pinned", UNRECORDED, "partly pinned"), and, per column (``host_loop_us``, the target's
+    back-to-back loop; ``host_us``, one call right after a synchronisation), the median and the
+    worst over cases of the per-case medians over rounds (None where the file lacks the column)."""
+    timing = results.timing
+    if timing.empty or "protocol" not in timing:
+        return []
+    mine = timing[(timing["protocol"] == "eager") & (timing["backend"] == ENGINE_BACKEND)
+                  & (timing.get("status", "ok") == "ok")]
+    out = []
+    for experiment, rows in mine.groupby("experiment", sort=False):
+        key = "bench_kernels" if experiment == "bench_kernels" else f"raw/{experiment}"
+        p = analysis.pinning(rows)
+        thread = (UNRECORDED if not p["recorded"] else "pinned" if p["pinned"] == len(rows) else
+                  "not pinned" if not p["pinned"] else "partly pinned")
+        entry = {"file": f"{key}.parquet", "experiment": str(experiment), "thread": thread,
+                 "runs": {str(r): str(results.provenance.get(str(r), {}).get("git_commit") or "?")[:10]
+                          for r in sorted(rows["run_id"].dropna().unique())} if "run_id" in rows else {},
+                 "cpus": p["cpus"], "probe_us": p["probe_us"]}
+        case = [c for c in _EAGER_CASE if c in rows.columns]
+        for column in ("host_loop_us", "host_us"):
+            values = pd.to_numeric(rows[column], errors="coerce") if column in rows else None
+            per_case = values.groupby([rows[c] for c in case], dropna=False).median().dropna() \
+                if values is not None else pd.Series(dtype=float)
+            entry[column] = None if per_case.empty else {"median": float(per_case.median()),
+                                                         "worst": float(per_case.max()), "cases": int(per_case.size)}
+        out.append(entry)
+    order = {"bench_kernels": -1, **{e: i for i, e in enumerate(EXPERIMENTS)}}
+    return sorted(out, key=lambda e: (order.get(e["experiment"], len(order)), e["experiment"]))
+
+
 def _engine_sentences(entry: dict) -> list[str]:
     who = entry["backend"]
     mid = [m for m in entry["mid_range"] if m["measured"]]
@@ -177,15 +220,54 @@ def _engine_sentences(entry: dict) -> list[str]:
             said.append(f"Eager use: one run() call with a reused plan costs {host['median_us']:.1f} us of host time "
                         f"in a loop of back-to-back calls (median over {host['cases']} cases; worst "
                         f"{host['worst']['case']} {host['worst']['us']:.1f} us) against a target of under "
-                        f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}{once}."
+                        f"{host['target_us']:g} us: {'holds' if host['holds'] else 'does not hold'}"
+                        f"{_pinned_only(host.get('pinning'))}{once}."
                         + (f" The loop's longest call takes {host['longest_us']['median']:.1f} us (median over "
                            f"cases; up to {host['longest_us']['max']:.1f} us)." if "longest_us" in host else "")
                         + (f" The baselines in the same loop: {others}." if others else "")
-                        + _pinning_sentence(host.get("pinning")))
+                        + _pinning_sentence(host.get("pinning")) + _unpinned_sentence(host.get("by_file", [])))
         elif single:
             said.append(f"Eager use: not measured as the target asks (host time per call in a loop of back-to-back "
                         f"run() calls, host_loop_us, which this run predates){once}.")
     return said
+
+
+def _pinned_only(pinning: dict | None) -> str:
+    """' with the timing thread pinned' where every round of the judged rows ran pinned."""
+    return " with the timing thread pinned" if pinning and pinning["rounds"] and \
+        pinning["pinned"] == pinning["rounds"] else ""
+
+
+def _unpinned_sentence(by_file: list[dict]) -> str:
+    """The unpinned figures of other files beside the pinned bench_kernels rows the target is
+    judged on ('' when those rows are not pinned: the pinning sentence says so)."""
+    judged = next((e for e in by_file if e["experiment"] == "bench_kernels"), None)
+    if judged is None or judged["thread"] != "pinned":
+        return ""
+    pinned = [e for e in by_file if e["thread"] == "pinned"]
+    unpinned = [e for e in by_file if e["thread"] != "pinned"]
+    if not unpinned:
+        return (f" No committed file holds eager rows of {ENGINE_BACKEND} timed with the thread unpinned: the "
+                f"target is judged pinned only.")
+
+    def us(entry: dict, column: str) -> str:
+        v = entry[column]
+        return f"{v['median']:.1f} us (median over {v['cases']} cases; worst {v['worst']:.1f} us)"
+
+    said = []
+    for e in unpinned:
+        commits = ", ".join(sorted(set(e["runs"].values())))
+        loop = (f"a back-to-back call took {us(e, 'host_loop_us')}" if e["host_loop_us"] else
+                "it has no back-to-back loop (host_loop_us), so the target cannot be judged unpinned")
+        single = f"; one call right after a synchronisation took {us(e, 'host_us')}" if e["host_us"] else ""
+        said.append(f"{e['file']} (commit {commits}; {e['thread']}): {loop}{single}")
+    beside = "; ".join(f"{e['file']} {e['host_us']['median']:.1f} us" for e in pinned if e["host_us"])
+    pinned_commits = {c for e in pinned for c in e["runs"].values()}
+    mixed = any(set(e["runs"].values()) - pinned_commits for e in unpinned) and pinned_commits
+    return (" Unpinned, in " + "; in ".join(said) + "." +
+            (f" Pinned, one call right after a synchronisation took (median): {beside}." if beside else "") +
+            (" The unpinned rows come from another commit than the pinned ones, so their difference mixes "
+             "code changes with where the thread ran." if mixed else ""))
 
 
 def _pinning_sentence(pinning: dict | None) -> str:

@@ -43,7 +43,9 @@ BACKEND_COLORS = {b: _PALETTE[i] for b, i in zip(BACKEND_ORDER, (0, 2, 9, 3, 1, 
 PROTOCOL_LABELS = {"published": "published protocol (CUDA events)",
                    "step": "fair protocol (step: plan + L layers)"}
 #: Tick values offered on ratio axes (log scale): readable numbers rather than powers of ten.
-RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 7, 10, 20)
+RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 5, 7, 10, 20, 30, 50)
+#: A ratio axis shows at most this many ticks, spread evenly in log space (see ratio_ticks).
+RATIO_TICK_COUNT = 7
 
 
 @contextlib.contextmanager
@@ -83,16 +85,52 @@ def not_measured(hw: str, what: str) -> str:
     return f"{what}: not measured on {hw} yet"
 
 
+def ratio_ticks(lo: float, hi: float, count: int = RATIO_TICK_COUNT) -> list[float]:
+    """The RATIO_TICKS inside [lo, hi] that keep at least 1/count of the axis's log span apart,
+    chosen outwards from the one nearest 1 (1 itself when in range), so labels never crowd: from
+    0.07 to 30 (2.6 decades) they are 0.1, 0.3, 1, 3, 10, 30; from 0.8 to 1.6, 0.8, 0.9, 1, 1.25, 1.5."""
+    inside = [t for t in RATIO_TICKS if lo <= t <= hi]
+    if not inside:
+        return []
+    gap = (math.log10(hi) - math.log10(lo)) / count
+    start = min(inside, key=lambda t: abs(math.log10(t)))
+    keep = [start]
+    for side in (sorted(t for t in inside if t > start), sorted((t for t in inside if t < start), reverse=True)):
+        last = start
+        for t in side:
+            if abs(math.log10(t) - math.log10(last)) >= gap:
+                keep.append(t)
+                last = t
+    return sorted(keep)
+
+
 def ratio_axis(ax) -> None:
     """Log-scaled ratio axis with plain tick labels (0.8, 1, 1.25, ...) inside the data range."""
     ax.set_yscale("log")
-    lo, hi = ax.get_ylim()
-    ticks = [t for t in RATIO_TICKS if lo <= t <= hi]
-    if len(ticks) > 7:
-        ticks = [t for t in ticks if t in (0.1, 0.2, 0.5, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 20)]
-    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ratio_ticks(*ax.get_ylim())))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def _decimal(v: float, _=None) -> str:
+    """A log tick's label: plain below 1e4 and above 1e-2 (0.05, 20, 500), else short scientific (2e-4)."""
+    if 1e-2 <= abs(v) < 1e4:
+        return f"{v:g}"
+    mantissa, exponent = f"{v:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def log_axis(ax, axis: str = "x") -> None:
+    """Log axis labelled only at 1, 2, 5 x 10^k when it spans under two decades (at 10^k when more),
+    with minor ticks unlabelled: matplotlib labels minor ticks on short log axes, and their labels
+    (2x10^-4, 3x10^-4, 4x10^-4 ...) run into each other."""
+    getattr(ax, f"set_{axis}scale")("log")
+    lo, hi = sorted(getattr(ax, f"get_{axis}lim")())
+    subs = (1.0, 2.0, 5.0) if math.log10(hi / lo) < 2 else (1.0,)
+    target = getattr(ax, f"{axis}axis")
+    target.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs))
+    target.set_major_formatter(matplotlib.ticker.FuncFormatter(_decimal))
+    target.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
 def pow2_axis(ax, axis: str = "x", tokens: bool = False) -> None:
@@ -209,7 +247,7 @@ def fig_ceiling(frame: pd.DataFrame, hw: str) -> Figure:
             err = np.vstack([y - part["lo"].to_numpy(float), part["hi"].to_numpy(float) - y])
             ax.errorbar(x, y, yerr=err, fmt="o", ms=3.5, lw=0.9, capsize=1.5, color=color(b), label=b, alpha=0.85)
         ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
-        ax.set_xscale("log")
+        log_axis(ax, "x")
         ax.set_xlabel("KV bytes read per step and layer (MB, log scale)")
         ax.set_ylabel("fraction of read ceiling")
         ax.set_ylim(0, max(1.05, float(np.nanmax(frame["hi"])) * 1.05))
@@ -249,7 +287,7 @@ def fig_fanout_merge(ablation: pd.DataFrame, hw: str) -> Figure:
             ax.set_xlabel("")
             ax.set_ylabel(label)
             ax.tick_params(axis="x", rotation=25)
-        axes[0].set_yscale("log")
+        log_axis(axes[0], "y")
         axes[1].legend(title="plan", loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
         fig.suptitle("median over steps, bars span min to max; merge bytes use the paper's (D+2)-float count",
                      fontsize=7.5, color="0.35")
@@ -323,7 +361,7 @@ def fig_split_sensitivity(times: pd.DataFrame, splits: pd.DataFrame, hw: str) ->
             agg = agg[agg["merge MB"] > 0]        # S = 1 writes no merge state: nothing to draw on a log axis
             sns.lineplot(agg, x="num_splits", y="merge MB", hue="trace", marker="o", ax=ax, markersize=4)
             pow2_axis(ax)
-            ax.set_yscale("log")
+            log_axis(ax, "y")
             ax.set_xlabel("splits S")
             ax.set_ylabel("merge state, MB per step (mean)")
             ax.set_title("planner counters (rectangular split)")
@@ -430,9 +468,16 @@ def fig_policy(frame: pd.DataFrame, hw: str) -> Figure:
 # ---------------------------------------------------------------------------------------------
 # 7. Validation status per backend
 
+#: The cache dtype of the CPU validation's rows (validate-cpu runs the NumPy executor on float16
+#: caches) where its file predates a dtype column.
+CPU_VALIDATION_DTYPE = "float16"
+#: The order of the validation figure's panels, one per cache dtype (others follow by name).
+DTYPE_ORDER = ("float16", "bfloat16")
+
+
 def data_validation(results: Results) -> pd.DataFrame:
     """GPU validation rows plus CPU (NumPy executor) rows as backend ``cpu:<route>``.
-    Columns: backend, rel_err, rtol, passed, status, reason, source."""
+    Columns: backend, dtype, rel_err, rtol, passed, status, reason, source."""
     parts = []
     v = results.validation_gpu
     if not v.empty:
@@ -446,14 +491,22 @@ def data_validation(results: Results) -> pd.DataFrame:
         p["source"] = "cpu"
         p["status"] = p.get("status", "ok")
         p["reason"] = p.get("reason", "")
+        p["dtype"] = p.get("dtype", CPU_VALIDATION_DTYPE)
         parts.append(p)
     if not parts:
         return pd.DataFrame()
     frame = pd.concat(parts, ignore_index=True)
-    for col, default in (("status", "ok"), ("reason", ""), ("rtol", np.nan), ("passed", False)):
+    for col, default in (("status", "ok"), ("reason", ""), ("rtol", np.nan), ("passed", False), ("dtype", "")):
         if col not in frame.columns:
             frame[col] = default
-    return frame[["backend", "rel_err", "rtol", "passed", "status", "reason", "source"]]
+    frame["dtype"] = frame["dtype"].fillna("").astype(str)
+    return frame[["backend", "dtype", "rel_err", "rtol", "passed", "status", "reason", "source"]]
+
+
+def dtype_order(dtypes) -> list[str]:
+    """The cache dtypes present, in DTYPE_ORDER (others after them, by name)."""
+    present = set(dtypes)
+    return [d for d in DTYPE_ORDER if d in present] + sorted(present - set(DTYPE_ORDER))
 
 
 def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
@@ -461,14 +514,22 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
     if frame.empty:
         return placeholder(title, not_measured(hw, "validation"))
     backends = _order(frame["backend"])
+    dtypes = dtype_order(frame["dtype"])
+    ok = frame[(frame["status"] == "ok") & np.isfinite(pd.to_numeric(frame["rel_err"], errors="coerce"))]
+    floor = 1e-8
     with style():
-        fig = Figure(figsize=(WIDTH, 0.9 + 0.26 * len(backends)), layout="constrained")
-        ax = fig.subplots()
-        ok = frame[(frame["status"] == "ok") & np.isfinite(pd.to_numeric(frame["rel_err"], errors="coerce"))]
-        floor = 1e-8
-        for i, b in enumerate(backends):
-            part = ok[ok["backend"] == b]
-            if not part.empty:
+        fig = Figure(figsize=(WIDTH, 1.2 + 0.26 * len(backends)), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(1, len(dtypes), sharey=True, squeeze=False)).ravel()
+        for ax, dtype in zip(axes, dtypes):
+            mine = ok[ok["dtype"] == dtype]
+            for i, b in enumerate(backends):
+                part = mine[mine["backend"] == b]
+                if part.empty:
+                    bad = frame[(frame["backend"] == b) & (frame["dtype"] == dtype) & (frame["status"] != "ok")]
+                    if not bad.empty:
+                        ax.text(0.98, i, f"{bad['status'].iloc[0]}", transform=ax.get_yaxis_transform(),
+                                ha="right", va="center", fontsize=7, color="#b03030")
+                    continue
                 y = i + np.linspace(-0.18, 0.18, len(part)) if len(part) > 1 else np.array([i])
                 passed = part["passed"].astype(bool).to_numpy()
                 err = np.maximum(part["rel_err"].to_numpy(float), floor)
@@ -476,16 +537,15 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
                 ax.scatter(err[~passed], y[~passed], s=22, marker="x", color="#c0392b")
                 rtol = pd.to_numeric(part["rtol"], errors="coerce").dropna()
                 if not rtol.empty:
-                    ax.plot([rtol.max()] * 2, [i - 0.35, i + 0.35], color="0.2", lw=1)
-            bad = frame[(frame["backend"] == b) & (frame["status"] != "ok")]
-            if part.empty and not bad.empty:
-                ax.text(1.0, i, f"{bad['status'].iloc[0]}", transform=ax.get_yaxis_transform(), ha="right",
-                        va="center", fontsize=7, color="#b03030")
-        ax.set_yticks(range(len(backends)), backends)
-        ax.set_xscale("log")
-        ax.set_ylim(len(backends) - 0.5, -0.5)
-        ax.set_xlabel("relative error ‖out − ref‖ / ‖ref‖ (log); bar = tolerance; × = failed")
-        ax.set_title(title)
+                    ax.plot([rtol.max()] * 2, [i - 0.35, i + 0.35], color="0.2", lw=1.2)
+            tolerances = sorted(set(pd.to_numeric(mine["rtol"], errors="coerce").dropna()))
+            label = ", ".join(f"{t:g}" for t in tolerances) if tolerances else "none recorded"
+            ax.set_title(f"{dtype or 'dtype not recorded'} (tolerance {label})")
+            log_axis(ax, "x")
+            ax.set_xlabel("relative error (log)")
+        axes[0].set_yticks(range(len(backends)), backends)
+        axes[0].set_ylim(len(backends) - 0.5, -0.5)
+        fig.suptitle(f"{title}: ‖out − ref‖ / ‖ref‖; bar = the dtype's tolerance; × = failed", fontsize=9)
     return fig
 
 
@@ -562,8 +622,7 @@ def fig_engine(grid: pd.DataFrame, host: pd.DataFrame, hw: str) -> Figure:
             right.set_xticks(range(len(order)), order)
             right.grid(axis="x", visible=False)
             right.axhline(targets.ENGINE_HOST_US, color="0.3", lw=0.8, ls="--")
-            right.set_yscale("log")
-            right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            log_axis(right, "y")
             right.set_xlabel("")
             right.set_ylabel("host us per run() call")
             right.tick_params(axis="x", rotation=60)
@@ -701,7 +760,8 @@ FIGURES: tuple[FigureSpec, ...] = (
                lambda r: fig_engine(data_engine_grid(r), data_engine_host(r), r.hw)),
     FigureSpec("validation", "Validation status",
                "Relative error of every backend against the float64 reference at sampled steps (GPU) and of the "
-               "NumPy executor per route (cpu:...); the bar marks the tolerance.",
+               "NumPy executor per route (cpu:...), one panel per cache dtype (float16 left, bfloat16 right), each "
+               "with that dtype's tolerance named in its title and drawn as the bar on every backend's row.",
                lambda r: fig_validation(data_validation(r), r.hw)),
 )
 FIGURE_NAMES = tuple(f.name for f in FIGURES)

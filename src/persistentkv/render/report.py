@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jinja2
 import pandas as pd
+from markupsafe import Markup
 
 from .. import analysis, claims
 from ..analysis import pinning
@@ -23,7 +24,7 @@ from ..io import atomic_write_text
 from ..names import EXPERIMENTS
 from ..results import Results
 from . import figures
-from .tables import ablation_rows, provenance_rows, read_ceiling_gbps, variants
+from .tables import HASH_CHARS, ablation_rows, machine_columns, machine_value, provenance_rows, read_ceiling_gbps, variants
 
 TEMPLATES = Path(__file__).parent / "templates"
 VERDICT_CLASS = {claims.HOLDS: "holds", claims.ONLY_PUBLISHED: "only-published", claims.FAILS: "fails",
@@ -47,6 +48,17 @@ def fmt_entry(entry: dict | None, digits: int = 3) -> str:
     return analysis.fmt_ratio(entry["value"], entry.get("lo"), entry.get("hi"), digits)
 
 
+def fmt_entry_html(entry: dict | None, digits: int = 3) -> Markup:
+    """``fmt_entry`` for a table cell: the ratio and its interval each kept whole, so a narrow
+    column puts the interval under the ratio instead of widening the table."""
+    return unbroken_parts(*fmt_entry(entry, digits).split(" ", 1))
+
+
+def unbroken_parts(*parts: str) -> Markup:
+    """Text parts joined by spaces where a line may break, each part kept on one line."""
+    return Markup(" ").join(Markup('<span class="nb">{}</span>').format(p) for p in parts)
+
+
 def fmt_pm(value, sd, digits: int = 3) -> str:
     return f"{value:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
 
@@ -58,24 +70,38 @@ def svg_data_uri(path: Path) -> str:
 
 
 def validation_rows(results: Results) -> list[dict]:
-    """Per backend: checks, passed, worst relative error and tolerance, status and reasons."""
+    """Per backend and cache dtype: checks, passed, worst relative error, that dtype's tolerance,
+    status and reasons."""
     frame = figures.data_validation(results)
     if frame.empty:
         return []
     out = []
     for backend in figures._order(frame["backend"]):
-        part = frame[frame["backend"] == backend]
-        ok = part[part["status"] == "ok"]
-        err = pd.to_numeric(ok["rel_err"], errors="coerce")
-        reasons = sorted({str(r) for r in part["reason"].dropna() if str(r)})
-        n_pass = int(ok["passed"].astype(bool).sum())
-        status = ("unavailable" if ok.empty and (part["status"] == "unavailable").any() else
-                  "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
-        out.append({"backend": backend, "source": part["source"].iloc[0], "checks": int(len(ok)), "passed": n_pass,
-                    "worst": f"{err.max():.2e}" if err.notna().any() else "—",
-                    "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
-                    "status": status, "reasons": "; ".join(reasons)})
+        mine = frame[frame["backend"] == backend]
+        for dtype in figures.dtype_order(mine["dtype"]):
+            part = mine[mine["dtype"] == dtype]
+            ok = part[part["status"] == "ok"]
+            err = pd.to_numeric(ok["rel_err"], errors="coerce")
+            reasons = sorted({reader_text(r) for r in part["reason"].dropna() if str(r)})
+            n_pass = int(ok["passed"].astype(bool).sum())
+            status = ("unavailable" if ok.empty and (part["status"] == "unavailable").any() else
+                      "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
+            out.append({"backend": backend, "dtype": dtype or "—", "source": part["source"].iloc[0],
+                        "checks": int(len(ok)), "passed": n_pass,
+                        "worst": f"{err.max():.2e}" if err.notna().any() else "—",
+                        "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
+                        "status": status, "reasons": "; ".join(reasons)})
     return out
+
+
+#: An exception's class name at the start of a recorded reason ("PKVError: ..."): the harness
+#: records why a backend could not run as the error said it; the reader needs the message only.
+_EXCEPTION_PREFIX = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Warning):\s*")
+
+
+def reader_text(reason) -> str:
+    """A recorded reason as a sentence for the report: without the exception's class name."""
+    return _EXCEPTION_PREFIX.sub("", str(reason)).strip()
 
 
 def unavailable_rows(results: Results) -> list[dict]:
@@ -89,7 +115,7 @@ def unavailable_rows(results: Results) -> list[dict]:
     bad = bad.assign(reason=bad.get("reason", pd.Series("", index=bad.index)).fillna(""))
     out = []
     for (backend, status, reason), part in bad.groupby(["backend", "status", "reason"], sort=True):
-        out.append({"backend": backend, "status": status, "reason": reason or "(no reason recorded)",
+        out.append({"backend": backend, "status": status, "reason": reader_text(reason) or "(no reason recorded)",
                     "experiments": ", ".join(sorted(part["experiment"].astype(str).unique()))})
     return out
 
@@ -154,7 +180,9 @@ def kernel_rows(kernels) -> list[dict]:
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(entry=fmt_entry, verdict_class=lambda v: VERDICT_CLASS.get(v, "not-measured"))
+    env.filters.update(entry=fmt_entry, entry_html=fmt_entry_html,
+                       verdict_class=lambda v: VERDICT_CLASS.get(v, "not-measured"))
+    env.globals["machine_value"] = machine_value
     return env
 
 
@@ -173,16 +201,19 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         figs.append({"name": spec.name, "title": spec.title, "how": spec.how_to_read, "uri": svg_data_uri(path)})
     rows = claims.published_rows(results)
     for r in rows:
-        r["paper_event_text"] = fmt_pm(r["paper_event"], r["paper_event_sd"])
-        r["paper_wall_text"] = fmt_pm(r["paper_wall"], r["paper_wall_sd"])
+        r["paper_event_text"] = unbroken_parts(*fmt_pm(r["paper_event"], r["paper_event_sd"]).split(" ", 1))
+        r["paper_wall_text"] = unbroken_parts(*fmt_pm(r["paper_wall"], r["paper_wall_sd"]).split(" ", 1))
     ablation = ablation_rows(results)
     ceiling = read_ceiling_gbps(results)
     missing = [MISSING_TEXT.get(m, m) for m in results.missing]
+    provenance = provenance_rows(results)
+    shared, varying = machine_columns(provenance)
     context = {
         "hw": results.hw, "gpu": payload["gpu"], "payload": payload, "claims": payload["claims"],
         "counts": payload["counts"], "rows": rows, "figures": figs, "validation": validation_rows(results),
         "unavailable": unavailable_rows(results), "experiments": experiment_rows(results),
-        "missing": missing, "provenance": provenance_rows(results), "ablation": ablation,
+        "missing": missing, "provenance": provenance, "shared": shared, "varying": varying, "hash_chars": HASH_CHARS,
+        "ablation": ablation,
         "variants": variants(ablation), "kernels": kernel_rows(results.kernels), "policy": results.policy,
         "ceiling": f"{ceiling:,.0f} GB/s" if ceiling else None, "paper_gpu": claims.PAPER_GPU,
         "source": claims.SOURCE, "verdicts": claims.VERDICTS, "measured_any": bool(results.measured_experiments()),

@@ -81,6 +81,7 @@ def environment() -> jinja2.Environment:
                              lstrip_blocks=True, autoescape=False, undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     env.filters.update(tex=tex, ratio=tex_ratio, ci=tex_ci, entry=tex_entry, pm=tex_pm)
+    env.globals["machine_value"] = machine_value
     return env
 
 
@@ -148,7 +149,7 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
                                 "reads n/m and every verdict reads 'not measured'."),
         "empty once anything is measured")
     add("pkvCommit", tex(_short_commits(results)), "git commit(s) of the measuring runs")
-    for key, name in (("config_hash", "ConfigHash"), ("driver", "Driver"), ("cuda", "Cuda"), ("torch", "Torch"),
+    for key, name in (("driver", "Driver"), ("cuda", "Cuda"), ("torch", "Torch"),
                       ("cupy", "Cupy"), ("flashinfer", "FlashInfer"), ("vllm", "Vllm"), ("sm_count", "SMs")):
         add(f"pkv{name}", tex(_prov_field(results, key)), f"provenance field {key}")
     ceiling = read_ceiling_gbps(results)
@@ -180,6 +181,7 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
     add("pkvNBoot", str(payload["n_boot"]), "bootstrap replicates")
     add("pkvConfidence", f"{payload['confidence'] * 100:g}", "interval coverage, percent")
     add("pkvBootSeed", str(payload["boot_seed"]), "bootstrap generator seed")
+    add("pkvMargin", f"{payload['margin'] * 100:g}", "claims.MARGIN, percent: the smallest difference between designs")
     counts = payload["counts"]
     add("pkvNumClaims", str(len(payload["claims"])), "")
     for verdict, name in ((claims.HOLDS, "Hold"), (claims.ONLY_PUBLISHED, "OnlyPublished"),
@@ -250,10 +252,45 @@ def variants(rows: list[dict]) -> list[str]:
     return sorted(names, key=key)
 
 
+#: The machine and software of a run (provenance.json), with the heading the tables give each.
+MACHINE_FIELDS = {"gpu": "GPU", "sm_count": "SMs", "driver": "driver", "cuda": "CUDA", "torch": "torch",
+                  "cupy": "CuPy", "flashinfer": "FlashInfer", "vllm": "vLLM"}
+#: Characters of a config hash (sha256, 64 hex) that the tables print: enough to tell the runs'
+#: configurations apart; provenance.json holds the whole hash.
+HASH_CHARS = 12
+
+
 def provenance_rows(results: Results) -> list[dict]:
-    fields = ("gpu", "sm_count", "driver", "cuda", "torch", "cupy", "flashinfer", "vllm", "git_commit",
-              "git_dirty", "git_source", "git_note", "config_hash", "started_at")
+    fields = (*MACHINE_FIELDS, "git_commit", "git_dirty", "git_source", "git_note", "config_hash", "started_at")
     return [{"run_id": run_id, **{f: p.get(f) for f in fields}} for run_id, p in sorted(results.provenance.items())]
+
+
+def machine_columns(rows: list[dict]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Split MACHINE_FIELDS into those every run shares and those that differ between runs.
+
+    Returns (shared, varying): shared as (heading, value) pairs, said once beside a provenance
+    table; varying as (field, heading) pairs, the table's columns. The GPU and its SM count are
+    one field ("NVIDIA H200, 132 SMs"), so a table of runs on one GPU needs neither column."""
+    shared, varying = [], []
+    for field, heading in MACHINE_FIELDS.items():
+        if field == "sm_count":
+            continue
+        values = {machine_value(r, field) for r in rows}
+        if len(values) == 1:
+            value = values.pop()
+            if value:
+                shared.append((heading, value))
+        else:
+            varying.append((field, heading))
+    return shared, varying
+
+
+def machine_value(row: dict, field: str) -> str:
+    """A run's value of a MACHINE_FIELDS field as the tables print it ('' when not recorded)."""
+    value = "" if row.get(field) in (None, "") else str(row[field])
+    if field == "gpu" and row.get("sm_count") not in (None, ""):
+        value += f" ({row['sm_count']} SMs)"
+    return value
 
 
 def render(payload: dict, results: Results, out_dir: str | Path) -> list[Path]:
@@ -265,8 +302,9 @@ def render(payload: dict, results: Results, out_dir: str | Path) -> list[Path]:
     context = {"payload": payload, "hw": results.hw, "gpu": payload["gpu"], "paper_gpu": claims.PAPER_GPU,
                "claims": payload["claims"], "macros": macros(payload, results),
                "rows": claims.published_rows(results), "ablation": ablation_rows(results),
-               "provenance": provenance_rows(results), "NM": NM, "source": claims.SOURCE}
+               "provenance": provenance_rows(results), "NM": NM, "source": claims.SOURCE, "hash_chars": HASH_CHARS}
     context["variants"] = variants(context["ablation"])
+    context["shared"], context["varying"] = machine_columns(context["provenance"])
     written = []
     for name in ("macros",) + tuple(f"tables/{t}" for t in TABLES):
         text = env.get_template(f"{Path(name).name}.tex.j2").render(**context)
