@@ -2,8 +2,8 @@
 
 Each command lives in ``persistentkv.commands.<module>`` and defines ``add_arguments(parser)``
 and ``run(args) -> int``; it is imported only when invoked, so ``--help`` stays fast and a
-command needing a GPU package never slows the others down. User errors (:class:`PKVError`)
-print one line, ``error: ...``, and exit with status 2.
+command needing a GPU package never slows the others down. User errors (:class:`PKVError`, and
+a path the command cannot read or write) print one line, ``error: ...``, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `persistentkv info --json | head`: the reader left early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a path the command cannot read or write: say which, in one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc} (check the path and its permissions)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 
 from persistentkv import configuration, hardware
 
-#: The environment of DESIGN.md; declared only where the file exists (a missing one fails every job).
+#: The conda environment of environment.yml; declared only where the file exists (a missing one fails every job).
 CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.basedir, "..", "environment.yml")) else None
 
 
