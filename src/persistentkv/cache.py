@@ -108,12 +108,23 @@ def allocate(requests, page_size: int, hole_fraction: float, seed: int) -> PageA
 
 @dataclass(frozen=True)
 class Batch:
-    """One decode step's rows on the paged cache.
+    """One decode step's rows on the paged cache (a CSR block table).
 
-    seq_lens:   int32 [B], each row's real length N*_i (>= 1)
-    kv_indptr:  int32 [B + 1], row i's pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-    kv_indices: int32 [nnz], physical page ids in logical order
-    num_pages:  size of the page-id universe (first dimension of K and V)
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention shape the step is planned for.
+    seq_lens : array_like of int, shape [B]
+        Each row's real length N*_i (>= 1); stored as int32.
+    kv_indptr : array_like of int, shape [B + 1]
+        Row i's pages are ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``; stored as int32.
+    kv_indices : array_like of int, shape [nnz]
+        Physical page ids in each row's logical order, each below ``num_pages``; stored as int32.
+    num_pages : int
+        Size of the page-id universe: the first dimension of K and V.
+
+    Integer dtypes only (a float page id is refused, never truncated), every value within int32
+    and the rows' pages enough for their lengths; checked once, with NumPy, when built.
     """
 
     spec: AttentionSpec

@@ -387,9 +387,15 @@ class DecodeEngine:
         return plan
 
     def replan_device(self, plan: DevicePlan) -> None:
-        """Re-run the GPU planner of a ``workqueue`` plan after the caller updated its lengths in
-        ``plan.view('packed')`` on the device (within the pages of its table): no host work,
-        graph-capturable."""
+        """Re-run the GPU planner of a ``workqueue`` plan on the current stream: no host work,
+        graph-capturable.
+
+        Parameters
+        ----------
+        plan : DevicePlan
+            A ``workqueue`` plan whose lengths the caller changed on the device, in
+            ``plan.view("packed")[:B]`` (int32 [B]), within the pages its block table holds.
+        """
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans follow lengths changed on the device")
         self._launch(plan.launches[0], self._stream())
         plan.early_ok = False

@@ -78,10 +78,26 @@ def is_power_of_two(value: int) -> bool:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Decode attention over a paged KV cache.
+    """Decode attention over a paged KV cache: the shape every tensor of a step has.
 
-    K and V are each ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD); queries are
-    ``[batch, num_qo_heads, head_dim]``; query head ``j`` reads KV head ``j // group_size``.
+    Parameters
+    ----------
+    num_qo_heads : int
+        Query heads Hq (a multiple of ``num_kv_heads``).
+    num_kv_heads : int
+        KV heads Hkv; query head ``j`` reads KV head ``j // group_size`` (G = Hq / Hkv).
+    head_dim : int
+        D, one of HEAD_DIMS (64, 128, 256).
+    page_size : int
+        Tokens per page P, a power of two up to MAX_PAGE_SIZE.
+    dtype : str
+        Element type of Q, K, V and the output: ``float16``, ``bfloat16``, ``float32``, ``float64``
+        (the engine takes the first two; the references all four).
+    layout : str
+        ``NHD``: K and V are each ``[num_pages, page_size, num_kv_heads, head_dim]``; queries and
+        outputs are ``[batch, num_qo_heads, head_dim]``.
+
+    Anything else is refused with a one-line PKVError when the spec is built.
     """
 
     num_qo_heads: int = 32

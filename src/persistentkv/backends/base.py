@@ -20,10 +20,39 @@ from ..spec import AttentionSpec
 
 @runtime_checkable
 class Backend(Protocol):
+    """One kernel family behind the four members every harness, policy and loop uses.
+
+    Attributes
+    ----------
+    name : str
+        Short identifier used in results (``flashinfer-tc``, ``pkv-workqueue``).
+    """
+
     name: str
 
-    def unavailable(self, spec: AttentionSpec) -> list[str]: ...
+    def unavailable(self, spec: AttentionSpec) -> list[str]:
+        """Why this backend cannot run ``spec`` here (missing package, no GPU, unsupported
+        shape), one reason per string; ``[]`` when it can. Never raises."""
+        ...
 
-    def plan(self, batch: Batch) -> Any: ...
+    def plan(self, batch: Batch) -> Any:
+        """Per-step metadata for ``batch``, made once per decode step and reused by every layer
+        (it may upload to the GPU, asynchronously)."""
+        ...
 
-    def run(self, q: Any, cache: tuple[Any, Any], plan: Any, out: Any) -> None: ...
+    def run(self, q: Any, cache: tuple[Any, Any], plan: Any, out: Any) -> None:
+        """One layer of decode attention.
+
+        Parameters
+        ----------
+        q : tensor, shape [B, Hq, D]
+            Queries, of the spec's dtype.
+        cache : (tensor, tensor)
+            K and V, each [num_pages, page_size, Hkv, D] (NHD), of the spec's dtype.
+        plan : object
+            What ``plan(batch)`` returned for this step.
+        out : tensor, shape [B, Hq, D]
+            Preallocated by the caller, written in full. No allocation and no host
+            synchronisation inside, so a GPU backend's call can be captured in a CUDA graph.
+        """
+        ...
