@@ -25,6 +25,7 @@ Which module runs a step (4 or 8 warps) is chosen per step in persistentkv.choos
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -386,25 +387,27 @@ def early_kv_items(items: np.ndarray, stage_tokens: int, stages: int) -> np.ndar
     return (~skip).astype(np.int32)
 
 
+#: route name -> its planner, and the options each takes (every parameter but the batch)
+_PLANNERS = {"split": plan_split, "buckets": plan_buckets, "padded_buckets": plan_buckets,
+             "workqueue": plan_workqueue}
+_SIGNATURES = {route: inspect.signature(planner) for route, planner in _PLANNERS.items()}
+
+
 def make_plan(batch: Batch, route: str, **options) -> Plan:
     """Dispatch by route name (names.PLAN_ROUTES: ``split``, ``buckets``, ``padded_buckets``,
     ``workqueue``); an option the route does not take is refused with the ones it does."""
-    import inspect
-
-    planners = {"split": plan_split, "buckets": plan_buckets, "padded_buckets": plan_buckets,
-                "workqueue": plan_workqueue}
-    require(route in planners, f"unknown route {route!r}; expected one of {', '.join(PLAN_ROUTES)}")
+    require(route in _PLANNERS, f"unknown route {route!r}; expected one of {', '.join(PLAN_ROUTES)}")
     if route == "padded_buckets":
         require(options.get("bucket_tokens") is not None, "padded_buckets needs bucket_tokens")
-    planner = planners[route]
-    accepted = [name for name in inspect.signature(planner).parameters if name != "batch"]
+    signature = _SIGNATURES[route]
+    accepted = [name for name in signature.parameters if name != "batch"]
     unknown = sorted(set(options) - set(accepted))
     require(not unknown, f"route {route} takes {', '.join(accepted)}; not {', '.join(unknown)}")
     try:
-        inspect.signature(planner).bind(batch, **options)
+        signature.bind(batch, **options)
     except TypeError as exc:
         raise PKVError(f"route {route}: {exc}") from None
-    return planner(batch, **options)
+    return _PLANNERS[route](batch, **options)
 
 
 def unpack_items(items: np.ndarray) -> dict[str, np.ndarray]:
