@@ -374,7 +374,7 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(earl
     that 3 (items and the first stages' K/V early) with early_kv, else 1 (items only); launches
     without PDL never set it."""
     from persistentkv.engine import DevicePlan
-    from persistentkv.launch import DecodeArgs, Launch, MergeArgs, PlanArgs, arg_block
+    from persistentkv.launch import DecodeArgs, KernelLaunch, MergeArgs, PlanArgs, arg_block
 
     engine = cpu_engine()
     if not early_kv:
@@ -387,14 +387,14 @@ def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(earl
 
     def decode(function, pdl=True):
         args = arg_block(DecodeArgs, *[0] * 21, 7)
-        launch = Launch("decode", 4, args, function)
+        launch = KernelLaunch("decode", 4, args, function)
         if pdl:
             launch.pdl = lambda stream, l=launch: seen.append((l.function, l.args.early))
         return launch
 
-    merge = Launch("merge", 2, arg_block(MergeArgs, *[0] * 7), 9)
+    merge = KernelLaunch("merge", 2, arg_block(MergeArgs, *[0] * 7), 9)
     fake = SimpleNamespace(data_ptr=lambda: 0, stride=lambda: (0, 0, 0, 0))
-    plan = DevicePlan("workqueue", engine.spec, 1, [Launch("plan", 1, arg_block(PlanArgs, *[0] * 10), 5), decode(1),
+    plan = DevicePlan("workqueue", engine.spec, 1, [KernelLaunch("plan", 1, arg_block(PlanArgs, *[0] * 10), 5), decode(1),
                                                    merge, decode(2)])
     engine.run(fake, (fake, fake), plan, fake, check=False)
     assert seen == [(1, 0), (9, None), (2, e)]

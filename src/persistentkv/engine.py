@@ -58,7 +58,7 @@ from . import plan as planner
 from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
-from .launch import (DEFAULT_WARPS, DecodeArgs, Launch, MergeArgs, PDLLaunch, PlanArgs, PTRS, STRIDES6, arg_block,
+from .launch import (DEFAULT_WARPS, DecodeArgs, KernelLaunch, MergeArgs, PDLLaunch, PlanArgs, PTRS, STRIDES6, arg_block,
                      launch_kernel_ex, load_module, min_chunk_tiles_for, warps_unsupported, NO_LAUNCH_EX)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
@@ -100,7 +100,7 @@ class DevicePlan:
         ``workqueue``, ``buckets`` or ``split``.
     batch_size : int
         Rows of the step (B).
-    launches : list of launch.Launch
+    launches : list of launch.KernelLaunch
         In order; a ``workqueue`` plan's first is the GPU planner's (plan() and replan_device()
         launch it; ``run_launches`` are the ones run() makes).
     buffers : dict of torch.Tensor
@@ -291,7 +291,7 @@ class DecodeEngine:
         return self._upload(batch, host)
 
     def _decode_launch(self, kind: str, grid: int, kv_indices: int, items: int, num_items: int, part_o: int,
-                       part_lse: int, counters: int, slot_offset: int) -> Launch:
+                       part_lse: int, counters: int, slot_offset: int) -> KernelLaunch:
         """A decode launch over the given device addresses (its q/k/v/out and strides are run()'s)."""
         spec, mod = self.spec, self.module
         args = arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
@@ -299,7 +299,7 @@ class DecodeEngine:
                          self.scale_log2, 0)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
         pdl = PDLLaunch(function, grid, mod.threads, mod.smem_bytes, args.address) if self.pdl else None
-        return Launch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
+        return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
 
     def _upload(self, batch: Batch, host: planner.Plan) -> DevicePlan:
         """A host plan's items (as the kernels read them, with their early-K/V flags for this
@@ -325,7 +325,7 @@ class DecodeEngine:
             if launch.kind == "merge":
                 args = arg_block(MergeArgs, ptr["merge_groups"] + 16 * launch.start, ptr["part_o"], ptr["part_lse"],
                                  0, spec.group_size, 0, 0)
-                launches.append(Launch("merge", launch.size, args, self.module.functions["pkv_merge"].ptr,
+                launches.append(KernelLaunch("merge", launch.size, args, self.module.functions["pkv_merge"].ptr,
                                        self.module.threads, 0))
             elif launch.size:
                 launches.append(self._decode_launch(launch.kind, launch.size, ptr["kv_indices"], ptr["items"], 0,
@@ -366,7 +366,7 @@ class DecodeEngine:
         items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
         plan_args = arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk, max_items,
                               planner.EARLY_SKIP_SPLITS, items, num_items)
-        launches = [Launch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
+        launches = [KernelLaunch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
                                         states + 4 * n_part_o, base + 4 * o_counters, 0)]
         f32 = torch.float32
@@ -400,11 +400,11 @@ class DecodeEngine:
         self._launch(plan.launches[0], self._stream())
         plan.early_ok = False
 
-    def occupancy(self, launch: Launch) -> int:
+    def occupancy(self, launch: KernelLaunch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory."""
         return int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(launch.function, launch.threads, launch.smem))
 
-    def _launch(self, launch: Launch, stream: int) -> None:
+    def _launch(self, launch: KernelLaunch, stream: int) -> None:
         if launch.pdl is not None:
             launch.pdl(stream)
             return

@@ -259,7 +259,7 @@ class PDLLaunch:
 
 
 @dataclass
-class Launch:
+class KernelLaunch:
     """One kernel launch of a plan: ``kind`` decode | fused | merge | plan, its grid, its parameter
     block (per-call values rewritten by run()), and a PDLLaunch when it uses PDL."""
 
