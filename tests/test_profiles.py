@@ -25,7 +25,7 @@ from persistentkv.render import FIGURE_NAMES
 
 pytestmark = [needs_snakemake, pytest.mark.slow]
 
-GPU_RULES = {"measure": len(EXPERIMENTS), "bench_kernels": 1, "validate_gpu": 1, "calibrate": 1, "provenance": 1,
+GPU_RULES = {"measure": len(EXPERIMENTS), "bench_kernels": 1, "bench_shapes": 1, "validate_gpu": 1, "calibrate": 1, "provenance": 1,
              "kernels_report": 1}
 H200 = "NVIDIA H200"
 
@@ -76,7 +76,7 @@ def test_a_named_target_lists_every_gpu_job_on_a_host_without_one(tmp_path):
     assert done.returncode == 0, done.stderr
     counts = job_counts(done.stdout)
     assert {rule: counts.get(rule) for rule in GPU_RULES} == GPU_RULES
-    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 2
+    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 3
     assert not probes.exists()  # nothing asked this host for a GPU
     for target in ("none", "auto"):
         small_config(repo, target=target)

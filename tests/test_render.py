@@ -465,3 +465,36 @@ def test_gitignore_hides_no_tracked_file_but_a_killed_writers_leftovers():
         assert git("check-ignore", "--no-index", "-q", leftover).returncode == 0, leftover
     for kept in ("results/nvidia-h200/claims.json", "paper/main.pdf", "results/nvidia-h200/report.html"):
         assert git("check-ignore", "--no-index", "-q", kept).returncode == 1, kept
+
+
+def floor_section(html: str) -> str:
+    start = html.index('<section id="floor">')
+    return html[start:html.index("</section>", start)]
+
+
+def test_report_shows_the_floor_column_and_the_shapes_section(measured, tmp_path):
+    from persistentkv import targets
+
+    _, results, payload = measured
+    payload = {**payload, "floor": targets.floor_verdicts(results)}
+    html = render_report(tmp_path, results, payload)
+    section = floor_section(html)
+    for s in payload["floor"]["sentences"]:
+        assert s.replace("'", "&#39;") in section
+    engine = section[section.index('id="floor-engine"'):section.index("</table>", section.index('id="floor-engine"'))]
+    assert engine.count("<tr>") == 1 + sum(e["source"] == "bench_kernels" for e in payload["floor"]["floor"]["cases"])
+    shapes = section[section.index('id="shapes"'):section.index("</table>", section.index('id="shapes"'))]
+    assert shapes.count("<tr>") == 1 + 72                                   # the heading and every synthetic case
+    assert 'alt="The shapes experiment" src="data:image/svg+xml;base64,' in section
+    assert 'id="shapes-invariance"' in section and "not measured on" not in section
+
+
+def test_report_floor_section_without_rows_says_not_measured(empty, tmp_path):
+    from persistentkv import targets
+
+    _, results, payload = empty
+    payload = {**payload, "floor": targets.floor_verdicts(results)}
+    section = floor_section(render_report(tmp_path, results, payload))
+    assert "not measured on nvidia-h200 yet (no bench_kernels kernel rows" in section
+    assert "not measured on nvidia-h200 yet (no bench_shapes.parquet" in section
+    assert 'id="shapes"' not in section and 'id="floor-engine"' not in section

@@ -60,7 +60,7 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     from persistentkv.names import EXPERIMENTS
 
     assert counts["measure"] == len(EXPERIMENTS) == 7
-    for rule in ("bench_kernels", "validate_gpu", "calibrate", "provenance"):
+    for rule in ("bench_kernels", "bench_shapes", "validate_gpu", "calibrate", "provenance"):
         assert counts[rule] == 1, rule
     out = done.stdout
     assert "persistentkv compile-kernels --arch sm_90 --out build/kernels/report.json" in out
@@ -71,10 +71,11 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     assert ("persistentkv calibrate --config config/config.yaml --timings results/nvidia-h200/raw/calibration.parquet"
             " --out results/nvidia-h200/policy.json") in out
     assert "persistentkv bench-kernels --config config/config.yaml --out results/nvidia-h200/bench_kernels.parquet" in out
+    assert "persistentkv bench-shapes --config config/config.yaml --out results/nvidia-h200/bench_shapes.parquet" in out
     assert "results/nvidia-h200/provenance.json" in out
     # every GPU job asks for a GPU (Snakemake's gpu resource) and takes one of the target's kind
-    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 2
-    assert out.count("gpu=1") == counts["measure"] + 2
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3
+    assert out.count("gpu=1") == counts["measure"] + 3
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 

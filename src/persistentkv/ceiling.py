@@ -24,6 +24,16 @@ best in that run. Measured once, at the start, it varied between 4146 and 4504 G
 run on one H200 while the attention kernels' times did not, and one run's kernels read faster
 than it (benchmarks/NOTES.md, "Where v15 stands").
 
+one-kernel floor   the same read kernel over exactly a case's K/V bytes, in ONE launch per call, cold
+               in L2 (the buffer rotated over copies spanning >= cold_l2_factor x L2, as the cases'
+               caches are: :func:`cold_copies`), replayed from CUDA graphs of several launches (time
+               per launch), the best of a few grid shapes (:data:`FLOOR_BLOCKS_PER_SM`): what one
+               kernel that only streams the step's bytes costs, launch, ramp-up and tail included
+               (:class:`OneKernelFloor`). The harness times it per case beside the case's backends
+               (backend ``one-kernel-floor``, protocol ``kernel``; persistentkv.measure.harness).
+               The read ceiling says what the GPU streams at length; the floor says what a step of
+               these bytes can cost at best in one kernel, so a kernel row reads as a fraction of it.
+
 The kernel is compiled with CuPy (RawModule, NVRTC) and launched on torch's current stream, on
 memory torch owns (shared through DLPack, no copy).
 """
@@ -225,3 +235,219 @@ def measure_ceilings(device, repeats: int = 5, warmup: int = 2, read_bytes: int 
         else:
             log(f"{backend}: {median_gbps(samples, backend):.0f} GB/s (median of {repeats})")
     return samples, failures
+
+
+# -- the one-kernel floor -----------------------------------------------------------------------
+#: Grids the floor tries, in resident blocks per SM (x the SM count, THREADS threads each): one block
+#: per SM keeps 8 warps per SM, eight fill every SM (2048 threads); a small step reads fastest with
+#: fewer blocks (less ramp-up), a large one with more (more loads in flight). The floor is the best.
+FLOOR_BLOCKS_PER_SM = (1, 2, 4, 8)
+VECTOR_BYTES = 16           # the read kernel loads uint4
+FLOOR_HEADROOM = 0.6        # the floor's copies take at most this share of the free memory
+
+
+def cold_copies(read_bytes: int, l2_bytes: int, factor: float) -> int:
+    """Copies R with R x read_bytes >= factor x L2 (at least 1): how many copies of what a call reads
+    keep every call's bytes out of L2 when the calls walk the copies in turn (the cases' caches,
+    persistentkv.measure.rotation, and the floor's buffer)."""
+    require(read_bytes > 0, f"a case must read some bytes, got {read_bytes}")
+    require(l2_bytes >= 0, f"L2 size must be >= 0, got {l2_bytes}")
+    require(factor >= 1, f"cold_l2_factor must be >= 1, got {factor}")
+    return max(1, math.ceil(factor * l2_bytes / read_bytes))
+
+
+def floor_vectors(nbytes: int) -> int:
+    """16-byte vectors the read kernel loads to read ``nbytes``: ceil(nbytes / 16). A step's K/V
+    bytes are whole vectors for every head_dim the engine takes (64 fp16 = 128 B per head and
+    token), so the floor reads exactly them; an odd count is rounded up, never down."""
+    require(int(nbytes) > 0, f"the floor needs a positive byte count, got {nbytes}")
+    return -(-int(nbytes) // VECTOR_BYTES)
+
+
+def floor_grids(sm_count: int, n_vec: int, blocks_per_sm=FLOOR_BLOCKS_PER_SM, threads: int = THREADS) -> list[int]:
+    """Grid sizes (blocks of ``threads``) the floor tries: k x ``sm_count`` for each k of
+    ``blocks_per_sm``, each capped at the blocks that have a vector to load (ceil(n_vec / threads)),
+    ascending, without repeats. Worked number: 4 MiB is 262144 vectors, 1024 blocks' worth; on 132
+    SMs the grids are 132, 264, 528 and 1024 (8 x 132 = 1056, capped)."""
+    require(int(sm_count) >= 1, f"the floor needs the device's SM count, got {sm_count}")
+    require(int(n_vec) >= 1, f"the floor needs at least one vector to read, got {n_vec}")
+    require(len(blocks_per_sm) >= 1 and all(int(k) >= 1 for k in blocks_per_sm),
+            f"blocks per SM must be positive integers, got {list(blocks_per_sm)}")
+    useful = -(-int(n_vec) // threads)
+    return sorted({min(int(k) * int(sm_count), useful) for k in blocks_per_sm})
+
+
+def floor_launches(copies: int, calls_per_graph: int) -> int:
+    """Launches captured per floor graph: the smallest multiple of ``copies`` that is at least
+    ``calls_per_graph``, so that every replay walks the copies whole and the next one starts where it
+    ended: a copy is re-read only after all the others. Worked numbers (60 MiB of L2, factor 3,
+    10 calls per graph): 67 MB has 3 copies -> 12 launches; 4 MiB has 45 -> 45; 268 MB has 1 -> 10."""
+    require(int(copies) >= 1, f"copies must be >= 1, got {copies}")
+    require(int(calls_per_graph) >= 1, f"calls_per_graph must be >= 1, got {calls_per_graph}")
+    return int(copies) * -(-int(calls_per_graph) // int(copies))
+
+
+def floor_copies(slot_bytes: int, l2_bytes: int, factor: float, free_bytes: int, max_copies: int,
+                 headroom: float = FLOOR_HEADROOM) -> int:
+    """Copies of the floor's buffer: :func:`cold_copies`, capped at ``max_copies`` and at what
+    ``headroom`` x ``free_bytes`` holds; a PKVError when not even one copy fits (fewer copies than a
+    cold L2 wants leave the floor warmer, and faster, than the cases: never silently)."""
+    wanted = min(cold_copies(slot_bytes, l2_bytes, factor), int(max_copies))
+    fit = int(headroom * free_bytes // slot_bytes)
+    require(fit >= 1, f"the one-kernel floor needs {slot_bytes / 2**30:.2f} GiB for one copy of its buffer, "
+                      f"{free_bytes / 2**30:.2f} GiB is free")
+    require(fit >= wanted, f"the one-kernel floor wants {wanted} copies of {slot_bytes / 2**20:.1f} MiB for a cold "
+                           f"L2, memory holds {fit}")
+    return wanted
+
+
+def best_grid(samples: dict) -> int:
+    """The grid whose samples (us per launch) have the lowest median; the smaller grid on a tie."""
+    timed = {int(g): float(np.median(v)) for g, v in samples.items() if len(v)}
+    require(bool(timed), "the floor has no timed grid")
+    return min(timed, key=lambda g: (timed[g], g))
+
+
+@dataclass(frozen=True)
+class FloorResult:
+    """What :class:`OneKernelFloor` measured for one byte count.
+
+    samples: grid (blocks) -> us per launch, one per recorded round, in round order
+    """
+
+    nbytes: int
+    n_vec: int
+    copies: int
+    launches: int
+    samples: dict
+
+    @property
+    def grid(self) -> int:
+        return best_grid(self.samples)
+
+    @property
+    def medians(self) -> dict:
+        return {g: float(np.median(v)) for g, v in sorted(self.samples.items()) if len(v)}
+
+    @property
+    def median_us(self) -> float:
+        return self.medians[self.grid]
+
+    def summary(self) -> str:
+        """One line: the chosen grid among the others, their medians, the rotation."""
+        medians = ", ".join(f"{g}: {us:.2f}" for g, us in self.medians.items())
+        return (f"best of grids x{THREADS} threads (median us per launch, blocks: {medians}); {self.copies} "
+                f"cold-L2 copies of {self.n_vec * VECTOR_BYTES} bytes, {self.launches} launches per graph")
+
+
+class CupyReader:
+    """The read kernel over ``copies`` slots of ``n_vec`` vectors of one device buffer (GPU only).
+
+    The buffer holds random bytes, so the sink's XOR (:attr:`sink`, XOR-ed by every launch) depends on
+    every word a launch read: tests/test_gpu_floor.py checks it. ``launch`` queues one launch on
+    torch's current stream (inside a capture: into the graph)."""
+
+    def __init__(self, device, copies: int, n_vec: int, seed: int = 0):
+        import cupy
+        import torch
+
+        self.device = device.device
+        self.kernel = _read_kernel()
+        slot = int(n_vec) * VECTOR_BYTES
+        self.buffer = torch.empty(int(copies) * slot, dtype=torch.uint8, device=self.device)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        self.buffer.random_(0, 256, generator=gen)
+        self.sink = torch.zeros(1, dtype=torch.int32, device=self.device)
+        whole = cupy.from_dlpack(self.buffer)
+        self._slots = [whole[c * slot:(c + 1) * slot] for c in range(int(copies))]
+        self._sink = cupy.from_dlpack(self.sink)
+        self._n_vec = np.uint64(n_vec)
+
+    def launch(self, grid: int, slot: int) -> None:
+        import torch
+
+        with cupy_stream(torch.cuda.current_stream(self.device)):
+            self.kernel((int(grid),), (THREADS,), (self._slots[slot], self._n_vec, self._sink))
+
+    def slot_bytes(self, slot: int):
+        """The bytes of one slot (a torch uint8 view)."""
+        n = self.buffer.numel() // len(self._slots)
+        return self.buffer[slot * n:(slot + 1) * n]
+
+
+class OneKernelFloor:
+    """The one-kernel floor of ``nbytes``, ready to time: the buffer's cold-L2 copies
+    (:func:`floor_copies`), and per grid (:func:`floor_grids`) one CUDA graph of
+    :func:`floor_launches` launches walking the copies in turn. :meth:`round` replays every grid's
+    graph once (in an order rotated each round), each between two events queued behind a spin of
+    ``queue_cycles`` GPU cycles as the kernel rows are (persistentkv.measure.protocols.kernel_once),
+    and keeps the time per launch; :meth:`result` gives every grid's samples and the best.
+
+    ``device`` is a persistentkv.measure.device.TorchDevice (or a stand-in with ``sm_count``,
+    ``l2_bytes``, ``free_bytes()``, ``event()``, ``queue_ahead()``, ``capture()``,
+    ``synchronize()``); ``reader(device, copies, n_vec)`` makes the object whose
+    ``launch(grid, slot)`` queues one read (:class:`CupyReader`; the tests pass a fake)."""
+
+    def __init__(self, device, nbytes: int, *, cold_l2_factor: float, calls_per_graph: int,
+                 queue_cycles: int = 0, max_copies: int = 64, blocks_per_sm=FLOOR_BLOCKS_PER_SM, reader=CupyReader):
+        self.device = device
+        self.nbytes = int(nbytes)
+        self.n_vec = floor_vectors(nbytes)
+        slot = self.n_vec * VECTOR_BYTES
+        self.copies = floor_copies(slot, device.l2_bytes, cold_l2_factor, device.free_bytes(), max_copies)
+        self.launches = floor_launches(self.copies, calls_per_graph)
+        self.grids = floor_grids(device.sm_count, self.n_vec, blocks_per_sm)
+        self.queue_cycles = int(queue_cycles)
+        self.reader = reader(device, self.copies, self.n_vec)
+        slots = [i % self.copies for i in range(self.launches)]
+        self.replays = {}
+        for grid in self.grids:
+            self.reader.launch(grid, 0)  # loads the module and runs the grid once, outside any capture
+            device.synchronize()
+
+            def launches(grid=grid):
+                for s in slots:
+                    self.reader.launch(grid, s)
+
+            self.replays[grid] = device.capture(launches)
+        self.samples = {g: [] for g in self.grids}
+        self.rounds = 0
+
+    def round(self, record: bool = True) -> None:
+        """Every grid's graph replayed once; ``record``: keep the times (False: a warm-up round)."""
+        k = self.rounds % len(self.grids)
+        for grid in self.grids[k:] + self.grids[:k]:
+            start, end = self.device.event(), self.device.event()
+            self.device.queue_ahead(self.queue_cycles)
+            start.record()
+            self.replays[grid]()
+            end.record()
+            self.device.synchronize()
+            if record:
+                self.samples[grid].append(start.elapsed_ms(end) * 1e3 / self.launches)
+        self.rounds += 1
+
+    def result(self) -> FloorResult:
+        return FloorResult(self.nbytes, self.n_vec, self.copies, self.launches,
+                           {g: list(v) for g, v in self.samples.items()})
+
+    def close(self) -> None:
+        """Drop the graphs and the buffer (the caller's allocator keeps the memory for the next case)."""
+        self.replays.clear()
+        self.reader = None
+
+
+def measure_floor(device, nbytes: int, repeats: int = 5, warmup: int = 2, **options) -> FloorResult:
+    """The one-kernel floor of ``nbytes`` on its own: ``warmup`` discarded rounds, then ``repeats``
+    recorded ones (``options``: those of :class:`OneKernelFloor`; cold_l2_factor defaults to 3 and
+    calls_per_graph to 10, the config's values)."""
+    require(int(repeats) >= 1, f"repeats must be >= 1, got {repeats}")
+    options = {"cold_l2_factor": 3.0, "calls_per_graph": 10, **options}
+    floor = OneKernelFloor(device, nbytes, **options)
+    try:
+        for r in range(int(warmup) + int(repeats)):
+            floor.round(record=r >= warmup)
+        return floor.result()
+    finally:
+        floor.close()

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ablation": ("ablation", "bucket and split ablations (launches, padded and merge bytes)"),
     "compile-kernels": ("compile_kernels", "compile kernels/ for named architectures; report registers/spills"),
     "bench-kernels": ("bench_kernels", "GPU: our routes, every installed baseline and the read ceiling"),
+    "bench-shapes": ("bench_shapes", "GPU: Hkv x G x B x bytes, every baseline, our routes, the one-kernel floor"),
     "measure": ("measure", "GPU: one experiment under the fair and the published protocol"),
     "measure-e2e": ("measure_e2e", "GPU: the full Llama decode step per backend (graph replay), attention's share"),
     "validate-gpu": ("validate_gpu", "GPU: every backend against float64 at sampled steps of every trace"),

@@ -29,8 +29,12 @@ COMPOSITE_REFERENCES = {"flashinfer-best": FLASHINFER, "baseline-best": BASELINE
 ADAPTIVE = "adaptive"
 #: Backends that run only on the host (never timed on a GPU).
 CPU_ONLY = frozenset({"numpy"})
-#: Pseudo-backends of bench_kernels.parquet that are bandwidth probes, not attention.
-CEILING_BACKENDS = ("read-ceiling", "copy-ceiling")
+#: The one-kernel floor of a case: a plain read of exactly its K/V bytes in one kernel, cold L2,
+#: graph-replayed (persistentkv.ceiling.OneKernelFloor), measured per case beside its backends.
+FLOOR_BACKEND = "one-kernel-floor"
+#: Pseudo-backends of bench_kernels.parquet (and bench_shapes.parquet) that are bandwidth probes,
+#: not attention: never a baseline, never in the attention timing cells.
+CEILING_BACKENDS = ("read-ceiling", "copy-ceiling", FLOOR_BACKEND)
 
 #: Measurement experiments (persistentkv measure --experiment; results/<hw>/raw/<name>.parquet).
 EXPERIMENTS = ("calibration", "published", "long_context", "fragmented", "batch_sweep", "gqa_sweep",
@@ -66,3 +70,8 @@ def synthetic_name(lengths) -> str:
     if len(set(lengths)) == 1:
         return f"B{len(lengths)}xN{lengths[0]}"
     return f"B{len(lengths)}-ragged-{sum(lengths) // 1024}K"
+
+
+#: The shapes experiment (persistentkv bench-shapes; results/<hw>/bench_shapes.parquet): the grid
+#: is config measure.bench_shapes; its rows' experiment is this name.
+SHAPES_EXPERIMENT = "bench_shapes"

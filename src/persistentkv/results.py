@@ -19,7 +19,7 @@ import pandas as pd
 
 from . import analysis
 from .errors import PKVError, require
-from .names import CEILING_BACKENDS, EXPERIMENTS
+from .names import CEILING_BACKENDS, EXPERIMENTS, SHAPES_EXPERIMENT
 
 
 @dataclass
@@ -50,6 +50,9 @@ class Results:
     missing: list = field(default_factory=list)   # what, for files that do not
     #: metric -> every timing cell, bootstrapped once (:meth:`all_cells`)
     _cells: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: results/{hw}/bench_shapes.parquet (the shapes experiment: kernel rows and the one-kernel
+    #: floor's, plus ceiling rows); kept apart from :attr:`timing`, read by targets.floor_verdicts
+    shapes: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def timing(self) -> pd.DataFrame:
@@ -163,6 +166,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         return pd.DataFrame()
 
     bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
+    shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet")
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
@@ -173,6 +177,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     prov_path = results_dir / "provenance.json"
     sidecars = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
     sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
+    sidecars += [p for p in (results_dir / f"{SHAPES_EXPERIMENT}.json",) if p.is_file()]
     for path in sidecars + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
@@ -198,4 +203,5 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    ablation_buckets=ablation_buckets, ablation_splits=ablation_splits, provenance=provenance,
                    policy=policy, kernels=kernels,
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
-                   calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing)
+                   calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
+                   shapes=shapes)

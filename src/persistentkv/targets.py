@@ -9,10 +9,11 @@ from rows; a target whose rows are absent is "not measured", never guessed.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from . import analysis
-from .names import BASELINES, EXPERIMENTS, synthetic_name
+from .names import BASELINES, EXPERIMENTS, FLOOR_BACKEND, SHAPES_EXPERIMENT, synthetic_name
 from .results import Results
 
 #: The backend the engine's targets are about: our work queue, as pkv-workqueue runs it.
@@ -283,3 +284,206 @@ def _pinning_sentence(pinning: dict | None) -> str:
     return (f" {share} ran with the timing thread pinned to one CPU (measure.host_cpu: by default the one a "
             f"probe finds quickest at the round's start; {pinning['cpus']} distinct CPUs over the run{where}), "
             f"as every backend's did.")
+
+
+# -- the one-kernel floor and the shapes experiment ----------------------------------------------
+MiB = 2**20
+#: ENGINE_BACKEND's kernel time as a fraction of the one-kernel floor measured in the same run
+#: (floor time / ours: 1 = as fast as one plain read of the step's bytes), the least it must reach
+#: per band of the step's K/V bytes, [lo, hi) in bytes (hi None: no end). Fixed before the data:
+FLOOR_BANDS = ((12 * MiB, 24 * MiB, 0.75),    # the 16 MiB steps (16.8 MB)
+               (24 * MiB, 96 * MiB, 0.85),    # 32 to 64 MiB (33.5 to 67 MB)
+               (96 * MiB, 192 * MiB, 0.90),   # 128 MiB (134 MB)
+               (192 * MiB, None, 0.95))       # 256 MiB (268 MB) and up
+#: Shape invariance: a step with Hkv in SHAPES_SMALL_HEADS takes at most this many times the time of
+#: the step with Hkv = SHAPES_REFERENCE_HEADS at the same G, the same B and the same bytes (within
+#: EQUAL_BYTES; the small-Hkv rows are then SHAPES_REFERENCE_HEADS / Hkv times longer), for steps of
+#: at least SHAPES_INVARIANCE_BYTES.
+SHAPES_INVARIANCE = 1.15
+SHAPES_INVARIANCE_BYTES = 4 * MiB
+SHAPES_SMALL_HEADS = (1, 2)
+SHAPES_REFERENCE_HEADS = 8
+EQUAL_BYTES = 0.02
+#: Against the baselines on the shapes grid: never below this fraction of the fastest baseline's
+#: speed anywhere, and at Hkv in SHAPES_SMALL_HEADS up to SHAPES_SMALL_BYTES (67 MB) at least
+#: SHAPES_SMALL_SPEEDUP times as fast.
+SHAPES_BASELINE_FLOOR = 0.98
+SHAPES_SMALL_SPEEDUP = 1.5
+SHAPES_SMALL_BYTES = 64 * MiB
+HOLDS, FAILS, NOT_MEASURED = "holds", "does not hold", "not measured"
+
+
+def floor_band(kv_bytes: int) -> float | None:
+    """The FLOOR_BANDS target of a step of ``kv_bytes`` (None: no target at that size)."""
+    for lo, hi, target in FLOOR_BANDS:
+        if kv_bytes >= lo and (hi is None or kv_bytes < hi):
+            return target
+    return None
+
+
+def _verdict(entries: list[dict], key: str = "holds") -> str:
+    return NOT_MEASURED if not entries else HOLDS if all(e[key] for e in entries) else FAILS
+
+
+def _kernel_cells(frame: pd.DataFrame) -> tuple[list, dict]:
+    """(cells, {cell key tuple: kv_bytes}) of a file's kernel rows, the floor's included."""
+    if frame.empty or not {"protocol", "backend", "kv_bytes"} <= set(frame.columns):
+        return [], {}
+    rows = frame[(frame["protocol"] == "kernel") & (frame.get("status", "ok") == "ok") & frame["kv_bytes"].notna()]
+    cells = analysis.bootstrap_cells(rows) if not rows.empty else []
+    cols = [c for c in analysis.CELL if c in rows.columns]
+    sizes = {(k if isinstance(k, tuple) else (k,)): int(v)
+             for k, v in rows.groupby(cols, dropna=False)["kv_bytes"].max().items()} if not rows.empty else {}
+    return cells, {id(c): sizes.get(tuple(c.key[col] for col in cols), 0) for c in cells}
+
+
+def _case(source: str, cell, kv_bytes: int) -> dict:
+    hkv, hq = int(cell.key["num_kv_heads"]), int(cell.key["num_qo_heads"])
+    return {"source": source, "trace": str(cell.key["trace"]), "num_kv_heads": hkv, "group_size": hq // hkv,
+            "batch_size": int(cell.info.get("batch_size", 0)), "kv_bytes": int(kv_bytes),
+            "case": f"{cell.key['trace']} (Hkv={hkv}, G={hq // hkv}, {kv_bytes / 1e6:.1f} MB)"}
+
+
+def _interval(boot) -> tuple[float, float]:
+    ok = np.isfinite(boot)
+    if not ok.any():
+        return float("nan"), float("nan")
+    lo, hi = analysis._quantiles(analysis.CONFIDENCE)
+    return float(np.quantile(boot[ok], lo)), float(np.quantile(boot[ok], hi))
+
+
+def floor_verdicts(results: Results) -> dict:
+    """ENGINE_BACKEND against the one-kernel floor and on the shapes grid, with 95 % bootstrap
+    intervals (the ``floor`` entry of claims.json); every target was fixed before the data:
+
+    floor        on the kernel rows of bench_kernels and bench_shapes, per case the floor's time over
+                 ours (``frac``) against FLOOR_BANDS' target for its bytes (steps under 12 MiB are
+                 listed without a target);
+    invariance   bench_shapes: per Hkv in SHAPES_SMALL_HEADS step of >= SHAPES_INVARIANCE_BYTES, its
+                 time over the Hkv = SHAPES_REFERENCE_HEADS step's at the same G, B and bytes
+                 (``ratio``, at most SHAPES_INVARIANCE);
+    baselines    bench_shapes: per case the fastest baseline's time over ours (at least
+                 SHAPES_BASELINE_FLOOR everywhere);
+    small_heads  bench_shapes: the same ratio at Hkv in SHAPES_SMALL_HEADS up to SHAPES_SMALL_BYTES (at
+                 least SHAPES_SMALL_SPEEDUP).
+
+    A check holds when every point estimate meets it; each entry says whether its interval clears
+    it too. A check without rows is "not measured", never guessed."""
+    out = {"backend": ENGINE_BACKEND, "floor_backend": FLOOR_BACKEND,
+           "bands": [{"lo_bytes": lo, "hi_bytes": hi, "target": t} for lo, hi, t in FLOOR_BANDS]}
+    sources = {"bench_kernels": _kernel_cells(results.bench), SHAPES_EXPERIMENT: _kernel_cells(results.shapes)}
+    fractions = []
+    for source, (cells, sizes) in sources.items():
+        for cell in cells:
+            if ENGINE_BACKEND not in cell.point or FLOOR_BACKEND not in cell.point:
+                continue
+            r = analysis.ratio(cell, ENGINE_BACKEND, FLOOR_BACKEND)
+            if r is None:
+                continue
+            lo, hi = _interval(r["boot"])
+            target = floor_band(sizes[id(cell)])
+            entry = {**_case(source, cell, sizes[id(cell)]), "frac": float(r["ratio"]), "lo": lo, "hi": hi,
+                     "ours_us": cell.time(ENGINE_BACKEND)[0], "floor_us": cell.time(FLOOR_BACKEND)[0],
+                     "target": target}
+            if target is not None:
+                entry.update(holds=bool(r["ratio"] >= target), interval_clears=bool(lo >= target))
+            fractions.append(entry)
+    fractions.sort(key=lambda e: (e["source"], e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
+    judged = [e for e in fractions if e["target"] is not None]
+    out["floor"] = {"verdict": _verdict(judged), "cases": fractions,
+                    "below": [e["case"] for e in judged if not e["holds"]],
+                    "significantly_below": [e["case"] for e in judged if e["hi"] < e["target"]]}
+    cells, sizes = sources[SHAPES_EXPERIMENT]
+    out.update(_invariance([c for c in cells if ENGINE_BACKEND in c.point], sizes))
+    out.update(_against_baselines(cells, sizes))
+    out["run_ids"] = sorted({r for cs, _ in sources.values() for r in analysis.run_ids(cs)})
+    out["sentences"] = _floor_sentences(out)
+    return out
+
+
+def _invariance(cells: list, sizes: dict) -> dict:
+    by_shape = {}
+    for c in cells:
+        entry = _case(SHAPES_EXPERIMENT, c, sizes[id(c)])
+        by_shape[(entry["group_size"], entry["batch_size"], entry["num_kv_heads"], c.key["trace"])] = (entry, c)
+    pairs = []
+    for (g, b, hkv, _), (entry, cell) in sorted(by_shape.items()):
+        if hkv not in SHAPES_SMALL_HEADS or entry["kv_bytes"] < SHAPES_INVARIANCE_BYTES:
+            continue
+        refs = [(e, c) for (g2, b2, h2, _), (e, c) in by_shape.items()
+                if (g2, b2, h2) == (g, b, SHAPES_REFERENCE_HEADS)
+                and abs(e["kv_bytes"] / entry["kv_bytes"] - 1) <= EQUAL_BYTES]
+        if not refs:
+            continue
+        ref_entry, ref = min(refs, key=lambda ec: abs(ec[0]["kv_bytes"] - entry["kv_bytes"]))
+        t, boot = cell.time(ENGINE_BACKEND)
+        t_ref, boot_ref = ref.time(ENGINE_BACKEND)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lo, hi = _interval(boot / boot_ref)
+        ratio = t / t_ref
+        pairs.append({**entry, "reference": ref_entry["case"], "us": t, "reference_us": t_ref, "ratio": ratio,
+                      "lo": lo, "hi": hi, "holds": bool(ratio <= SHAPES_INVARIANCE),
+                      "interval_clears": bool(hi <= SHAPES_INVARIANCE)})
+    return {"invariance": {"verdict": _verdict(pairs), "target": SHAPES_INVARIANCE,
+                           "min_bytes": SHAPES_INVARIANCE_BYTES, "reference_heads": SHAPES_REFERENCE_HEADS,
+                           "pairs": pairs, "above": [p["case"] for p in pairs if not p["holds"]]}}
+
+
+def _against_baselines(cells: list, sizes: dict) -> dict:
+    speedups = []
+    for c in cells:
+        r = analysis.ratio(c, ENGINE_BACKEND, "baseline-best")
+        if r is None:
+            continue
+        lo, hi = _interval(r["boot"])
+        speedups.append({**_case(SHAPES_EXPERIMENT, c, sizes[id(c)]), "ratio": float(r["ratio"]), "lo": lo,
+                         "hi": hi, "baseline": str(r["ref_backend"])})
+    speedups.sort(key=lambda e: (e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
+    every = [{**e, "holds": bool(e["ratio"] >= SHAPES_BASELINE_FLOOR),
+              "interval_clears": bool(e["lo"] >= SHAPES_BASELINE_FLOOR)} for e in speedups]
+    small = [{**e, "holds": bool(e["ratio"] >= SHAPES_SMALL_SPEEDUP),
+              "interval_clears": bool(e["lo"] >= SHAPES_SMALL_SPEEDUP)} for e in speedups
+             if e["num_kv_heads"] in SHAPES_SMALL_HEADS and e["kv_bytes"] <= SHAPES_SMALL_BYTES]
+    return {"baselines": {"verdict": _verdict(every), "target": SHAPES_BASELINE_FLOOR, "reference": "baseline-best",
+                          "cases": every, "below": [e["case"] for e in every if not e["holds"]]},
+            "small_heads": {"verdict": _verdict(small), "target": SHAPES_SMALL_SPEEDUP, "heads": list(SHAPES_SMALL_HEADS),
+                            "max_bytes": SHAPES_SMALL_BYTES, "cases": small,
+                            "below": [e["case"] for e in small if not e["holds"]]}}
+
+
+def _floor_sentences(entry: dict) -> list[str]:
+    who = entry["backend"]
+    said = []
+    f = entry["floor"]
+    judged = [e for e in f["cases"] if e["target"] is not None]
+    if f["verdict"] == NOT_MEASURED:
+        said.append(f"Against the one-kernel floor: not measured (no kernel rows of both {who} and "
+                    f"{entry['floor_backend']} in one case of at least {FLOOR_BANDS[0][0] / MiB:.0f} MiB).")
+    else:
+        low = min(judged, key=lambda e: e["frac"] / e["target"])
+        said.append(f"Against the one-kernel floor: {len(judged) - len(f['below'])} of {len(judged)} cases of at least "
+                    f"{FLOOR_BANDS[0][0] / MiB:.0f} MiB reach their band's fraction (lowest against its target: "
+                    f"{low['case']} {analysis.fmt_ratio(low['frac'], low['lo'], low['hi'])} against {low['target']:g}): "
+                    f"{f['verdict']}.")
+    inv = entry["invariance"]
+    if inv["verdict"] == NOT_MEASURED:
+        said.append(f"Shape invariance: not measured (no bench_shapes pairs of Hkv in {list(SHAPES_SMALL_HEADS)} and "
+                    f"Hkv={inv['reference_heads']} at the same G, B and bytes).")
+    else:
+        worst = max(inv["pairs"], key=lambda p: p["ratio"])
+        said.append(f"Shape invariance: {len(inv['pairs']) - len(inv['above'])} of {len(inv['pairs'])} small-Hkv steps "
+                    f"within {inv['target']:g}x of the Hkv={inv['reference_heads']} step of the same G, B and bytes "
+                    f"(worst {worst['case']} {analysis.fmt_ratio(worst['ratio'], worst['lo'], worst['hi'])}): "
+                    f"{inv['verdict']}.")
+    for key, what in (("baselines", "on the whole shapes grid, at least {t:g}x of the fastest baseline's speed"),
+                      ("small_heads", "at Hkv in {h} up to {mb:.0f} MB, at least {t:g}x the fastest baseline")):
+        e = entry[key]
+        text = what.format(t=e["target"], h=list(SHAPES_SMALL_HEADS), mb=SHAPES_SMALL_BYTES / 1e6)
+        if e["verdict"] == NOT_MEASURED:
+            said.append(f"{who} {text}: not measured (no bench_shapes case with both {who} and a baseline).")
+            continue
+        low = min(e["cases"], key=lambda c: c["ratio"])
+        said.append(f"{who} {text}: {len(e['cases']) - len(e['below'])} of {len(e['cases'])} cases (lowest "
+                    f"{low['case']} {analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against "
+                    f"{low['baseline']}): {e['verdict']}.")
+    return said

@@ -72,6 +72,36 @@ rule bench_kernels:
         )
 
 
+# The shapes experiment (config measure.bench_shapes): Hkv x G x B x bytes, every baseline, our
+# routes and the one-kernel floor per case.
+SIDECARS += [f"{RESULTS}/bench_shapes.json"]
+MEASURE_TARGETS += [f"{RESULTS}/bench_shapes.parquet"]
+
+
+rule bench_shapes:
+    input:
+        kernels=rules.kernels.output,
+    output:
+        table=f"{RESULTS}/bench_shapes.parquet",
+        provenance=f"{RESULTS}/bench_shapes.json",
+    log:
+        f"logs/measure/{HW}/bench_shapes.log",
+    params:
+        config=CONFIG_FILE,
+        spec=config["spec"],
+        measure=config["measure"],
+    threads: GPU_JOB_THREADS
+    resources:
+        gpu=1,
+    conda:
+        CONDA_ENV
+    shell:
+        job(
+            "persistentkv bench-shapes --config {params.config} --out {output.table} > {log} 2>&1",
+            gpu=HW,
+        )
+
+
 rule measure:
     input:
         traces=TRACE_FILES,

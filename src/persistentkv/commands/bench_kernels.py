@@ -4,8 +4,10 @@
 
 Cases: B in {1, 2, 4, 8, 16, 64} x {1K, 4K, 8K, 16K, 32K, 128K} tokens per row, plus B=1 at 64K and
 256K, a B=8 bimodal-like row set and a B=8 ragged one (3 x 65536 + 5 short). Protocols: kernel
-(CUDA-graph replay) and eager. Prints per case the kernel time of each backend and our best route
-against the best baseline.
+(CUDA-graph replay) and eager; per case, in the same rounds, the one-kernel floor (the read kernel
+over exactly the case's bytes in one launch, cold L2, the best of four grids; backend
+``one-kernel-floor``). Prints per case the kernel time of each backend, our best route against the
+best baseline and the floor's time over ours.
 """
 
 from __future__ import annotations

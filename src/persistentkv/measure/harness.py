@@ -16,9 +16,13 @@ For each case:
    and its graphs hold); for FlashInfer the published instance is the plain (non-graph) wrapper
    the paper timed.
 4. Rounds (persistentkv.measure.schedule): every variant once per round in a seeded shuffled
-   order, all protocols per visit; warm-up rounds are discarded. Before each round the timing
-   thread is pinned per ``measure.host_cpu`` (persistentkv.measure.host_cpu: the quickest CPU of
-   a probe, by default), and the round's rows record the CPU and its probe time.
+   order, all protocols per visit; warm-up rounds are discarded. Where the run times the one-kernel
+   floor (``RunContext.floor``: bench-kernels, bench-shapes), it is one more slot of every round's
+   order: each of its grids replayed once per visit (persistentkv.ceiling.OneKernelFloor), its rows
+   backend ``one-kernel-floor``, protocol ``kernel``, one per recorded round (rows.floor_rows).
+   Before each round the timing thread is pinned per ``measure.host_cpu``
+   (persistentkv.measure.host_cpu: the quickest CPU of a probe, by default), and the round's rows
+   record the CPU and its probe time.
 
 Anything a backend raises (import, compile, capture, run, out of memory) becomes a ``failed`` row
 with the reason, for that protocol (or all of them when planning fails); after an OOM the
@@ -31,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..backends import registry
+from ..ceiling import OneKernelFloor
 from ..errors import PKVError, require
-from ..names import PKV_BACKENDS, PROTOCOLS
+from ..names import FLOOR_BACKEND, PKV_BACKENDS, PROTOCOLS
 from .host_cpu import HostPinner, check_host_cpu
 from .protocols import eager_once, kernel_once, published_once, step_once
 from .rotation import CopyCursor, cache_bytes, cold_copies, graph_copies, graph_offsets
-from .rows import availability, case_fields, one_line, raw_row
+from .rows import availability, case_fields, floor_rows, one_line, raw_row
 from .schedule import rounds
 from .statistics import frac_of_ceiling
 from .workload import Case, Variant
@@ -143,6 +148,9 @@ class RunContext:
     reported_unavailable: set = field(default_factory=set)
     #: pins the timing thread before each round (run_cases makes one from Settings.host_cpu)
     pinner: HostPinner | None = None
+    #: the one-kernel floor of each case, timed in its rounds: ``floor(case, device, settings)`` ->
+    #: a prepared ceiling.OneKernelFloor (:func:`one_kernel_floor`); None: not timed
+    floor: Callable[..., Any] | None = None
 
 
 # -- what a plan tells the rows ------------------------------------------------------------------
@@ -321,11 +329,16 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
         _prepare_protocols(b, case, device, factory, settings, copies, q, gather_index)
         bound.append(b)
 
-    # 4. interleaved rounds, each on the CPU the pinner picks for it
-    for rnd in rounds(len(bound), settings.rounds, settings.warmup, settings.seed, case_index):
+    floor = _prepare_floor(case, device, settings, ctx) if bound else None
+
+    # 4. interleaved rounds, each on the CPU the pinner picks for it (the floor, if timed, is slot len(bound))
+    for rnd in rounds(len(bound) + (floor is not None), settings.rounds, settings.warmup, settings.seed, case_index):
         host_cpu, probe = ctx.pinner.pin() if ctx.pinner is not None else (-1, float("nan"))
         where = {"host_cpu": host_cpu, "host_probe_us": probe}
         for i in rnd.order:
+            if i == len(bound):
+                floor.visit(rnd, settings.repeats_of("kernel"), device)
+                continue
             b = bound[i]
             for protocol in settings.protocols:
                 if protocol in b.skip or rnd.repeat >= settings.repeats_of(protocol):
@@ -346,8 +359,64 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
             rows.append(status_row(b.variant, status, reason, protocol, **{k: v for k, v in b.fields.items()
                                                                            if k in ("route",)}))
         b.replays.clear()
-    del copies, bound
+    if floor is not None:
+        rows += floor.rows(base, ctx.read_ceiling_gbps)
+    del copies, bound, floor
     return rows
+
+
+def one_kernel_floor(case: Case, device, settings: Settings, **options) -> OneKernelFloor:
+    """The one-kernel floor of ``case``'s K/V bytes, rotated and replayed as its kernel rows are
+    (Settings.cold_l2_factor, calls_per_graph, kernel_queue_cycles, max_copies); ``options`` go to
+    ceiling.OneKernelFloor (the tests pass a fake ``reader``)."""
+    return OneKernelFloor(device, case.batch.kv_bytes, cold_l2_factor=settings.cold_l2_factor,
+                          calls_per_graph=settings.calls_per_graph, queue_cycles=settings.kernel_queue_cycles,
+                          max_copies=settings.max_copies, **options)
+
+
+@dataclass
+class _FloorSlot:
+    """The floor's place in a case's rounds: the prepared floor, or why it is not timed."""
+
+    floor: Any = None
+    failure: str = ""
+
+    def visit(self, rnd, repeats: int, device) -> None:
+        if self.floor is None or rnd.repeat >= repeats:
+            return
+        try:
+            self.floor.round(record=not rnd.warmup)
+        except Exception as exc:
+            if device.is_oom(exc):
+                device.empty_cache()
+            self.failure = f"kernel repeat {rnd.repeat}: {one_line(exc)}"
+            self.floor.close()
+            self.floor = None
+
+    def rows(self, base: dict, ceiling: float) -> list[dict]:
+        if self.floor is not None:
+            result = self.floor.result()
+            self.floor.close()
+            self.floor = None
+            if any(result.samples.values()):
+                return floor_rows(result, base, ceiling)
+            self.failure = self.failure or "no recorded round"
+        return [raw_row(**base, backend=FLOOR_BACKEND, route=FLOOR_BACKEND, protocol="kernel", status="failed",
+                        reason=self.failure)]
+
+
+def _prepare_floor(case: Case, device, settings: Settings, ctx: RunContext) -> _FloorSlot | None:
+    """The case's floor slot (None when the run does not time the floor); a floor that cannot be
+    prepared (memory, compilation, capture) gives a slot that only reports why."""
+    if ctx.floor is None or "kernel" not in settings.protocols:
+        return None
+    try:
+        return _FloorSlot(ctx.floor(case, device, settings))
+    except Exception as exc:
+        if device.is_oom(exc):
+            device.empty_cache()
+        ctx.log(f"  {case.label}: one-kernel floor not measured ({one_line(exc)})")
+        return _FloorSlot(failure=f"preparing the floor: {one_line(exc)}")
 
 
 def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, settings: Settings, copies, q,

@@ -19,9 +19,8 @@ single calls the interleaved rounds make. R > c only for cases under cold_l2_fac
 
 from __future__ import annotations
 
-import math
-
 from ..cache import Batch
+from ..ceiling import cold_copies  # noqa: F401  (defined with the one-kernel floor, which rotates the same way)
 from ..errors import require
 
 
@@ -29,14 +28,6 @@ def cache_bytes(batch: Batch) -> int:
     """Bytes of one copy of a case's cache: every page of its universe, K and V."""
     spec = batch.spec
     return int(batch.num_pages) * spec.page_size * spec.kv_bytes_per_token
-
-
-def cold_copies(read_bytes: int, l2_bytes: int, factor: float) -> int:
-    """Copies R with R x read_bytes >= factor x L2 (at least 1)."""
-    require(read_bytes > 0, f"a case must read some bytes, got {read_bytes}")
-    require(l2_bytes >= 0, f"L2 size must be >= 0, got {l2_bytes}")
-    require(factor >= 1, f"cold_l2_factor must be >= 1, got {factor}")
-    return max(1, math.ceil(factor * l2_bytes / read_bytes))
 
 
 def graph_offsets(copies: int) -> list[int]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
-from ..ceiling import ceiling_gbps
+from ..ceiling import THREADS, ceiling_gbps
 from ..errors import PKVError, require
-from ..names import CEILING_BACKENDS, CPU_ONLY, PROTOCOLS
+from ..names import CEILING_BACKENDS, CPU_ONLY, FLOOR_BACKEND, PROTOCOLS
+from .statistics import frac_of_ceiling
 
 #: column -> pandas dtype, in the order of docs/DATA.md.
 RAW_COLUMNS: dict[str, str] = {
@@ -137,6 +138,21 @@ def ceiling_rows(samples: list, failures: dict[str, str], run_id: str, experimen
     for backend, reason in failures.items():
         rows.append(raw_row(**common, trace=backend, kv_bytes=0, backend=backend, route=backend,
                             status="failed", reason=reason))
+    return rows
+
+
+def floor_rows(result, base: dict, read_gbps: float) -> list[dict]:
+    """The one-kernel floor of a case as raw rows (``result``: ceiling.FloorResult; ``base``: the
+    case's fields, run_id and read ceiling): backend FLOOR_BACKEND, protocol ``kernel``, one row per
+    recorded round of the best grid, ``route`` naming that grid (``read-1056x256``: blocks x
+    threads), ``reason`` every grid's median; kv_bytes stays the case's (``base``)."""
+    grid = result.grid
+    route = f"read-{grid}x{THREADS}"
+    rows = []
+    for repeat, us in enumerate(result.samples[grid]):
+        rows.append(raw_row(**base, backend=FLOOR_BACKEND, route=route, protocol="kernel", repeat=repeat,
+                            time_us=us, per_layer_us=us, layers=1, reason=result.summary(),
+                            frac_of_ceiling=frac_of_ceiling(base["kv_bytes"], us, read_gbps)))
     return rows
 
 

@@ -14,18 +14,18 @@ from ..analysis import pinning
 from ..backends import registry
 from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
 from ..io import atomic_write_parquet
-from ..names import CPU_ONLY
+from ..names import CPU_ONLY, SHAPES_EXPERIMENT
 from ..provenance import collect, new_run_id, utc_now, write_sidecar
 from ..spec import AttentionSpec
 from ..traces import sampled_steps
 from .device import TorchDevice
-from .harness import BackendFactory, RunContext, Settings, experiment_protocols, run_cases
+from .harness import BackendFactory, RunContext, Settings, experiment_protocols, one_kernel_floor, run_cases
 from .rows import ceiling_rows, raw_frame, validation_frame
 from .smoke import run_smoke
 from .statistics import frac_of_ceiling, kernel_table
 from .validation import failing, validate_case
-from .workload import (Variant, bench_grid, default_splits, experiment_cases, load_trace, seeds_of, synthetic_case,
-                       trace_cases, variant_for, variants)
+from .workload import (Variant, bench_grid, default_splits, experiment_cases, load_trace, seeds_of, shapes_cases,
+                       synthetic_case, trace_cases, variant_for, variants)
 
 
 def log(message: str) -> None:
@@ -123,17 +123,46 @@ def run_bench(config_path: str, out: str, policy: str | None, backends: list[str
                                     seed=int(config["seeds"]["calibration"]), bench=True)
     rows = _bracketed(device, run_id, "bench_kernels", quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
-                                                RunContext(run_id, ceiling, log=log)))
+                                                RunContext(run_id, ceiling, log=log, floor=one_kernel_floor)))
     frame = raw_frame(rows)
     _write(out, frame, run_id, collect(config, [0], started, device))
     _summary(frame)
-    table = kernel_table(frame)
+    _print_table(frame)
+    return 0
+
+
+def _print_table(frame, index=("trace",)) -> None:
+    table = kernel_table(frame, index)
     if not table.empty:
         import pandas as pd
 
-        with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.1f}".format):
-            print("kernel time per call (us, median); speedup = best baseline / best pkv route")
+        with pd.option_context("display.width", 220, "display.max_columns", 30, "display.float_format", "{:.2f}".format):
+            print("kernel time per call (us, median); speedup = best baseline / best pkv route; frac_of_floor = "
+                  "the one-kernel floor / best pkv route")
             print(table.to_string())
+
+
+def run_shapes(config_path: str, out: str, backends: list[str] | None, quick: bool) -> int:
+    """The shapes experiment (config measure.bench_shapes): kernel rows of every backend and the
+    one-kernel floor per case, between the two ceiling measurements."""
+    config = configuration.load_config(config_path)
+    cases, skipped = shapes_cases(config, backends, quick)
+    for why in skipped:
+        log(f"bench_shapes: skipped {why}")
+    device = _device()
+    started = utc_now()
+    run_id = new_run_id(SHAPES_EXPERIMENT, started)
+    settings = Settings.from_config(config, protocols=("kernel",), quick=quick,
+                                    seed=int(config["seeds"]["calibration"]), bench=True)
+    log(f"{SHAPES_EXPERIMENT}: {len(cases)} cases, kernel rows, {settings.repeats} repeats after {settings.warmup} "
+        f"warm-up rounds, the one-kernel floor in every round")
+    rows = _bracketed(device, run_id, SHAPES_EXPERIMENT, quick,
+                      lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
+                                                RunContext(run_id, ceiling, log=log, floor=one_kernel_floor)))
+    frame = raw_frame(rows)
+    _write(out, frame, run_id, collect(config, [0], started, device))
+    _summary(frame)
+    _print_table(frame, ("num_kv_heads", "num_qo_heads", "trace"))
     return 0
 
 

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..errors import require
-from ..names import BASELINES, PKV_BACKENDS
+from ..names import BASELINES, FLOOR_BACKEND, PKV_BACKENDS
 
 
 def per_call_us(elapsed_ms: float, calls: int) -> float:
@@ -45,23 +45,27 @@ def median(values) -> float:
     return float(np.median(arr)) if arr.size else math.nan
 
 
-def kernel_table(rows):
+def kernel_table(rows, index=("trace",)):
     """Median kernel time (us) per case and backend, and ours vs the best baseline.
 
-    ``rows`` is a raw-row DataFrame. Returns a DataFrame indexed by case (trace) with one column
-    per backend plus ``best_baseline``, ``best_pkv`` and ``speedup`` = best_baseline / best_pkv
-    (> 1: our best route beats the fastest baseline on that case). Missing cells are NaN.
+    ``rows`` is a raw-row DataFrame; ``index`` the columns that name a case (the shapes experiment
+    adds the heads). Returns a DataFrame indexed by case with one column per backend plus
+    ``best_baseline``, ``best_pkv`` and ``speedup`` = best_baseline / best_pkv (> 1: our best route
+    beats the fastest baseline on that case), and where the run timed the one-kernel floor,
+    ``frac_of_floor`` = the floor's median over best_pkv (1: as fast as a plain read of the step's
+    bytes in one kernel). Missing cells are NaN.
     """
     import pandas as pd
-
 
     ok = rows[(rows["protocol"] == "kernel") & (rows["status"] == "ok")]
     if ok.empty:
         return pd.DataFrame()
-    table = ok.pivot_table(index="trace", columns="backend", values="time_us", aggfunc="median", sort=False)
+    table = ok.pivot_table(index=list(index), columns="backend", values="time_us", aggfunc="median", sort=False)
     base = [b for b in BASELINES if b in table.columns]
     ours = [b for b in PKV_BACKENDS if b in table.columns]
     table["best_baseline"] = table[base].min(axis=1) if base else math.nan
     table["best_pkv"] = table[ours].min(axis=1) if ours else math.nan
     table["speedup"] = table["best_baseline"] / table["best_pkv"]
+    if FLOOR_BACKEND in table.columns:
+        table["frac_of_floor"] = table[FLOOR_BACKEND] / table["best_pkv"]
     return table

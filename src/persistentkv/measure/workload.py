@@ -29,7 +29,8 @@ from typing import Iterable
 from .. import configuration
 from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
 from ..errors import require
-from ..names import BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PUBLISHED_TRACES, synthetic_name
+from ..names import (BASELINES, BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PKV_BACKENDS, PUBLISHED_TRACES,
+                     SHAPES_EXPERIMENT, synthetic_name)
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace
 
@@ -251,3 +252,55 @@ def _merge_split_cases(cases: list[Case]) -> list[Case]:
 def seeds_of(cases: list[Case]) -> list[int]:
     return sorted({int(c.seed) for c in cases})
 
+
+
+# -- the shapes experiment (persistentkv bench-shapes) --------------------------------------------
+def shapes_tokens(nbytes: int, batch_size: int, spec: AttentionSpec, max_tokens: int) -> int | None:
+    """Tokens per row that make B equal rows read ``nbytes`` of K/V: nbytes / (B x kv_bytes_per_token),
+    rounded to the nearest whole page; None when that is under one page or over ``max_tokens``.
+    Worked number: 16 MiB at B=4, Hkv=2, D=128, fp16 (1 KiB per token) -> 4096 tokens per row."""
+    require(nbytes > 0 and batch_size >= 1, f"need positive bytes and batch size, got {nbytes}, {batch_size}")
+    exact = nbytes / (batch_size * spec.kv_bytes_per_token)
+    tokens = int(round(exact / spec.page_size)) * spec.page_size
+    if tokens < spec.page_size or tokens > max_tokens:
+        return None
+    return tokens
+
+
+def shapes_grid(config: dict, quick: bool = False) -> tuple[list[tuple[AttentionSpec, str, list[int]]], list[str]]:
+    """(cases, skipped) of config ``measure.bench_shapes``: per Hkv x G x B x size, the spec (Hq = G x
+    Hkv, the rest from ``spec``), the case name (B{b}xN{n}) and its row lengths; ``skipped`` says
+    which cells do not fit (:func:`shapes_tokens`). ``quick``: the ends of Hkv, B and the sizes and
+    the first G (a smoke run)."""
+    grid = config["measure"].get("bench_shapes")
+    require(grid is not None, "config measure.bench_shapes is missing (the shapes experiment's grid)")
+    base = configuration.spec(config)
+    ends = (lambda xs: sorted({min(xs), max(xs)})) if quick else (lambda xs: list(xs))
+    heads, groups = ends(grid["kv_heads"]), list(grid["group_sizes"])[:1] if quick else list(grid["group_sizes"])
+    cases, skipped = [], []
+    for hkv in heads:
+        for g in groups:
+            spec = replace(base, num_kv_heads=int(hkv), num_qo_heads=int(g) * int(hkv))
+            for b in ends(grid["batch_sizes"]):
+                for mib in ends(grid["kv_mib"]):
+                    n = shapes_tokens(int(round(float(mib) * 2**20)), int(b), spec, int(grid["max_tokens_per_row"]))
+                    if n is None:
+                        skipped.append(f"Hkv={hkv} G={g} B={b} at {mib:g} MiB (the tokens per row would be under one "
+                                       f"page or over {grid['max_tokens_per_row']})")
+                        continue
+                    cases.append((spec, synthetic_name([n] * int(b)), [n] * int(b)))
+    return cases, skipped
+
+
+def shapes_backends(config: dict, requested: list[str] | None = None) -> list[str]:
+    """bench-shapes' backends: ``requested``, else config measure.backends' routes of ours and baselines
+    (the policy-driven adaptive backend and the non-baseline torch-sdpa are left out of its default)."""
+    names = _backend_names(config, requested)
+    return names if requested else [n for n in names if n in PKV_BACKENDS or n in BASELINES]
+
+
+def shapes_cases(config: dict, backends: list[str] | None = None, quick: bool = False) -> tuple[list[Case], list[str]]:
+    """(cases, skipped) of the shapes experiment, each with every backend of :func:`shapes_backends`."""
+    vs = variants(shapes_backends(config, backends), config, default_splits(config), None)
+    grid, skipped = shapes_grid(config, quick)
+    return [synthetic_case(SHAPES_EXPERIMENT, name, lengths, spec, vs) for spec, name, lengths in grid], skipped

@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from .. import analysis, claims, targets
 from ..errors import PKVError, require
 from ..io import atomic_path
-from ..names import EQUAL_ROWS, FLASHINFER
+from ..names import BASELINES, EQUAL_ROWS, FLASHINFER, FLOOR_BACKEND
 from ..results import Results
 from . import FIGURE_FORMATS
 from . import FIGURE_NAMES as _NAMES
@@ -764,6 +764,15 @@ FIGURES: tuple[FigureSpec, ...] = (
                "with that dtype's tolerance named in its title and drawn as the bar on every backend's row.",
                lambda r: fig_validation(data_validation(r), r.hw)),
 )
+FIGURES += (
+    FigureSpec("shapes", "The shapes experiment",
+               "bench_shapes: pkv-workqueue's kernel time (median under CUDA-graph replay, cold L2) against the step's "
+               "K/V bytes, one solid line per shape (Hkv, G), one panel per batch size; dashed in the same colour the "
+               "fastest baseline of that shape at each size; black the one-kernel floor measured in the same cases "
+               "(one plain read of the step's bytes in one kernel, the best of its grids; the median over the "
+               "panel's shapes at each size). Both axes log scale.",
+               lambda r: fig_shapes(data_shapes(r), r.hw)),
+)
 FIGURE_NAMES = tuple(f.name for f in FIGURES)
 assert FIGURE_NAMES == _NAMES, "render/__init__.py FIGURE_NAMES must list FIGURES in order"
 
@@ -795,3 +804,68 @@ def render_all(results: Results, out_dir: str | Path, fmt: str = "svg", only=Non
         save(fig, path)
         written.append(path)
     return written
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The shapes experiment: time against bytes per shape, the fastest baseline, the one-kernel floor
+
+def data_shapes(results: Results) -> pd.DataFrame:
+    """bench_shapes' kernel rows: per case (Hkv, G, B, kv_bytes) the median time (us) of
+    targets.ENGINE_BACKEND (``ours``), of the fastest baseline there (``baseline``, by median; which one
+    in ``baseline_name``) and of the one-kernel floor (``floor``); NaN where absent."""
+    columns = ["num_kv_heads", "group_size", "batch_size", "kv_bytes", "ours", "baseline", "baseline_name", "floor"]
+    shapes = results.shapes
+    if shapes.empty or "protocol" not in shapes:
+        return pd.DataFrame(columns=columns)
+    ok = shapes[(shapes["protocol"] == "kernel") & (shapes["status"] == "ok")]
+    if ok.empty:
+        return pd.DataFrame(columns=columns)
+    keys = ["num_kv_heads", "num_qo_heads", "batch_size", "kv_bytes"]
+    med = ok.groupby(keys + ["backend"])["time_us"].median().unstack("backend")
+    base = [b for b in BASELINES if b in med.columns]
+    out = pd.DataFrame({
+        "ours": med[targets.ENGINE_BACKEND] if targets.ENGINE_BACKEND in med else np.nan,
+        "baseline": med[base].min(axis=1) if base else np.nan,
+        "baseline_name": med[base].idxmin(axis=1, skipna=True) if base and med[base].notna().any().any() else "",
+        "floor": med[FLOOR_BACKEND] if FLOOR_BACKEND in med else np.nan}).reset_index()
+    out["group_size"] = out["num_qo_heads"] // out["num_kv_heads"]
+    return out[columns].sort_values(["batch_size", "num_kv_heads", "group_size", "kv_bytes"]).reset_index(drop=True)
+
+
+def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
+    title = f"{targets.ENGINE_BACKEND} across shapes, the fastest baseline and the one-kernel floor"
+    if frame.empty or frame["ours"].isna().all():
+        return placeholder(title, not_measured(hw, "bench_shapes"))
+    shapes = sorted({(int(h), int(g)) for h, g in zip(frame["num_kv_heads"], frame["group_size"])})
+    palette = sns.color_palette("colorblind", max(len(shapes), 3))
+    batches = sorted(frame["batch_size"].unique())
+    with style():
+        fig = Figure(figsize=(WIDTH, 2.9), layout="constrained")
+        axes = fig.subplots(1, len(batches), sharey=True, squeeze=False)[0]
+        for ax, b in zip(axes, batches):
+            panel = frame[frame["batch_size"] == b]
+            for (h, g), c in zip(shapes, palette):
+                part = panel[(panel["num_kv_heads"] == h) & (panel["group_size"] == g)].sort_values("kv_bytes")
+                x = part["kv_bytes"].to_numpy(float) / 1e6
+                ax.plot(x, part["ours"].to_numpy(float), marker="o", ms=3, lw=1.1, color=c,
+                        label=f"Hkv={h}, G={g}")
+                ax.plot(x, part["baseline"].to_numpy(float), ls="--", lw=0.9, color=c, alpha=0.8)
+            fl = panel.groupby("kv_bytes")["floor"].median().dropna()
+            if not fl.empty:
+                ax.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color="black", lw=1.6,
+                        label="one-kernel floor")
+            log_axis(ax, "x")
+            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0,)))  # narrow panels
+            log_axis(ax, "y")
+            ax.set_title(f"B = {b}")
+            ax.set_xlabel("")
+        fig.supxlabel("K/V bytes per step (MB, log scale)", fontsize=8)
+        axes[0].set_ylabel("kernel time (us)")
+        handles, labels = axes[0].get_legend_handles_labels()
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="0.4", ls="--", lw=0.9))
+        labels.append("fastest baseline (dashed, per shape)")
+        fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=7)
+        fig.suptitle(title, fontsize=9)
+    return fig

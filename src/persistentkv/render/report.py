@@ -39,6 +39,7 @@ MISSING_TEXT = {
     "validation_cpu": "CPU validation (counters)", "ablation_buckets": "bucket ablation counters (C6, C7)",
     "ablation_splits": "split ablation counters",
 }
+MISSING_TEXT["bench_shapes"] = "the shapes experiment (Hkv x G x B x bytes) and its one-kernel floor"
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
 
 
@@ -220,9 +221,30 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "n_boot": analysis.N_BOOT, "boot_seed": analysis.BOOT_SEED, "adaptive": payload.get("adaptive"),
         "engine": payload.get("engine"),
     }
+    context.update(floor_context(payload.get("floor"), results))
     html = environment().get_template("report.html.j2").render(**context)
     external = _EXTERNAL.search(html)
     require(external is None, f"report would load an external resource: {external.group(0) if external else ''}")
     out = Path(out)
     atomic_write_text(out, html)
     return out
+
+
+def floor_context(floor: dict | None, results: Results) -> dict:
+    """The report's one-kernel floor and shapes sections from claims.json's ``floor`` entry
+    (targets.floor_verdicts): ``floor``, the entry itself; ``floor_engine``, its bench_kernels cases
+    (the engine section's floor column); ``shapes_rows``, one row per bench_shapes case with our time,
+    the floor's, their fraction, and the speedup over the fastest baseline; ``shapes_measured``."""
+    if not floor:
+        return {"floor": None, "floor_engine": [], "shapes_rows": [], "shapes_measured": False}
+    cases = floor.get("floor", {}).get("cases", [])
+    speedups = {e["case"]: e for e in floor.get("baselines", {}).get("cases", [])}
+    rows = []
+    for e in cases:
+        if e["source"] != "bench_shapes":
+            continue
+        s = speedups.get(e["case"])
+        rows.append({**e, "speedup": s["ratio"] if s else None, "speedup_lo": s["lo"] if s else None,
+                     "speedup_hi": s["hi"] if s else None, "baseline": s["baseline"] if s else "—"})
+    return {"floor": floor, "floor_engine": [e for e in cases if e["source"] == "bench_kernels"],
+            "shapes_rows": rows, "shapes_measured": not results.shapes.empty}

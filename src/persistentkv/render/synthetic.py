@@ -282,7 +282,8 @@ def write_results(root: str | Path, hw: str = "synthetic-gpu", experiments=None,
             io.atomic_write_parquet(hw_dir / "raw" / f"{name}.parquet", frame)
             io.atomic_write_json(hw_dir / "raw" / f"{name}.json", provenance())
     if bench:
-        io.atomic_write_parquet(hw_dir / "bench_kernels.parquet", bench_frame())
+        io.atomic_write_parquet(hw_dir / "bench_kernels.parquet", with_floor(bench_frame()))
+        io.atomic_write_parquet(hw_dir / "bench_shapes.parquet", shapes_frame())
     if validation:
         io.atomic_write_parquet(hw_dir / "validation_gpu.parquet", validation_frame())
     io.atomic_write_json(hw_dir / "provenance.json", provenance())
@@ -291,3 +292,42 @@ def write_results(root: str | Path, hw: str = "synthetic-gpu", experiments=None,
         for name, frame in ablation_frames().items():
             io.atomic_write_parquet(root / "results" / "counters" / f"{name}.parquet", frame)
     return hw_dir
+
+
+# -- the one-kernel floor and the shapes experiment (toy model, as above) ------------------------
+FLOOR_FIXED_US = 2.5  #: the toy floor's launch, ramp-up and tail
+SHAPES_BACKENDS = ("pkv-workqueue", "flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa")
+
+
+def with_floor(frame: pd.DataFrame, seed: int = 3) -> pd.DataFrame:
+    """``frame`` plus one-kernel-floor rows (backend names.FLOOR_BACKEND, protocol kernel) for each of its
+    kernel cases, one per repeat: the toy floor FLOOR_FIXED_US + bytes at CEILING_GBPS, lognormal noise."""
+    from ..names import FLOOR_BACKEND
+
+    rng = np.random.default_rng(seed)
+    kernel = frame[(frame["protocol"] == "kernel") & (frame["status"] == "ok")
+                   & (frame["backend"] == "pkv-workqueue")]
+    floor = kernel.copy()
+    us = FLOOR_FIXED_US + floor["kv_bytes"].astype(float) / (CEILING_GBPS * 1e3)
+    floor = floor.assign(backend=FLOOR_BACKEND, route="read-528x256", num_splits=-1,
+                         time_us=us.to_numpy() * np.exp(rng.normal(0, 0.02, len(floor))))
+    floor = floor.assign(per_layer_us=floor["time_us"],
+                         frac_of_ceiling=floor["kv_bytes"] / floor["time_us"] / 1e3 / CEILING_GBPS,
+                         reason="synthetic: toy floor")
+    return pd.concat([frame, floor], ignore_index=True)
+
+
+def shapes_frame(repeats: int = 3, seed: int = 4) -> pd.DataFrame:
+    """bench_shapes.parquet: Hkv in {1, 2, 8} x G in {4, 8} x B in {1, 4, 16} x {4, 16, 64, 256} MiB, kernel
+    rows of SHAPES_BACKENDS and the toy floor."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for hkv in (1, 2, 8):
+        for g in (4, 8):
+            spec = AttentionSpec(g * hkv, hkv, 128, 16, "float16")
+            for b in (1, 4, 16):
+                for mib in (4, 16, 64, 256):
+                    n = (mib << 20) // (b * spec.kv_bytes_per_token)
+                    rows += _rows_for("bench_shapes", f"B{b}xN{n}", 0, [(0, [n] * b)], rng, ("kernel",), repeats,
+                                      spec=spec, backends=SHAPES_BACKENDS)
+    return with_floor(pd.DataFrame(rows), seed)
