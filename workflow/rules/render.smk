@@ -20,6 +20,7 @@ RENDER_COUNTERS = [
 #: Files of results/<hw>/ the renderers read, where present (docs/DATA.md).
 RENDER_MEASURED = ["raw/*.parquet", "raw/*.json", "bench_kernels.parquet", "validation_gpu.parquet",
                    "provenance.json", "policy.json", "kernels.json"]
+RENDER_MEASURED += ["e2e.parquet", "e2e.json"]  # the full decode step (rule measure_e2e)
 #: Files the GPU rules of this run will write (measure.smk, included only when measuring).
 RENDER_MEASURING = [str(t) for t in globals().get("MEASURE_TARGETS", [])]
 RENDER_HWS = sorted(
