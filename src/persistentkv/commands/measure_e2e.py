@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PKVError, require
+from ..names import PKV_NOPDL
 
 #: Column -> dtype of the rows this command writes (one per repeat of a backend in a cell or step).
 E2E_COLUMNS: dict[str, str] = {
@@ -63,7 +64,7 @@ E2E_COLUMNS: dict[str, str] = {
     "mem_estimate_bytes": "int64", "mem_peak_bytes": "int64", "recaptures": "int64", "status": "string",
     "reason": "string",
 }
-NOPDL = "pkv-workqueue-nopdl"
+NOPDL = PKV_NOPDL
 #: Tokens each row may grow past its context inside a cell (one step per replay, rewound each round).
 ROOM = 64
 EXPERIMENT = "e2e"

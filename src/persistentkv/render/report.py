@@ -38,6 +38,7 @@ MISSING_TEXT = {
     "policy": "frozen policy (policy.json)", "kernels": "kernel resource usage (kernels.json)",
     "validation_cpu": "CPU validation (counters)", "ablation_buckets": "bucket ablation counters (C6, C7)",
     "ablation_splits": "split ablation counters",
+    "e2e": "full Llama decode step per backend (e2e.parquet)",
 }
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
 
