@@ -299,6 +299,8 @@ E2E_STEP_FLOOR = 0.99
 #: At B=1 the step outside attention is weight reads: its weight-read floor (the weights read once
 #: at the run's read ceiling) over its measured time must reach this, per model and kernels variant.
 E2E_REST_FLOOR = 0.80
+#: The tail quantile of our step reported per cell (p99).
+E2E_TAIL = 0.99
 #: Rows of these statuses are listed with their reason and never counted.
 E2E_NOT_RUN = ("refused", "unavailable", "failed")
 
@@ -368,7 +370,9 @@ def e2e_verdicts(results: Results) -> dict:
 def e2e_cell(key: dict, cell: pd.DataFrame) -> dict:
     """One cell's figures (see e2e_verdicts); ``ratio`` None when ours or every baseline is absent."""
     entry = {**{k: (str(v) if k in ("model", "kernels", "trace") else int(v)) for k, v in key.items()},
-             "label": _e2e_label(tuple(key[k] for k in E2E_CELL)), "backends": sorted(cell["backend"].unique())}
+             "label": _e2e_label(tuple(key[k] for k in E2E_CELL)),
+             "where": _e2e_label(tuple(key[k] for k in E2E_CELL)).split(" ", 1)[1],
+             "backends": sorted(cell["backend"].unique())}
     series = {}
     for column in ("step_us", "attention_us"):
         wide = cell.pivot_table(index="backend", columns="repeat", values=column, aggfunc="median")
@@ -400,7 +404,7 @@ def e2e_cell(key: dict, cell: pd.DataFrame) -> dict:
                  reaches_prediction=bool(math.isfinite(hi) and math.isfinite(a_lo) and hi >= a_lo),
                  attention_share=float(a[0] / s[0]),
                  tokens_per_s=float(pd.to_numeric(ours["tokens_per_s"], errors="coerce").median()),
-                 p99_us=float(pd.to_numeric(ours["step_us"], errors="coerce").quantile(0.99)),
+                 p99_us=float(pd.to_numeric(ours["step_us"], errors="coerce").quantile(E2E_TAIL)),
                  floor_us=_median(ours, "floor_us"), mem_peak_bytes=_max_int(cell, "mem_peak_bytes"),
                  pdl=None)
     if n == 3:

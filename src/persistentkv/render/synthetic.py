@@ -46,7 +46,8 @@ def config(holdout=HOLDOUT) -> dict:
             "hardware": {"reference": "nvidia-h200"},
             "measure": {"layers": 32, "repeats": 3, "gqa_sweep": {"trace": "bimodal_b8", "group_sizes": [1, 4, 8]}},
             "traces": [{"name": n, "kind": k, "num_requests": r, "max_active": a, "num_steps": s, "splits": sp}
-                       for n, (k, r, a, s, sp) in TRACES.items()]}
+                       for n, (k, r, a, s, sp) in TRACES.items()],
+            "models": e2e_models()}
 
 
 def _efficiency(backend: str, batch: int, max_len: int, ragged: float, hole: float) -> float:
@@ -324,6 +325,14 @@ def _e2e_attention_us(backend: str, lengths, shape) -> float:
     eff = _efficiency(backend.replace("-nopdl", ""), lengths.size, int(lengths.max()), min(ragged, 1.0), 0.0)
     launch = 4.0 + (1.0 if backend.endswith("-nopdl") else 0.0)
     return shape.num_layers * (per_layer_kv / (RUN_CEILING_GBPS * 1e3 * eff) + launch)
+
+
+def e2e_models() -> dict:
+    """The config's ``models:`` entries of E2E_MODELS (the shard's note as the config words it)."""
+    note = ("synthetic: one GPU's shard at tensor parallelism 8; its all-reduces and the logits gather are not "
+            "modelled on one GPU")
+    return {name: {**dims, **({"note": note} if dims.get("tensor_parallel", 1) > 1 else {})}
+            for name, dims in E2E_MODELS.items()}
 
 
 def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
