@@ -134,3 +134,22 @@ def test_the_last_write_replaces_the_partial_file_with_the_whole_run(tmp_path, f
     assert all(math.isclose(r.kv_floor_us, r.kv_bytes / (AFTER_GBPS * 1e3)) for r in timed.itertuples())
     seed = configuration.calibration_seed(configuration.load_config(CONFIG, base_dir=ROOT))
     assert record["seeds"] == [seed]
+
+
+def test_a_new_run_marks_the_file_partial_before_it_writes_a_row(tmp_path, fake_gpu, monkeypatch):
+    """A complete file of an earlier run beside it: the new run's sidecar says partial at once,
+    under the new run's id, before the first configuration's rows replace the old ones."""
+    out = tmp_path / "e2e.parquet"
+    assert e2e.measure(args(out)) == 0
+    old_run = set(json.loads(out.with_suffix(".json").read_text()))
+    fake_gpu["stop_at"] = len(fake_gpu["cells"]) + 1  # the next run stops in its first cell
+    import persistentkv.ceiling
+
+    phases = iter([samples(BEFORE_GBPS), samples(AFTER_GBPS)])
+    monkeypatch.setattr(persistentkv.ceiling, "measure_ceilings", lambda *a, **k: (next(phases), {}))
+    with pytest.raises(Stop):
+        e2e.measure(args(out))
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert set(payload) != old_run
+    (record,) = payload.values()
+    assert record["complete"] is False and record["configurations"] == {"done": 0, "total": 3}

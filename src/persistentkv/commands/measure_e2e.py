@@ -502,26 +502,32 @@ class PartialWriter:
     its rows) and a sidecar whose record says ``complete: false`` and ``configurations: {done,
     total}``; ``finish(rows, after, failed_after)`` writes the whole run (floors at the higher of
     the two ceilings, both ceilings' rows) and ``complete: true``. Each file is replaced atomically
-    (persistentkv.io): the parquet first, then the sidecar, so a run stopped between the two leaves
-    a sidecar that still says partial, never one that calls a partial file complete.
+    (persistentkv.io): the sidecar first says this run is under way (before any row is written), and
+    each parquet is written before the sidecar that describes it, so a run stopped between the two
+    leaves a sidecar that still says partial, never one that calls a partial file complete.
     """
 
     def __init__(self, out, run_id: str, record: dict, configurations: int, before, failed_before: dict):
         self.out, self.run_id, self.record = out, run_id, dict(record)
         self.total, self.done = int(configurations), 0
         self.before, self.failed_before = list(before), dict(failed_before)
+        self._sidecar(complete=False)  # a file left by an earlier run is not this run's, complete or not
+
+    def _sidecar(self, complete: bool):
+        from ..provenance import write_sidecar
+
+        record = {**self.record, "complete": complete, "configurations": {"done": self.done, "total": self.total}}
+        return write_sidecar(self.out, self.run_id, record)
 
     def _write(self, rows: list[dict], samples, failures: dict, read: float, complete: bool):
         import pandas as pd
 
         from ..io import atomic_write_parquet
-        from ..provenance import write_sidecar
 
         rows = with_floors(rows, read) + _ceiling_rows(self.run_id, samples, failures, read)
         frame = pd.DataFrame(rows, columns=list(E2E_COLUMNS)).astype(E2E_COLUMNS)
         atomic_write_parquet(self.out, frame)
-        record = {**self.record, "complete": complete, "configurations": {"done": self.done, "total": self.total}}
-        return frame, write_sidecar(self.out, self.run_id, record)
+        return frame, self._sidecar(complete)
 
     def save(self, rows: list[dict], done: int = 1):
         """After ``done`` more configurations: the rows so far, marked partial."""
