@@ -74,10 +74,31 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     assert "persistentkv bench-shapes --config config/config.yaml --out results/nvidia-h200/bench_shapes.parquet" in out
     assert "results/nvidia-h200/provenance.json" in out
     # every GPU job asks for a GPU (Snakemake's gpu resource) and takes one of the target's kind
-    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3
-    assert out.count("gpu=1") == counts["measure"] + 3
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 4  # + bench, shapes, validate, e2e
+    assert out.count("gpu=1") == counts["measure"] + 4
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
+
+
+@needs_snakemake
+def test_the_full_decode_step_is_a_gpu_job_of_all_and_the_report_waits_for_it(repo, tmp_path):
+    """hardware.target names the GPU: measure_e2e is in the DAG of `all` on a host without one, a GPU
+    job writing results/<hw>/e2e.{parquet,json} (not under raw/), and the provenance and the
+    rendering of that hardware read what it writes."""
+    copy = edited_copy(repo, tmp_path, "target: auto", "target: nvidia-h200")
+    done = snakemake(copy, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert job_counts(done.stdout)["measure_e2e"] == 1
+    jobs = {block.split(":", 1)[0]: block for block in done.stdout.split("\nrule ")[1:]}
+    e2e = jobs["measure_e2e"]
+    assert "output: results/nvidia-h200/e2e.parquet, results/nvidia-h200/e2e.json" in e2e
+    assert "log: logs/measure/nvidia-h200/e2e.log" in e2e and "gpu=1" in e2e
+    assert ("--gpu nvidia-h200 -- persistentkv measure-e2e --config config/config.yaml"
+            " --out results/nvidia-h200/e2e.parquet > logs/measure/nvidia-h200/e2e.log") in e2e
+    assert "results/nvidia-h200/e2e.json" in jobs["provenance"].split("output:")[0]
+    for rule in ("render_claims", "render_figures", "render_report"):
+        inputs = next(b for name, b in jobs.items() if name == rule and "nvidia-h200" in b).split("output:")[0]
+        assert "results/nvidia-h200/e2e.parquet" in inputs, rule
 
 
 @needs_snakemake

@@ -91,7 +91,7 @@ FAKE_PERSISTENTKV = r'''#!{python}
 import json, os, sys, time
 from pathlib import Path
 
-FAKED = ("measure", "bench-kernels", "validate-gpu", "calibrate", "compile-kernels")
+FAKED = ("measure", "bench-kernels", "validate-gpu", "calibrate", "compile-kernels", "measure-e2e")
 argv = sys.argv[1:]
 if not argv or argv[0] not in FAKED:
     os.execv(sys.executable, [sys.executable, "-m", "persistentkv", *argv])
@@ -106,7 +106,7 @@ if fail and fail in " ".join(argv):
 out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text("fake\n")
 time.sleep(half)
-if argv[0] in ("measure", "bench-kernels", "validate-gpu"):
+if argv[0] in ("measure", "bench-kernels", "validate-gpu", "measure-e2e"):
     out.with_suffix(".json").write_text(json.dumps({{f"fake-{{os.getpid()}}": {{"gpu": "fake"}}}}))
 record = {{"command": argv[0], "out": str(out), "start": start, "end": time.time(),
           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),

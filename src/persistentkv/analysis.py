@@ -426,3 +426,49 @@ def check_frame(frame: pd.DataFrame, columns: list[str], what: str) -> None:
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise PKVError(f"{what} lacks column(s) {', '.join(missing)}")
+
+
+def paired_medians(values: np.ndarray, key, n_boot: int = N_BOOT, seed: int = BOOT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """Medians of series measured in the same rounds, and their paired bootstrap replicates.
+
+    Each replicate draws the rounds (columns) with replacement once and takes every series'
+    median over the same draw, so a ratio or any other function of the series computed replicate
+    by replicate keeps the pairing of the rounds (interleaved rounds share the machine's state).
+    Rounds where any series lacks a finite value are dropped first. The generator is seeded from
+    ``seed`` and ``key`` (as :func:`bootstrap_cells` seeds a cell's), so the same rows give the same
+    interval whatever else is judged.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        float64 [n_series, n_rounds]; column j of every series is round j.
+    key : tuple
+        What the series are (a cell's key): seeds the generator.
+
+    Returns
+    -------
+    (point, boot) : tuple of numpy.ndarray
+        float64 [n_series], the medians over the complete rounds, and float64 [n_boot, n_series],
+        their replicates; both NaN where no round is complete.
+    """
+    require(isinstance(n_boot, int) and n_boot >= 10, f"n_boot must be an integer >= 10, got {n_boot!r}")
+    values = np.asarray(values, float)
+    require(values.ndim == 2, f"paired_medians wants [n_series, n_rounds], got shape {values.shape}")
+    values = values[:, np.isfinite(values).all(axis=0)]
+    n_series, n_rounds = values.shape
+    if n_rounds == 0:
+        return np.full(n_series, np.nan), np.full((n_boot, n_series), np.nan)
+    rng = np.random.default_rng([seed, _key_seed(tuple(key))])
+    draw = rng.integers(0, n_rounds, size=(n_boot, n_rounds))             # [n_boot, n_rounds]
+    boot = np.median(values[:, draw], axis=2).T                           # [n_boot, n_series]
+    return np.median(values, axis=1), boot
+
+
+def interval(boot: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The percentile interval of bootstrap replicates (non-finite ones ignored); NaN, NaN without any."""
+    boot = np.asarray(boot, float)
+    boot = boot[np.isfinite(boot)]
+    if not boot.size:
+        return math.nan, math.nan
+    q = _quantiles(confidence)
+    return float(np.quantile(boot, q[0])), float(np.quantile(boot, q[1]))

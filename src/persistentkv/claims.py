@@ -35,7 +35,7 @@ from . import analysis
 from .analysis import fmt_ratio
 from .names import BASELINES, FLASHINFER, PKV_BACKENDS
 from .results import Results
-from .targets import engine_verdicts
+from .targets import e2e_verdicts, engine_verdicts
 
 FORMAT = "persistentkv-claims/1"
 SOURCE = "docs/PAPER.md, Published numbers (RTX 3060)"
@@ -647,7 +647,7 @@ def judge(results: Results) -> dict:
             "verdict_rule": VERDICT_RULE, "confidence": analysis.CONFIDENCE, "margin": MARGIN, "n_boot": analysis.N_BOOT,
             "boot_seed": analysis.BOOT_SEED, "holdout_seeds": list(results.holdout_seeds),
             "counts": counts, "claims": out, "sources": sources, "adaptive": adaptive_verdicts(results),
-            "engine": engine_verdicts(results)}
+            "engine": engine_verdicts(results), "e2e": e2e_verdicts(results)}
 
 
 # -- the adaptive backend on holdout (the baselines issue's criteria) -----------------------------

@@ -31,6 +31,8 @@ class Results:
     validation_gpu: results/{hw}/validation_gpu.parquet
     validation_cpu, ablation_buckets, ablation_splits: results/counters/*.parquet
     provenance:     run_id -> provenance fields (provenance.json, else the sidecar .json files)
+    e2e:            results/{hw}/e2e.parquet, the full decode step (measure-e2e), its own schema;
+                    empty where absent
     """
 
     hw: str
@@ -48,6 +50,7 @@ class Results:
     config: dict = field(default_factory=dict)
     found: dict = field(default_factory=dict)     # what -> path, for files that exist
     missing: list = field(default_factory=list)   # what, for files that do not
+    e2e: pd.DataFrame = field(default_factory=pd.DataFrame)
     #: metric -> every timing cell, bootstrapped once (:meth:`all_cells`)
     _cells: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     #: results/{hw}/bench_shapes.parquet (the shapes experiment: kernel rows and the one-kernel
@@ -167,6 +170,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
 
     bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
     shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet")
+    e2e = optional_parquet("e2e", results_dir / "e2e.parquet")
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
@@ -178,6 +182,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     sidecars = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
     sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
     sidecars += [p for p in (results_dir / f"{SHAPES_EXPERIMENT}.json",) if p.is_file()]
+    sidecars += [p for p in (results_dir / "e2e.json",) if p.is_file()]
     for path in sidecars + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
@@ -204,4 +209,4 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    policy=policy, kernels=kernels,
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
                    calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
-                   shapes=shapes)
+                   shapes=shapes, e2e=e2e)

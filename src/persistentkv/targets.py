@@ -9,11 +9,13 @@ from rows; a target whose rows are absent is "not measured", never guessed.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
 from . import analysis
-from .names import BASELINES, EXPERIMENTS, FLOOR_BACKEND, SHAPES_EXPERIMENT, synthetic_name
+from .names import BASELINES, EXPERIMENTS, FLOOR_BACKEND, PKV_NOPDL, SHAPES_EXPERIMENT, synthetic_name
 from .results import Results
 
 #: The backend the engine's targets are about: our work queue, as pkv-workqueue runs it.
@@ -487,3 +489,207 @@ def _floor_sentences(entry: dict) -> list[str]:
                     f"{low['case']} {analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against "
                     f"{low['baseline']}): {e['verdict']}.")
     return said
+# -- the full decode step (results/<hw>/e2e.parquet, persistentkv measure-e2e) -------------------
+#: A cell of the full decode step: one model with one kernels variant, at one B x context cell
+#: (trace "cases", step 0) or one timed step of a trace; every backend's loop ran it, interleaved.
+E2E_CELL = ["model", "kernels", "trace", "step", "batch_size", "context"]
+#: In every cell, our engine's step must reach this fraction of the fastest baseline's speed in the
+#: same loop: best baseline's median step_us / ours >= E2E_STEP_FLOOR (a full step may not undo,
+#: beyond 1 %, what the kernel gains).
+E2E_STEP_FLOOR = 0.99
+#: At B=1 the step outside attention is weight reads: its weight-read floor (the weights read once
+#: at the run's read ceiling) over its measured time must reach this, per model and kernels variant.
+E2E_REST_FLOOR = 0.80
+#: The tail quantile of our step reported per cell (p99).
+E2E_TAIL = 0.99
+#: Rows of these statuses are listed with their reason and never counted.
+E2E_NOT_RUN = ("refused", "unavailable", "failed")
+
+
+def e2e_verdicts(results: Results) -> dict:
+    """ENGINE_BACKEND inside the full Llama decode step (results.e2e), judged by rules fixed before
+    any row was read, with 95 % paired bootstrap intervals (analysis.paired_medians: rounds are
+    interleaved across backends, so each replicate resamples the rounds by their ``repeat`` index,
+    the same rounds for every backend of the cell).
+
+    * ``step``: per cell (E2E_CELL), ratio = the fastest baseline's (names.BASELINES; picked by its
+      median step, once per cell) median step_us over ours; holds when every cell's ratio reaches
+      E2E_STEP_FLOOR; each cell says whether its interval clears it too.
+    * ``gain``, the claim "the scheduler's gain survives in a full decode step": per cell the
+      measured end-to-end speedup (that ratio) and the Amdahl prediction from the same rounds'
+      attention times, best_step / (best_step - best_attention + our_attention); a cell reaches its
+      prediction when the measured interval's upper end is at least the prediction's lower end;
+      the claim holds when every measured cell reaches it.
+    * ``pdl``: per cell, the step of pkv-workqueue with PDL off (names.PKV_NOPDL) over ours.
+    * ``rest``: per model and kernels variant, over every row at B=1 (all backends), the weight
+      floor (weight_floor_us, median) over the median non_attention_us; holds at E2E_REST_FLOOR.
+    * ``not_run``: rows whose status is one of E2E_NOT_RUN, grouped by status and reason (the
+      backends and cells each group covers).
+
+    No rows: ``measured`` False and "not measured", never a guess. ``complete`` is False when a
+    run's sidecar says it stopped before its end (measure-e2e's partial writes), None when no
+    sidecar says."""
+    frame = results.e2e
+    out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "nopdl": PKV_NOPDL, "step_floor": E2E_STEP_FLOOR,
+           "rest_floor": E2E_REST_FLOOR, "measured": False, "complete": None, "run_ids": [], "cells": [],
+           "without_pair": [], "step": {}, "gain": {}, "rest": [], "not_run": []}
+    if frame.empty or not set(E2E_CELL + ["backend", "repeat", "step_us", "status"]) <= set(frame.columns):
+        out["sentences"] = [_e2e_missing(results.hw)]
+        return out
+    timed = frame[frame["model"].fillna("").ne("")]  # ceiling rows have no model
+    out["run_ids"] = sorted(str(r) for r in timed["run_id"].dropna().unique()) if "run_id" in timed else []
+    flags = [results.provenance.get(r, {}).get("complete") for r in out["run_ids"]]
+    out["complete"] = None if all(f is None for f in flags) else all(f is not False for f in flags)
+    bad = timed[timed["status"].isin(E2E_NOT_RUN)]
+    for (status, reason), part in bad.assign(reason=bad["reason"].fillna("")).groupby(["status", "reason"], sort=True):
+        out["not_run"].append({"status": str(status), "reason": str(reason), "rows": int(len(part)),
+                               "backends": sorted(str(b) for b in part["backend"].unique()),
+                               "cells": sorted({_e2e_label(r) for r in part[E2E_CELL].itertuples(index=False)})})
+    step_us = pd.to_numeric(timed["step_us"], errors="coerce")
+    ok = timed[(timed["status"] == "ok") & (step_us > 0)]
+    out["measured"] = not ok.empty
+    if ok.empty:
+        out["sentences"] = [_e2e_missing(results.hw)] + _e2e_not_run_sentences(out)
+        return out
+    for key, cell in ok.groupby(E2E_CELL, sort=True):
+        entry = e2e_cell(dict(zip(E2E_CELL, key)), cell)
+        (out["cells"] if entry.get("ratio") is not None else out["without_pair"]).append(entry)
+    cells = out["cells"]
+    if cells:
+        worst = min(cells, key=lambda c: c["ratio"])
+        below = [c["label"] for c in cells if c["ratio"] < E2E_STEP_FLOOR]
+        out["step"] = {"cells": len(cells), "below": below,
+                       "significantly_below": [c["label"] for c in cells if c["hi"] < E2E_STEP_FLOOR],
+                       "min": {k: worst[k] for k in ("label", "ratio", "lo", "hi", "baseline")}, "holds": not below}
+        short = [c["label"] for c in cells if not c["reaches_prediction"]]
+        out["gain"] = {"cells": len(cells), "reached": len(cells) - len(short), "short": short, "holds": not short}
+    out["rest"] = e2e_rest(ok)
+    out["sentences"] = _e2e_sentences(out, results.hw)
+    return out
+
+
+def e2e_cell(key: dict, cell: pd.DataFrame) -> dict:
+    """One cell's figures (see e2e_verdicts); ``ratio`` None when ours or every baseline is absent."""
+    entry = {**{k: (str(v) if k in ("model", "kernels", "trace") else int(v)) for k, v in key.items()},
+             "label": _e2e_label(tuple(key[k] for k in E2E_CELL)),
+             "where": _e2e_label(tuple(key[k] for k in E2E_CELL)).split(" ", 1)[1],
+             "backends": sorted(cell["backend"].unique())}
+    series = {}
+    for column in ("step_us", "attention_us"):
+        wide = cell.pivot_table(index="backend", columns="repeat", values=column, aggfunc="median")
+        series[column] = wide
+    steps = series["step_us"]
+    baselines = [b for b in BASELINES if b in steps.index]
+    if ENGINE_BACKEND not in steps.index or not baselines:
+        return {**entry, "ratio": None}
+    best = min(baselines, key=lambda b: float(np.nanmedian(steps.loc[b].to_numpy(float))))
+    names = [ENGINE_BACKEND, best] + ([PKV_NOPDL] if PKV_NOPDL in steps.index else [])
+    rounds = steps.columns
+    attn = series["attention_us"].reindex(index=names, columns=rounds)
+    values = np.vstack([steps.loc[names].to_numpy(float), attn.to_numpy(float)])   # [2 x names, rounds]
+    point, boot = analysis.paired_medians(values, tuple(entry[k] for k in E2E_CELL))
+    n = len(names)
+    s, a, s_boot, a_boot = point[:n], point[n:], boot[:, :n], boot[:, n:]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio, ratio_boot = s[1] / s[0], s_boot[:, 1] / s_boot[:, 0]
+        amdahl = s[1] / (s[1] - a[1] + a[0])
+        amdahl_boot = s_boot[:, 1] / (s_boot[:, 1] - a_boot[:, 1] + a_boot[:, 0])
+    lo, hi = analysis.interval(ratio_boot)
+    a_lo, a_hi = analysis.interval(amdahl_boot)
+    complete = int(np.isfinite(values).all(axis=0).sum())
+    ours = cell[cell["backend"] == ENGINE_BACKEND]
+    entry.update(baseline=best, rounds=complete, our_step_us=float(s[0]), best_step_us=float(s[1]),
+                 our_attention_us=float(a[0]), best_attention_us=float(a[1]), ratio=float(ratio), lo=lo, hi=hi,
+                 holds=bool(ratio >= E2E_STEP_FLOOR), interval_clears=bool(lo >= E2E_STEP_FLOOR),
+                 amdahl=float(amdahl), amdahl_lo=a_lo, amdahl_hi=a_hi,
+                 reaches_prediction=bool(math.isfinite(hi) and math.isfinite(a_lo) and hi >= a_lo),
+                 attention_share=float(a[0] / s[0]),
+                 tokens_per_s=float(pd.to_numeric(ours["tokens_per_s"], errors="coerce").median()),
+                 p99_us=float(pd.to_numeric(ours["step_us"], errors="coerce").quantile(E2E_TAIL)),
+                 floor_us=_median(ours, "floor_us"), mem_peak_bytes=_max_int(cell, "mem_peak_bytes"),
+                 pdl=None)
+    if n == 3:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pdl, pdl_boot = s[2] / s[0], s_boot[:, 2] / s_boot[:, 0]
+        p_lo, p_hi = analysis.interval(pdl_boot)
+        entry["pdl"] = {"ratio": float(pdl), "lo": p_lo, "hi": p_hi, "nopdl_step_us": float(s[2])}
+    return entry
+
+
+def e2e_rest(ok: pd.DataFrame) -> list[dict]:
+    """Per model and kernels variant, the B=1 rows' weight floor over their non-attention time
+    (medians over every backend's rows; a bootstrap of the rows for the interval)."""
+    out = []
+    one = ok[ok["batch_size"] == 1]
+    for (model, kernels), part in one.groupby(["model", "kernels"], sort=True):
+        rest = pd.to_numeric(part["non_attention_us"], errors="coerce").to_numpy(float)
+        floor = pd.to_numeric(part["weight_floor_us"], errors="coerce").to_numpy(float)
+        keep = np.isfinite(rest) & (rest > 0) & np.isfinite(floor)
+        if not keep.any():
+            continue
+        point, boot = analysis.paired_medians(np.vstack([floor[keep], rest[keep]]), ("rest", model, kernels))
+        frac = float(point[0] / point[1])
+        lo, hi = analysis.interval(boot[:, 0] / boot[:, 1])
+        out.append({"model": str(model), "kernels": str(kernels), "rows": int(keep.sum()),
+                    "weight_floor_us": float(point[0]), "non_attention_us": float(point[1]), "frac": frac,
+                    "lo": lo, "hi": hi, "holds": bool(frac >= E2E_REST_FLOOR),
+                    "interval_clears": bool(lo >= E2E_REST_FLOOR)})
+    return out
+
+
+def _median(rows: pd.DataFrame, column: str) -> float | None:
+    values = pd.to_numeric(rows[column], errors="coerce").dropna() if column in rows else pd.Series(dtype=float)
+    return float(values.median()) if not values.empty else None
+
+
+def _max_int(rows: pd.DataFrame, column: str) -> int | None:
+    values = pd.to_numeric(rows[column], errors="coerce").dropna() if column in rows else pd.Series(dtype=float)
+    return int(values.max()) if not values.empty else None
+
+
+def _e2e_label(key: tuple) -> str:
+    """'llama3_8b/torch B=4 x 32768' for a cell, 'llama3_8b/torch zipf_b8@16 (B=8)' for a trace step."""
+    model, kernels, trace, step, batch_size, context = key
+    where = f"B={int(batch_size)} x {int(context)}" if trace == "cases" else f"{trace}@{int(step)} (B={int(batch_size)})"
+    return f"{model}/{kernels} {where}"
+
+
+def _e2e_missing(hw: str) -> str:
+    return f"Not measured: no full decode step rows (e2e.parquet) on {hw} yet."
+
+
+def _e2e_not_run_sentences(entry: dict) -> list[str]:
+    if not entry["not_run"]:
+        return []
+    return ["Not counted: " + "; ".join(f"{', '.join(n['backends'])} {n['status']} in {len(n['cells'])} cell(s) "
+                                         f"({n['reason'] or 'no reason recorded'})" for n in entry["not_run"]) + "."]
+
+
+def _e2e_sentences(entry: dict, hw: str) -> list[str]:
+    said = []
+    if entry["complete"] is False:
+        said.append("Partial: the run stopped before its end; what follows judges the configurations it finished.")
+    step, gain = entry["step"], entry["gain"]
+    if step:
+        low = step["min"]
+        said.append(f"Step floor: {entry['backend']}'s step reaches {entry['step_floor']:g}x of the fastest baseline's "
+                    f"in {step['cells'] - len(step['below'])} of {step['cells']} cells (lowest {low['label']}, "
+                    f"{analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against {low['baseline']}): "
+                    f"{'holds' if step['holds'] else 'does not hold'}.")
+        said.append(f"The scheduler's gain survives in a full decode step in {gain['reached']} of {gain['cells']} "
+                    f"cells (the measured speedup's interval reaches the Amdahl prediction's from the same run's "
+                    f"attention times): {'holds' if gain['holds'] else 'does not hold'}"
+                    + (f"; short: {', '.join(gain['short'])}." if gain["short"] else "."))
+    else:
+        said.append(f"No cell on {hw} has both {entry['backend']} and a baseline timed: the step floor and the "
+                    f"gain are not measured.")
+    pdl = [c for c in entry["cells"] if c["pdl"]]
+    if pdl:
+        ratios = sorted(c["pdl"]["ratio"] for c in pdl)
+        said.append(f"PDL: with it off the step takes {ratios[0]:.3f}x to {ratios[-1]:.3f}x ours "
+                    f"({len(pdl)} cells).")
+    for r in entry["rest"]:
+        said.append(f"Outside attention at B=1, {r['model']}/{r['kernels']} reaches "
+                    f"{analysis.fmt_ratio(r['frac'], r['lo'], r['hi'])} of its weight-read floor (target "
+                    f"{entry['rest_floor']:g}): {'holds' if r['holds'] else 'does not hold'}.")
+    return said + _e2e_not_run_sentences(entry)

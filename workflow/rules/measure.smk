@@ -24,6 +24,11 @@ MEASURE_TARGETS = expand(f"{RESULTS}/raw/{{experiment}}.parquet", experiment=EXP
     f"{RESULTS}/provenance.json",
     f"{RESULTS}/kernels.json",
 ]
+#: The full decode step (rule measure_e2e) writes beside raw/, not in it: the results loader reads
+#: raw/*.parquet as attention timing rows, and these rows have a schema of their own.
+E2E_TABLE = f"{RESULTS}/e2e.parquet"
+SIDECARS.append(f"{RESULTS}/e2e.json")
+MEASURE_TARGETS.append(E2E_TABLE)
 
 
 wildcard_constraints:
@@ -207,4 +212,32 @@ rule provenance:
     shell:
         job(
             "python {params.script} --out {output} {params.annotations} {input} > {log} 2>&1",
+        )
+
+
+rule measure_e2e:
+    """The full Llama decode step with each backend (persistentkv measure-e2e): every model of
+    config models: with cases, their B x context cells and the config's generated traces."""
+    input:
+        kernels=rules.kernels.output,
+    output:
+        table=report(E2E_TABLE, caption="../report/measure_e2e.rst", category="End to end", subcategory=HW),
+        provenance=f"{RESULTS}/e2e.json",
+    log:
+        f"logs/measure/{HW}/e2e.log",
+    params:
+        config=CONFIG_FILE,
+        spec=config["spec"],
+        measure=config["measure"],
+        models=config.get("models", {}),
+        traces=config["traces"],
+    threads: GPU_JOB_THREADS
+    resources:
+        gpu=1,
+    conda:
+        CONDA_ENV
+    shell:
+        job(
+            "persistentkv measure-e2e --config {params.config} --out {output.table} > {log} 2>&1",
+            gpu=HW,
         )

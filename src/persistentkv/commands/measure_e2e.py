@@ -32,6 +32,13 @@ Traces: the loop follows the trace's rows (arrivals and departures), every ``mea
 th step is timed; a change of rows re-plans and re-captures, and ``recaptures`` counts them.
 A configuration that does not fit in free device memory is refused with one line before anything
 is allocated for it, and its rows say so (status ``refused``).
+
+Nothing measured is lost to a run stopped part-way (a time limit, a lost session): after every
+configuration (a model's cell or trace under one ``--kernels`` variant) the rows gathered so far
+are written to ``--out`` (atomically), their floors at the read ceiling measured before the cases,
+with those ceiling rows, and the sidecar beside it says ``complete: false`` and how many
+configurations the file holds. The last write replaces both: every row's floors at the run's
+ceiling (before and after), both ceilings' rows, and ``complete: true``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PKVError, require
+from ..names import PKV_NOPDL
 
 #: Column -> dtype of the rows this command writes (one per repeat of a backend in a cell or step).
 E2E_COLUMNS: dict[str, str] = {
@@ -56,7 +64,7 @@ E2E_COLUMNS: dict[str, str] = {
     "mem_estimate_bytes": "int64", "mem_peak_bytes": "int64", "recaptures": "int64", "status": "string",
     "reason": "string",
 }
-NOPDL = "pkv-workqueue-nopdl"
+NOPDL = PKV_NOPDL
 #: Tokens each row may grow past its context inside a cell (one step per replay, rewound each round).
 ROOM = 64
 EXPERIMENT = "e2e"
@@ -375,18 +383,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    import pandas as pd
     import torch
     from tqdm import tqdm
 
     from .. import configuration, traces
     from ..backends import registry
-    from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
+    from ..ceiling import measure_ceilings
     from ..env import torch_dtype
-    from ..io import atomic_write_parquet
     from ..measure.device import TorchDevice
     from ..model import KERNEL_CHOICES, Model, check_fits, footprint, model_cases, model_shape, random_weights
-    from ..provenance import collect, new_run_id, utc_now, write_sidecar
+    from ..provenance import collect, new_run_id, utc_now
 
     config = configuration.load_config(args.config)
     models_known = list(config.get("models") or {})
@@ -424,6 +430,9 @@ def measure(args: argparse.Namespace) -> int:
         plans.append((shape, cells, built))
     units = {shape.name: len(cells) + sum(len(timed_steps(t, ctx.stride, quick)) for t in built)
              for shape, cells, built in plans}
+    saver = PartialWriter(args.out, run_id, collect(config, [seed], started, device),
+                          configurations=len(kernels) * sum(len(cells) + len(built) for _, cells, built in plans),
+                          before=before, failed_before=failed_before)
     rows: list[dict] = []
     with tqdm(total=len(kernels) * sum(units.values()), desc="e2e", unit="cell") as progress:
         ctx.progress = progress
@@ -439,6 +448,7 @@ def measure(args: argparse.Namespace) -> int:
                     setting = Setting(run_id, shape, dtype, P, "cases", seed, variant, weights_need.total)
                     for b, n in cells:
                         rows += _refused_rows(setting, names, b, [n] * b, 0, {x: str(exc) for x in names}, "refused")
+                saver.save(rows, done=len(kernels) * (len(cells) + len(built)))
                 progress.update(len(kernels) * units[shape.name])
                 continue
             weights = random_weights(shape, torch_dtype(dtype), "cuda", seed)
@@ -449,36 +459,93 @@ def measure(args: argparse.Namespace) -> int:
                     model = Model(shape, weights, variant, max_position=most)
                 except PKVError as exc:  # e.g. kernels=flashinfer where flashinfer does not import
                     progress.write(f"kernels {variant}: {exc}")
+                    saver.save(rows, done=len(cells) + len(built))
                     progress.update(units[shape.name])
                     continue
                 with torch.no_grad():
                     for b, n in cells:
                         rows += _run_cell(ctx, model, shape, b, n, names)
                         _release()
+                        saver.save(rows)
                         progress.update(1)
                     for trace in built:
                         rows += _run_trace(ctx, model, shape, trace, names)
                         _release()
+                        saver.save(rows)
             del weights, model
             _release()
     after, failed_after = measure_ceilings(device, repeats=3 if quick else 5, log=print)
-    after = renumbered(after, 1 + max((s.repeat for s in before), default=-1))
-    read = run_read_gbps([before, after])
-    print(f"read ceiling: {ceiling_gbps(before):.0f} GB/s before the cases, {ceiling_gbps(after):.0f} after; "
-          f"the run's: {read:.0f}")
+    frame, sidecar = saver.finish(rows, after, failed_after)
+    print(f"wrote {args.out} ({len(frame)} rows) and {sidecar}")
+    print(summary_table(frame))
+    return 0
+
+
+def with_floors(rows: list[dict], read: float) -> list[dict]:
+    """Copies of ``rows`` with read_ceiling_gbps = ``read`` and the step's floors at it: its weight
+    bytes, its K/V bytes and their sum, read once at ``read`` GB/s (NaN floors without a ceiling)."""
+    out = []
     for row in rows:
-        row["read_ceiling_gbps"] = read
+        row = {**row, "read_ceiling_gbps": read}
         if read > 0:
             row["weight_floor_us"] = row["weight_bytes"] / (read * 1e3)
             row["kv_floor_us"] = row["kv_bytes"] / (read * 1e3)
             row["floor_us"] = row["weight_floor_us"] + row["kv_floor_us"]
-    rows += _ceiling_rows(run_id, before + after, {**failed_after, **failed_before}, read)
-    frame = pd.DataFrame(rows, columns=list(E2E_COLUMNS)).astype(E2E_COLUMNS)
-    atomic_write_parquet(args.out, frame)
-    sidecar = write_sidecar(args.out, run_id, collect(config, [seed], started, device))
-    print(f"wrote {args.out} ({len(frame)} rows) and {sidecar}")
-    print(summary_table(frame))
-    return 0
+        out.append(row)
+    return out
+
+
+class PartialWriter:
+    """Writes ``--out`` and its sidecar after every configuration, so a stopped run keeps its rows.
+
+    ``save(rows)`` writes the rows so far (floors at the ceiling measured before the cases, with
+    its rows) and a sidecar whose record says ``complete: false`` and ``configurations: {done,
+    total}``; ``finish(rows, after, failed_after)`` writes the whole run (floors at the higher of
+    the two ceilings, both ceilings' rows) and ``complete: true``. Each file is replaced atomically
+    (persistentkv.io): the sidecar first says this run is under way (before any row is written), and
+    each parquet is written before the sidecar that describes it, so a run stopped between the two
+    leaves a sidecar that still says partial, never one that calls a partial file complete.
+    """
+
+    def __init__(self, out, run_id: str, record: dict, configurations: int, before, failed_before: dict):
+        self.out, self.run_id, self.record = out, run_id, dict(record)
+        self.total, self.done = int(configurations), 0
+        self.before, self.failed_before = list(before), dict(failed_before)
+        self._sidecar(complete=False)  # a file left by an earlier run is not this run's, complete or not
+
+    def _sidecar(self, complete: bool):
+        from ..provenance import write_sidecar
+
+        record = {**self.record, "complete": complete, "configurations": {"done": self.done, "total": self.total}}
+        return write_sidecar(self.out, self.run_id, record)
+
+    def _write(self, rows: list[dict], samples, failures: dict, read: float, complete: bool):
+        import pandas as pd
+
+        from ..io import atomic_write_parquet
+
+        rows = with_floors(rows, read) + _ceiling_rows(self.run_id, samples, failures, read)
+        frame = pd.DataFrame(rows, columns=list(E2E_COLUMNS)).astype(E2E_COLUMNS)
+        atomic_write_parquet(self.out, frame)
+        return frame, self._sidecar(complete)
+
+    def save(self, rows: list[dict], done: int = 1):
+        """After ``done`` more configurations: the rows so far, marked partial."""
+        from ..ceiling import run_read_gbps
+
+        self.done += int(done)
+        return self._write(rows, self.before, self.failed_before, run_read_gbps([self.before]), complete=False)
+
+    def finish(self, rows: list[dict], after, failed_after: dict):
+        """The whole run: both ceilings, complete."""
+        from ..ceiling import ceiling_gbps, renumbered, run_read_gbps
+
+        after = renumbered(after, 1 + max((s.repeat for s in self.before), default=-1))
+        read = run_read_gbps([self.before, after])
+        print(f"read ceiling: {ceiling_gbps(self.before):.0f} GB/s before the cases, {ceiling_gbps(after):.0f} "
+              f"after; the run's: {read:.0f}")
+        self.done = self.total
+        return self._write(rows, self.before + after, {**failed_after, **self.failed_before}, read, complete=True)
 
 
 def _ceiling_rows(run_id: str, samples, failures: dict, read: float) -> list[dict]:

@@ -713,6 +713,111 @@ def fig_split_ablation(frame: pd.DataFrame) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------
+# 10. The full decode step (results/<hw>/e2e.parquet): where each backend's step goes, and whether
+#     the attention gain survives it
+
+#: The pkv-workqueue-nopdl rows' colour: ours, lighter.
+E2E_NOPDL_COLOR = sns.color_palette("colorblind", 10)[0] + (0.45,)
+
+
+def e2e_cell_name(trace: str, step: int, batch_size: int, context: int) -> str:
+    """A cell's short name on an axis: 'B=4 x 32K' for a B x context cell, 'zipf_b8@8' for a trace step."""
+    if trace == "cases":
+        return f"B={batch_size} x {context // 1024}K" if context >= 1024 else f"B={batch_size} x {context}"
+    return f"{trace}@{step}"
+
+
+def data_e2e_split(results: Results) -> pd.DataFrame:
+    """Per model, kernels variant, cell and backend of the ok e2e rows: the median step_us and
+    attention_us over rounds, their difference (the rest), and the step's floor (floor_us, its
+    weights and K/V read once at the run's read ceiling). Columns: model, kernels, cell, backend,
+    step_us, attention_us, rest_us, floor_us."""
+    columns = ["model", "kernels", "cell", "backend", "step_us", "attention_us", "rest_us", "floor_us"]
+    frame = results.e2e
+    if frame.empty or "status" not in frame:
+        return pd.DataFrame(columns=columns)
+    ok = frame[(frame["status"] == "ok") & frame["model"].fillna("").ne("")]
+    if ok.empty:
+        return pd.DataFrame(columns=columns)
+    keys = targets.E2E_CELL + ["backend"]
+    med = ok.groupby(keys, sort=True)[["step_us", "attention_us", "floor_us"]].median().reset_index()
+    med["cell"] = [e2e_cell_name(r.trace, int(r.step), int(r.batch_size), int(r.context)) for r in med.itertuples()]
+    med["rest_us"] = med["step_us"] - med["attention_us"]
+    return med[columns]
+
+
+def data_e2e_gain(results: Results) -> pd.DataFrame:
+    """Per cell of targets.e2e_verdicts: the measured end-to-end speedup over the fastest baseline
+    and the Amdahl prediction from the same run's attention times, each with its 95 % paired
+    bootstrap interval. Columns: model, kernels, cell, ratio, lo, hi, amdahl, amdahl_lo, amdahl_hi."""
+    columns = ["model", "kernels", "cell", "ratio", "lo", "hi", "amdahl", "amdahl_lo", "amdahl_hi"]
+    cells = targets.e2e_verdicts(results)["cells"]
+    rows = [{**{k: c[k] for k in columns if k != "cell"},
+             "cell": e2e_cell_name(c["trace"], c["step"], c["batch_size"], c["context"])} for c in cells]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
+    title = "The full decode step: attention and the rest, and the gain against its Amdahl prediction"
+    if split.empty:
+        return placeholder(title, not_measured(hw, "the full decode step (e2e.parquet)"))
+    groups = list(split.groupby(["model", "kernels"], sort=True))
+    with style():
+        fig = Figure(figsize=(WIDTH, 2.5 * len(groups) + 0.6), layout="constrained")
+        axes = fig.subplots(len(groups), 2, width_ratios=(2.2, 1), squeeze=False)
+        handles = {}
+        for (left, right), ((model, kernels), part) in zip(axes, groups):
+            cells = list(dict.fromkeys(part["cell"]))
+            backends = _order(part["backend"])
+            width = 0.8 / len(backends)
+            for j, b in enumerate(backends):
+                mine = part[part["backend"] == b].set_index("cell").reindex(cells)
+                x = np.arange(len(cells)) - 0.4 + width * (j + 0.5)
+                shade = E2E_NOPDL_COLOR if b == targets.PKV_NOPDL else color(b)
+                handles[b] = left.bar(x, mine["attention_us"] / 1e3, width, color=shade, linewidth=0)
+                left.bar(x, mine["rest_us"] / 1e3, width, bottom=mine["attention_us"] / 1e3, color=shade,
+                         alpha=0.35, linewidth=0)
+            floors = part.groupby("cell", sort=False)["floor_us"].median().reindex(cells) / 1e3
+            for i, f in enumerate(floors):
+                if np.isfinite(f):
+                    handles["floor"] = left.hlines(f, i - 0.45, i + 0.45, color="black", lw=1.0, ls="--")
+            left.set_xticks(range(len(cells)), cells)
+            left.tick_params(axis="x", rotation=30)
+            for label in left.get_xticklabels():
+                label.set_ha("right")
+            left.grid(axis="x", visible=False)
+            left.set_ylabel("ms per step")
+            left.set_title(f"{model} ({kernels} kernels): attention (solid) + the rest (light)")
+            mine = gain[(gain["model"] == model) & (gain["kernels"] == kernels)]
+            if mine.empty:
+                right.set_axis_off()
+                right.text(0.5, 0.5, "no cell with ours and a baseline", ha="center", va="center",
+                           color="#b03030", fontsize=8, transform=right.transAxes)
+                continue
+            y = np.arange(len(mine))
+            m_err = [mine["ratio"] - mine["lo"], mine["hi"] - mine["ratio"]]
+            a_err = [mine["amdahl"] - mine["amdahl_lo"], mine["amdahl_hi"] - mine["amdahl"]]
+            handles["measured"] = right.errorbar(mine["ratio"], y - 0.12, xerr=m_err, fmt="o", ms=3.5, lw=1,
+                                                 color=color(targets.ENGINE_BACKEND))
+            handles["Amdahl"] = right.errorbar(mine["amdahl"], y + 0.12, xerr=a_err, fmt="D", ms=3, lw=1,
+                                               color="0.35", mfc="white")
+            right.axvline(1.0, color="0.5", lw=0.8)
+            right.axvline(targets.E2E_STEP_FLOOR, color="#b03030", lw=0.8, ls=":")
+            right.set_yticks(y, mine["cell"])
+            right.set_ylim(len(mine) - 0.5, -0.5)
+            right.grid(axis="y", visible=False)
+            right.set_xlabel("speedup vs fastest baseline")
+            right.set_title("measured vs predicted")
+        labels = {"floor": "step floor (read ceiling)", "measured": "measured speedup",
+                  "Amdahl": "Amdahl prediction"}
+        order = [b for b in _order([k for k in handles if k not in labels])] + [k for k in labels if k in handles]
+        fig.legend([handles[k] for k in order], [labels.get(k, k) for k in order], loc="outside lower center",
+                   ncols=min(4, len(order)), frameon=False)
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry and writing
 
 @dataclass(frozen=True)
@@ -772,6 +877,15 @@ FIGURES += (
                "(one plain read of the step's bytes in one kernel, the best of its grids; the median over the "
                "panel's shapes at each size). Both axes log scale.",
                lambda r: fig_shapes(data_shapes(r), r.hw)),
+    FigureSpec("e2e", "The full decode step",
+               "Per model and kernels variant, each backend's step (median over interleaved rounds of the "
+               "captured Llama decode step) split into its attention (solid, timed alone in the same round) "
+               "and the rest (light); the dashed line is the step's floor, its weights and K/V read once at "
+               "the run's read ceiling. Right: pkv-workqueue's measured speedup over the fastest baseline "
+               "(dots) against the Amdahl prediction from the same run's attention times (diamonds), 95 % "
+               "paired bootstrap intervals; the dotted line is the "
+               f"{targets.E2E_STEP_FLOOR:g}x step floor.",
+               lambda r: fig_e2e(data_e2e_split(r), data_e2e_gain(r), r.hw)),
 )
 FIGURE_NAMES = tuple(f.name for f in FIGURES)
 assert FIGURE_NAMES == _NAMES, "render/__init__.py FIGURE_NAMES must list FIGURES in order"

@@ -17,7 +17,7 @@ import jinja2
 import pandas as pd
 from markupsafe import Markup
 
-from .. import analysis, claims
+from .. import analysis, claims, targets
 from ..analysis import pinning
 from ..errors import PKVError, require
 from ..io import atomic_write_text
@@ -38,6 +38,7 @@ MISSING_TEXT = {
     "policy": "frozen policy (policy.json)", "kernels": "kernel resource usage (kernels.json)",
     "validation_cpu": "CPU validation (counters)", "ablation_buckets": "bucket ablation counters (C6, C7)",
     "ablation_splits": "split ablation counters",
+    "e2e": "full Llama decode step per backend (e2e.parquet)",
 }
 MISSING_TEXT["bench_shapes"] = "the shapes experiment (Hkv x G x B x bytes) and its one-kernel floor"
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
@@ -178,12 +179,25 @@ def kernel_rows(kernels) -> list[dict]:
     return out
 
 
+def e2e_notes(results: Results) -> list[tuple[str, str]]:
+    """(model, the config's note on its shape) for every model with e2e rows whose entry has one."""
+    models = (results.config or {}).get("models") or {}
+    measured = sorted(set(results.e2e["model"].dropna()) - {""}) if "model" in results.e2e else []
+    return [(m, str(models[m]["note"]).rstrip(".")) for m in measured if (models.get(m) or {}).get("note")]
+
+
+def ratio_ci(value, lo=None, hi=None) -> Markup:
+    """A ratio and its interval for a table cell, each part kept whole (:func:`fmt_entry_html`)."""
+    return unbroken_parts(*analysis.fmt_ratio(value, lo, hi).split(" ", 1))
+
+
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(entry=fmt_entry, entry_html=fmt_entry_html,
                        verdict_class=lambda v: VERDICT_CLASS.get(v, "not-measured"))
     env.globals["machine_value"] = machine_value
+    env.globals["ratio_ci"] = ratio_ci
     return env
 
 
@@ -200,6 +214,9 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         if not path.is_file():
             raise PKVError(f"figure {path} is missing; run 'persistentkv figures' for {results.hw} first")
         figs.append({"name": spec.name, "title": spec.title, "how": spec.how_to_read, "uri": svg_data_uri(path)})
+    # the full decode step's figure stands in its own section, after the others
+    e2e_figure = next(f for f in figs if f["name"] == "e2e")
+    figs = [f for f in figs if f["name"] != "e2e"]
     rows = claims.published_rows(results)
     for r in rows:
         r["paper_event_text"] = unbroken_parts(*fmt_pm(r["paper_event"], r["paper_event_sd"]).split(" ", 1))
@@ -220,6 +237,8 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "source": claims.SOURCE, "verdicts": claims.VERDICTS, "measured_any": bool(results.measured_experiments()),
         "n_boot": analysis.N_BOOT, "boot_seed": analysis.BOOT_SEED, "adaptive": payload.get("adaptive"),
         "engine": payload.get("engine"),
+        "e2e": payload.get("e2e") or {}, "e2e_figure": e2e_figure, "e2e_notes": e2e_notes(results),
+        "e2e_tail": f"{100 * targets.E2E_TAIL:g}",
     }
     context.update(floor_context(payload.get("floor"), results))
     html = environment().get_template("report.html.j2").render(**context)

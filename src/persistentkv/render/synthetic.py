@@ -46,7 +46,8 @@ def config(holdout=HOLDOUT) -> dict:
             "hardware": {"reference": "nvidia-h200"},
             "measure": {"layers": 32, "repeats": 3, "gqa_sweep": {"trace": "bimodal_b8", "group_sizes": [1, 4, 8]}},
             "traces": [{"name": n, "kind": k, "num_requests": r, "max_active": a, "num_steps": s, "splits": sp}
-                       for n, (k, r, a, s, sp) in TRACES.items()]}
+                       for n, (k, r, a, s, sp) in TRACES.items()],
+            "models": e2e_models()}
 
 
 def _efficiency(backend: str, batch: int, max_len: int, ragged: float, hole: float) -> float:
@@ -272,7 +273,7 @@ def policy() -> dict:
 
 
 def write_results(root: str | Path, hw: str = "synthetic-gpu", experiments=None, counters: bool = True,
-                  bench: bool = True, validation: bool = True) -> Path:
+                  bench: bool = True, validation: bool = True, e2e: bool = True) -> Path:
     """Write a synthetic results/{hw}/ (+ results/counters/) tree under ``root``; returns results/{hw}."""
     root = Path(root)
     hw_dir = root / "results" / hw
@@ -288,6 +289,8 @@ def write_results(root: str | Path, hw: str = "synthetic-gpu", experiments=None,
         io.atomic_write_parquet(hw_dir / "validation_gpu.parquet", validation_frame())
     io.atomic_write_json(hw_dir / "provenance.json", provenance())
     io.atomic_write_json(hw_dir / "policy.json", policy())
+    if e2e:
+        write_e2e(hw_dir)
     if counters:
         for name, frame in ablation_frames().items():
             io.atomic_write_parquet(root / "results" / "counters" / f"{name}.parquet", frame)
@@ -331,3 +334,116 @@ def shapes_frame(repeats: int = 3, seed: int = 4) -> pd.DataFrame:
                     rows += _rows_for("bench_shapes", f"B{b}xN{n}", 0, [(0, [n] * b)], rng, ("kernel",), repeats,
                                       spec=spec, backends=SHAPES_BACKENDS)
     return with_floor(pd.DataFrame(rows), seed)
+# -- the full decode step (results/{hw}/e2e.parquet) ------------------------------------------------
+E2E_RUN_ID = "synthetic-e2e"
+#: Two Llama-shaped decoders (the config's dimensions); their rows are toy times, not measurements.
+E2E_MODELS = {
+    "llama3_8b": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=32,
+                      intermediate_size=14336, vocab_size=128256),
+    "llama3_70b_tp8": dict(hidden_size=8192, num_heads=8, num_kv_heads=1, head_dim=128, num_layers=80,
+                           intermediate_size=3584, vocab_size=16032, tensor_parallel=8),
+}
+#: model -> (B, context) cells, and the trace steps (name, step, lengths) of the first model.
+E2E_CELLS = {"llama3_8b": [(1, 4096), (1, 32768), (16, 4096), (16, 32768)],
+             "llama3_70b_tp8": [(1, 32768), (8, 32768)]}
+E2E_TRACE_STEPS = [("zipf_b8", 0, [30000, 2000, 1500, 900, 700, 500, 400, 300]),
+                   ("zipf_b8", 8, [30008, 2008, 1508, 908, 708, 508, 408, 308])]
+E2E_BACKENDS = ("pkv-workqueue", "pkv-workqueue-nopdl", "flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa")
+E2E_UNAVAILABLE = {"trtllm-xqa": "synthetic: trtllm-xqa left out to keep the test data small"}
+#: A cell the toy device cannot hold: its rows are refused, as measure-e2e refuses one.
+E2E_REFUSED = ("llama3_8b", 64, 131072, "synthetic: needs more memory than the toy device has")
+
+
+def _e2e_attention_us(backend: str, lengths, shape) -> float:
+    """One step's attention over every layer in the toy model: each layer reads its K/V at the
+    backend's fraction of the ceiling (_efficiency), plus a launch cost (1 us more without PDL)."""
+    lengths = np.asarray(lengths)
+    per_layer_kv = float(lengths.sum()) * 2 * shape.num_kv_heads * shape.head_dim * 2
+    ragged = float(lengths.std() / lengths.mean()) if lengths.size > 1 else 0.0
+    eff = _efficiency(backend.replace("-nopdl", ""), lengths.size, int(lengths.max()), min(ragged, 1.0), 0.0)
+    launch = 4.0 + (1.0 if backend.endswith("-nopdl") else 0.0)
+    return shape.num_layers * (per_layer_kv / (RUN_CEILING_GBPS * 1e3 * eff) + launch)
+
+
+def e2e_models() -> dict:
+    """The config's ``models:`` entries of E2E_MODELS (the shard's note as the config words it)."""
+    note = ("synthetic: one GPU's shard at tensor parallelism 8; its all-reduces and the logits gather are not "
+            "modelled on one GPU")
+    return {name: {**dims, **({"note": note} if dims.get("tensor_parallel", 1) > 1 else {})}
+            for name, dims in E2E_MODELS.items()}
+
+
+def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
+    """e2e.parquet rows: per model, cell (and two trace steps of the first model) and backend, the
+    step and its attention in interleaved rounds (a noise factor shared by every backend's round,
+    so the pairing by repeat matters), the non-attention part near its weight floor, ceiling rows,
+    an unavailable backend and a refused cell."""
+    from ..model.shape import ModelShape
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    base = {"run_id": E2E_RUN_ID, "experiment": "e2e", "seed": CALIBRATION, "dtype": "float16", "page_size": 16,
+            "kernels": "torch", "read_ceiling_gbps": RUN_CEILING_GBPS, "mem_estimate_bytes": 0, "recaptures": 0}
+    for name, dims in E2E_MODELS.items():
+        shape = ModelShape(name=name, **dims)
+        configurations = [("cases", 0, [n] * b) for b, n in E2E_CELLS[name]]
+        configurations += E2E_TRACE_STEPS if name == "llama3_8b" else []
+        for trace, step, lengths in configurations:
+            lengths = np.asarray(lengths)
+            B = int(lengths.size)
+            weight_bytes = shape.step_weight_bytes("float16", B)
+            kv_bytes = int(lengths.sum()) * shape.kv_bytes_per_token("float16")
+            weight_floor, kv_floor = weight_bytes / (RUN_CEILING_GBPS * 1e3), kv_bytes / (RUN_CEILING_GBPS * 1e3)
+            rest = weight_floor / 0.86 + 6.0 * shape.num_layers + 2.0 * B      # GEMMs near the weight floor
+            cell = {**base, "model": name, "tensor_parallel": shape.tensor_parallel, "trace": trace, "step": step,
+                    "batch_size": B, "context": int(lengths.max()), "total_tokens": int(lengths.sum()),
+                    "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "weight_floor_us": weight_floor,
+                    "kv_floor_us": kv_floor, "floor_us": weight_floor + kv_floor,
+                    "mem_peak_bytes": shape.weight_bytes("float16") + 3 * kv_bytes}
+            for r in range(repeats):
+                shared = float(np.exp(rng.normal(0, 0.01)))                   # the round's machine state
+                for backend in E2E_BACKENDS:
+                    if backend in E2E_UNAVAILABLE:
+                        continue
+                    attn = _e2e_attention_us(backend, lengths, shape) * shared * float(np.exp(rng.normal(0, 0.004)))
+                    step_us = attn + rest * shared * float(np.exp(rng.normal(0, 0.004)))
+                    rows.append({**cell, "backend": backend, "repeat": r, "step_us": step_us, "attention_us": attn,
+                                 "non_attention_us": step_us - attn, "tokens_per_s": B / (step_us * 1e-6),
+                                 "pdl": "off" if backend.endswith("-nopdl") else "on" if backend.startswith("pkv") else "",
+                                 "follow": "device" if backend.startswith("pkv") else "host",
+                                 "status": "ok", "reason": ""})
+            for backend, reason in E2E_UNAVAILABLE.items():
+                rows.append({**cell, "backend": backend, "repeat": -1, "step_us": np.nan, "attention_us": np.nan,
+                             "non_attention_us": np.nan, "tokens_per_s": np.nan, "pdl": "", "follow": "",
+                             "status": "unavailable", "reason": reason})
+    name, B, context, reason = E2E_REFUSED
+    shape = ModelShape(name=name, **E2E_MODELS[name])
+    for backend in E2E_BACKENDS:
+        rows.append({**base, "model": name, "tensor_parallel": 1, "trace": "cases", "step": 0, "batch_size": B,
+                     "context": context, "total_tokens": B * context, "backend": backend, "repeat": -1,
+                     "weight_bytes": shape.step_weight_bytes("float16", B),
+                     "kv_bytes": B * context * shape.kv_bytes_per_token("float16"), "step_us": np.nan,
+                     "attention_us": np.nan, "non_attention_us": np.nan, "tokens_per_s": np.nan, "pdl": "",
+                     "follow": "", "mem_peak_bytes": 0, "status": "refused", "reason": reason})
+    nbytes = 16 << 30
+    rows += [{**base, "model": "", "tensor_parallel": 1, "trace": "read-ceiling", "step": 0, "batch_size": 0,
+              "context": 0, "total_tokens": 0, "backend": "read-ceiling", "repeat": r, "kv_bytes": nbytes,
+              "weight_bytes": 0, "step_us": CEILING_FIXED_US + nbytes / (CEILING_GBPS * 1e3), "pdl": "",
+              "follow": "", "kernels": "", "status": "ok", "reason": ""} for r in range(2 * 3)]
+    return pd.DataFrame(rows)
+
+
+def e2e_provenance(complete: bool = True) -> dict:
+    """e2e.json: the run's record (the synthetic GPU's) with measure-e2e's completeness fields."""
+    record = {**provenance()[RUN_ID], "command": "persistentkv.render.synthetic (e2e)"}
+    n = sum(len(c) for c in E2E_CELLS.values()) + len(E2E_TRACE_STEPS) + 1
+    return {E2E_RUN_ID: {**record, "complete": complete,
+                         "configurations": {"done": n if complete else n - 1, "total": n}}}
+
+
+def write_e2e(hw_dir: str | Path, complete: bool = True) -> Path:
+    """Write results/{hw}/e2e.parquet and e2e.json (synthetic); returns the parquet's path."""
+    hw_dir = Path(hw_dir)
+    io.atomic_write_parquet(hw_dir / "e2e.parquet", e2e_frame())
+    io.atomic_write_json(hw_dir / "e2e.json", e2e_provenance(complete))
+    return hw_dir / "e2e.parquet"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import claims
+from .. import claims, targets
 from ..errors import PKVError, require
 from ..io import atomic_write_text
 from ..results import Results
@@ -216,12 +216,43 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
             add(f"pkvAdaptive{word}Sentence", NM, f"adaptive on holdout, {protocol} rows: not measured")
             continue
         add(f"pkvAdaptive{word}Sentence", tex(entry["sentence"]), "claims.adaptive_verdicts")
+    m.extend(e2e_macros(payload))
     names = [n for n, _, _ in m]
     bad = [n for n in names if not _MACRO_NAME.match(n)]
     require(not bad, f"macro name {bad[0] if bad else ''!r} is not letters-only")
     dup = sorted({n for n in names if names.count(n) > 1})
     require(not dup, f"macro {dup[0] if dup else ''!r} defined twice")
     return m
+
+
+def e2e_macros(payload: dict) -> list[tuple[str, str, str]]:
+    """The full decode step's macros (claims.json ``e2e``, targets.e2e_verdicts): its rules' floors,
+    the two verdicts, the lowest cell and the sentences; not measured (n/m) without rows."""
+    e = payload.get("e2e") or {}
+    step, gain = e.get("step") or {}, e.get("gain") or {}
+    low = step.get("min") or {}
+    verdict = lambda part: tex("holds" if part["holds"] else "does not hold") if part else tex(claims.NOT_MEASURED)
+    sentences = e.get("sentences") or [f"Not measured: no full decode step rows (e2e.parquet) on {payload['hw']} yet."]
+    return [
+        ("pkvEtoeStepFloor", f"{targets.E2E_STEP_FLOOR:g}", "targets.E2E_STEP_FLOOR"),
+        ("pkvEtoeRestFloor", f"{targets.E2E_REST_FLOOR:g}", "targets.E2E_REST_FLOOR"),
+        ("pkvEtoeTail", f"{100 * targets.E2E_TAIL:g}", "targets.E2E_TAIL, percent"),
+        ("pkvEtoeCells", str(step["cells"]) if step else NM, "cells with ours and a baseline"),
+        ("pkvEtoeStepVerdict", verdict(step), "every cell's step at least pkvEtoeStepFloor of the fastest baseline's"),
+        ("pkvEtoeGainVerdict", verdict(gain), "the measured speedup reaches its Amdahl prediction in every cell"),
+        ("pkvEtoeGainReached", str(gain["reached"]) if gain else NM, "cells where it does"),
+        ("pkvEtoeMinCell", tex(low.get("label")) if low else NM, "the cell of the lowest step ratio"),
+        ("pkvEtoeMinRatio", tex_ratio(low.get("ratio")) if low else NM, "its ratio"),
+        ("pkvEtoeMinCI", tex_ci(low.get("lo"), low.get("hi")) if low else NM, "its 95% interval"),
+        ("pkvEtoePartial", tex("The run stopped before its end: these are the configurations it finished. ")
+         if e.get("complete") is False else "", "empty for a complete run"),
+        ("pkvEtoeSentences", tex(" ".join(sentences)), "targets.e2e_verdicts"),
+    ]
+
+
+def e2e_rows(payload: dict) -> list[dict]:
+    """The full decode step's cells (claims.json ``e2e.cells``) for the paper's table."""
+    return list((payload.get("e2e") or {}).get("cells") or [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +334,8 @@ def render(payload: dict, results: Results, out_dir: str | Path) -> list[Path]:
                "claims": payload["claims"], "macros": macros(payload, results),
                "rows": claims.published_rows(results), "ablation": ablation_rows(results),
                "provenance": provenance_rows(results), "NM": NM, "source": claims.SOURCE, "hash_chars": HASH_CHARS}
+    context["e2e"], context["e2e_cells"] = payload.get("e2e") or {}, e2e_rows(payload)
+    context["tail"] = f"{100 * targets.E2E_TAIL:g}"
     context["variants"] = variants(context["ablation"])
     context["shared"], context["varying"] = machine_columns(context["provenance"])
     written = []

@@ -1,0 +1,148 @@
+"""The full decode step's verdicts (targets.e2e_verdicts) on constructed rows: each rule where it
+holds and where it fails, the pairing of rounds, rows that did not run, and no rows at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from persistentkv import analysis, claims, targets
+from persistentkv.results import Results
+
+MODEL, KERNELS = "llama3_8b", "torch"
+
+
+def results_of(frame: pd.DataFrame, provenance: dict | None = None) -> Results:
+    empty = pd.DataFrame()
+    return Results(hw="test-gpu", raw=empty, bench=empty, validation_gpu=empty, validation_cpu=empty,
+                   ablation_buckets=empty, ablation_splits=empty, provenance=provenance or {"run": {}},
+                   policy=None, kernels=None, e2e=frame)
+
+
+def cell_rows(times: dict, batch_size: int = 4, context: int = 32768, rounds: int = 9, factors=None,
+              weight_floor_us: float = 500.0, trace: str = "cases", step: int = 0) -> list[dict]:
+    """Rows of one cell: backend -> (step_us, attention_us), each round scaled by factors[r] (the
+    round's shared machine state; 1 by default)."""
+    factors = np.ones(rounds) if factors is None else np.asarray(factors)
+    rows = []
+    for backend, (step_us, attn_us) in times.items():
+        for r in range(rounds):
+            s, a = step_us * factors[r], attn_us * factors[r]
+            rows.append({"run_id": "run", "model": MODEL, "kernels": KERNELS, "trace": trace, "step": step,
+                         "batch_size": batch_size, "context": context, "backend": backend, "repeat": r,
+                         "step_us": s, "attention_us": a, "non_attention_us": s - a,
+                         "tokens_per_s": batch_size / (s * 1e-6), "weight_floor_us": weight_floor_us,
+                         "floor_us": weight_floor_us + 100.0, "mem_peak_bytes": 2**34, "status": "ok", "reason": ""})
+    return rows
+
+
+def verdicts(rows: list[dict], provenance: dict | None = None) -> dict:
+    return targets.e2e_verdicts(results_of(pd.DataFrame(rows), provenance))
+
+
+def test_step_floor_holds_at_the_fastest_baseline_and_fails_below_it():
+    ok = verdicts(cell_rows({"pkv-workqueue": (1005.0, 200.0), "flashinfer-tc": (1000.0, 200.0),
+                             "vllm-fa3": (1200.0, 300.0)}))
+    (cell,) = ok["cells"]
+    assert cell["baseline"] == "flashinfer-tc" and cell["ratio"] == pytest.approx(1000 / 1005)
+    assert ok["step"]["holds"] and cell["holds"] and cell["interval_clears"]
+    slow = verdicts(cell_rows({"pkv-workqueue": (1030.0, 200.0), "flashinfer-tc": (1000.0, 200.0)}))
+    assert not slow["step"]["holds"] and slow["step"]["below"] == [slow["cells"][0]["label"]]
+    assert slow["step"]["significantly_below"] == slow["step"]["below"]
+    assert "does not hold" in slow["sentences"][0]
+
+
+def test_gain_reaches_its_amdahl_prediction_or_falls_short():
+    # best: 1000 us a step, 300 of it attention; ours: 150 us of attention -> 1000 / 850 predicted
+    kept = verdicts(cell_rows({"pkv-workqueue": (850.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
+    (cell,) = kept["cells"]
+    assert cell["amdahl"] == pytest.approx(1000 / 850) and cell["ratio"] == pytest.approx(1000 / 850)
+    assert cell["reaches_prediction"] and kept["gain"] == {"cells": 1, "reached": 1, "short": [], "holds": True}
+    assert cell["attention_share"] == pytest.approx(150 / 850)
+    # the same attention gain, but the step outside attention got slower: the gain did not survive
+    lost = verdicts(cell_rows({"pkv-workqueue": (950.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
+    (cell,) = lost["cells"]
+    assert cell["ratio"] == pytest.approx(1000 / 950) and cell["hi"] < cell["amdahl_lo"]
+    assert not lost["gain"]["holds"] and lost["gain"]["short"] == [cell["label"]]
+    # the claim asks it of every cell: one short cell of two fails it
+    both = verdicts(cell_rows({"pkv-workqueue": (850.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}, batch_size=1)
+                    + cell_rows({"pkv-workqueue": (950.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
+    assert both["gain"]["reached"] == 1 and not both["gain"]["holds"]
+
+
+def test_rounds_are_resampled_paired_by_repeat():
+    """Every backend's round r shares the machine state of round r: a ratio constant round by round
+    has a zero-width interval however much the rounds differ from each other."""
+    factors = np.linspace(0.8, 1.25, 9)[[3, 7, 0, 5, 8, 1, 6, 2, 4]]
+    out = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1050.0, 260.0)}, factors=factors))
+    (cell,) = out["cells"]
+    assert cell["lo"] == pytest.approx(1.05) and cell["hi"] == pytest.approx(1.05)
+    point, boot = analysis.paired_medians(np.vstack([factors, 2 * factors]), ("k",))
+    assert np.allclose(boot[:, 1] / boot[:, 0], 2.0) and point[1] == pytest.approx(2 * np.median(factors))
+
+
+def test_pdl_off_is_its_own_ratio_per_cell():
+    out = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "pkv-workqueue-nopdl": (1012.0, 212.0),
+                              "flashinfer-tc": (1100.0, 300.0)}))
+    (cell,) = out["cells"]
+    assert cell["pdl"]["ratio"] == pytest.approx(1.012) and cell["baseline"] == "flashinfer-tc"
+    assert any(s.startswith("PDL:") for s in out["sentences"])
+    without = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}))
+    assert without["cells"][0]["pdl"] is None
+
+
+def test_non_attention_at_b1_against_its_weight_floor():
+    near = verdicts(cell_rows({"pkv-workqueue": (1100.0, 200.0), "flashinfer-tc": (1150.0, 250.0)}, batch_size=1,
+                              weight_floor_us=800.0)
+                    # B=4 rows do not count towards the B=1 rule
+                    + cell_rows({"pkv-workqueue": (9000.0, 200.0), "flashinfer-tc": (9000.0, 200.0)},
+                                weight_floor_us=800.0))
+    (rest,) = near["rest"]
+    assert rest["frac"] == pytest.approx(800 / 900) and rest["holds"] and rest["rows"] == 18
+    far = verdicts(cell_rows({"pkv-workqueue": (1300.0, 200.0), "flashinfer-tc": (1350.0, 250.0)}, batch_size=1,
+                             weight_floor_us=800.0))
+    assert far["rest"][0]["frac"] == pytest.approx(800 / 1100) and not far["rest"][0]["holds"]
+
+
+def test_rows_that_did_not_run_are_listed_and_never_counted():
+    rows = cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1010.0, 210.0)})
+    # a failed baseline whose time would make it the fastest, and an unavailable one without times
+    rows.append({**rows[-1], "backend": "vllm-fa3", "repeat": -1, "step_us": 1.0, "attention_us": 0.5,
+                 "status": "failed", "reason": "graph capture failed"})
+    rows.append({**rows[-1], "backend": "trtllm-xqa", "step_us": np.nan, "attention_us": np.nan,
+                 "status": "unavailable", "reason": "no flashinfer"})
+    refused = cell_rows({"pkv-workqueue": (1.0, 1.0), "flashinfer-tc": (1.0, 1.0)}, batch_size=64, context=131072,
+                        rounds=1)
+    rows += [{**r, "repeat": -1, "status": "refused", "reason": "needs 200 GiB, 130 GiB free"} for r in refused]
+    out = verdicts(rows)
+    assert [c["label"] for c in out["cells"]] == [f"{MODEL}/{KERNELS} B=4 x 32768"]
+    assert out["cells"][0]["baseline"] == "flashinfer-tc"
+    groups = {(n["status"], n["reason"]): n for n in out["not_run"]}
+    assert groups[("failed", "graph capture failed")]["backends"] == ["vllm-fa3"]
+    assert groups[("unavailable", "no flashinfer")]["backends"] == ["trtllm-xqa"]
+    assert groups[("refused", "needs 200 GiB, 130 GiB free")]["cells"] == [f"{MODEL}/{KERNELS} B=64 x 131072"]
+    assert "Not counted:" in out["sentences"][-1]
+
+
+def test_no_rows_is_not_measured_and_claims_carry_the_entry():
+    empty = results_of(pd.DataFrame())
+    out = targets.e2e_verdicts(empty)
+    assert not out["measured"] and out["cells"] == [] and out["step"] == {} and out["gain"] == {}
+    assert out["sentences"] == ["Not measured: no full decode step rows (e2e.parquet) on test-gpu yet."]
+    refused_only = verdicts([{**r, "status": "refused", "reason": "too big"}
+                             for r in cell_rows({"pkv-workqueue": (1.0, 1.0)}, rounds=1)])
+    assert not refused_only["measured"] and refused_only["not_run"][0]["reason"] == "too big"
+    # ours without any baseline: a cell without a pair, judged nowhere
+    alone = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0)}))
+    assert alone["measured"] and alone["cells"] == [] and len(alone["without_pair"]) == 1
+    assert "not measured" in alone["sentences"][0]
+    assert claims.judge(empty)["e2e"]["measured"] is False
+
+
+def test_a_partial_run_says_so():
+    rows = cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1010.0, 210.0)})
+    partial = verdicts(rows, provenance={"run": {"complete": False, "configurations": {"done": 1, "total": 5}}})
+    assert partial["complete"] is False and partial["sentences"][0].startswith("Partial:")
+    whole = verdicts(rows, provenance={"run": {"complete": True}})
+    assert whole["complete"] is True and not whole["sentences"][0].startswith("Partial:")

@@ -1,0 +1,155 @@
+"""measure-e2e keeps what it measured: after every configuration its rows are on disk, marked
+partial, and the last write replaces them with the whole run (CPU: the GPU parts are replaced at
+their boundary, the device, the ceilings, the weights and the timing of one configuration)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from persistentkv import configuration
+from persistentkv.ceiling import CeilingSample
+
+pytest.importorskip("torch", reason="measure-e2e runs its configurations under torch.no_grad()")
+
+from persistentkv.commands import measure_e2e as e2e  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "config" / "config.yaml"
+CELLS = [(1, 4096), (4, 4096), (16, 4096)]
+#: The read kernel's rate before the cases and after them (GB/s): the run's ceiling is the higher.
+BEFORE_GBPS, AFTER_GBPS = 4000.0, 4400.0
+
+
+class FakeDevice:
+    name = "fake (CPU test)"
+
+    def free_bytes(self) -> int:
+        return 1 << 50
+
+
+def samples(gbps: float) -> list[CeilingSample]:
+    nbytes = 16 << 30
+    return [CeilingSample(b, r, nbytes, nbytes / (gbps * 1e3)) for b in ("read-ceiling", "copy-ceiling")
+            for r in range(3)]
+
+
+class Stop(Exception):
+    """What a time limit does to the run, in the test: it ends mid-configuration."""
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The GPU boundary replaced: the device, the ceilings (before, then after), the weights, the
+    model, and each configuration's timing (one row per backend, its step time from the cell)."""
+    import persistentkv.ceiling
+    import persistentkv.measure.device
+    import persistentkv.model
+
+    phases = iter([samples(BEFORE_GBPS), samples(AFTER_GBPS)])
+    monkeypatch.setattr(persistentkv.measure.device, "TorchDevice", lambda *_: FakeDevice())
+    monkeypatch.setattr(persistentkv.ceiling, "measure_ceilings", lambda *a, **k: (next(phases), {}))
+    monkeypatch.setattr(persistentkv.model, "random_weights", lambda *a, **k: object())
+
+    class FakeModel:
+        def __init__(self, shape, weights, variant, max_position):
+            self.kernels = argparse.Namespace(name=variant)
+
+    monkeypatch.setattr(persistentkv.model, "Model", FakeModel)
+    monkeypatch.setattr(e2e, "_release", lambda: None)
+    calls = {"cells": [], "stop_at": None}
+
+    def run_cell(ctx, model, shape, batch_size, context, names):
+        calls["cells"].append((batch_size, context))
+        if calls["stop_at"] == len(calls["cells"]):
+            raise Stop("time limit")
+        setting = e2e.Setting(ctx.run_id, shape, ctx.dtype, ctx.page_size, "cases", ctx.seed, model.kernels.name, 0)
+        return [setting.row(name, batch_size, [context] * batch_size, 0, repeat=0, step_us=1000.0 * batch_size,
+                            attention_us=100.0, non_attention_us=1000.0 * batch_size - 100.0)
+                for name in names]
+
+    monkeypatch.setattr(e2e, "_run_cell", run_cell)
+    return calls
+
+
+def args(out: Path) -> argparse.Namespace:
+    return argparse.Namespace(config=str(CONFIG), out=str(out), models="llama3_8b",
+                              cases=",".join(f"{b}x{n}" for b, n in CELLS), traces="none",
+                              backends="pkv-workqueue,flashinfer-tc", kernels="torch", quick=False)
+
+
+def sidecar(out: Path) -> dict:
+    (record,) = json.loads(out.with_suffix(".json").read_text()).values()
+    return record
+
+
+def test_a_run_stopped_mid_way_keeps_the_configurations_it_finished(tmp_path, fake_gpu):
+    out = tmp_path / "e2e.parquet"
+    fake_gpu["stop_at"] = 3  # the third cell never finishes
+    with pytest.raises(Stop):
+        e2e.measure(args(out))
+    frame = pd.read_parquet(out)
+    timed = frame[frame["model"] != ""]
+    assert sorted(set(zip(timed["batch_size"], timed["context"]))) == CELLS[:2]
+    assert sorted(timed["backend"].unique()) == ["flashinfer-tc", "pkv-workqueue"]
+    record = sidecar(out)
+    assert record["complete"] is False and record["configurations"] == {"done": 2, "total": 3}
+    # the partial file's floors stand on the ceiling measured before the cases, whose rows it holds
+    assert (frame.loc[frame["backend"] == "read-ceiling", "repeat"] < 3).all()
+    assert timed["read_ceiling_gbps"].to_numpy() == pytest.approx(BEFORE_GBPS)
+    row = timed.iloc[0]
+    assert row["weight_floor_us"] == pytest.approx(row["weight_bytes"] / (BEFORE_GBPS * 1e3))
+    assert row["floor_us"] == pytest.approx(row["weight_floor_us"] + row["kv_floor_us"])
+    assert list(frame.columns) == list(e2e.E2E_COLUMNS)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_the_last_write_replaces_the_partial_file_with_the_whole_run(tmp_path, fake_gpu, monkeypatch):
+    out = tmp_path / "e2e.parquet"
+    seen = []
+    real_save = e2e.PartialWriter.save
+
+    def save(self, rows, done=1):  # what the file says after each configuration
+        result = real_save(self, rows, done)
+        seen.append((sidecar(out)["configurations"]["done"], len(pd.read_parquet(out).query("model != ''"))))
+        return result
+
+    monkeypatch.setattr(e2e.PartialWriter, "save", save)
+    assert e2e.measure(args(out)) == 0
+    assert seen == [(1, 2), (2, 4), (3, 6)]  # two backends' rows per cell, on disk after each cell
+    frame = pd.read_parquet(out)
+    record = sidecar(out)
+    assert record["complete"] is True and record["configurations"] == {"done": 3, "total": 3}
+    timed = frame[frame["model"] != ""]
+    assert sorted(set(zip(timed["batch_size"], timed["context"]))) == CELLS
+    # both ceilings' rows, the later renumbered after the earlier; the floors at the higher one
+    reads = frame[frame["backend"] == "read-ceiling"]
+    assert sorted(reads["repeat"]) == list(range(6))
+    assert timed["read_ceiling_gbps"].to_numpy() == pytest.approx(AFTER_GBPS)
+    assert all(math.isclose(r.kv_floor_us, r.kv_bytes / (AFTER_GBPS * 1e3)) for r in timed.itertuples())
+    seed = configuration.calibration_seed(configuration.load_config(CONFIG, base_dir=ROOT))
+    assert record["seeds"] == [seed]
+
+
+def test_a_new_run_marks_the_file_partial_before_it_writes_a_row(tmp_path, fake_gpu, monkeypatch):
+    """A complete file of an earlier run beside it: the new run's sidecar says partial at once,
+    under the new run's id, before the first configuration's rows replace the old ones."""
+    out = tmp_path / "e2e.parquet"
+    assert e2e.measure(args(out)) == 0
+    old_run = set(json.loads(out.with_suffix(".json").read_text()))
+    fake_gpu["stop_at"] = len(fake_gpu["cells"]) + 1  # the next run stops in its first cell
+    import persistentkv.ceiling
+
+    phases = iter([samples(BEFORE_GBPS), samples(AFTER_GBPS)])
+    monkeypatch.setattr(persistentkv.ceiling, "measure_ceilings", lambda *a, **k: (next(phases), {}))
+    with pytest.raises(Stop):
+        e2e.measure(args(out))
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert set(payload) != old_run
+    (record,) = payload.values()
+    assert record["complete"] is False and record["configurations"] == {"done": 0, "total": 3}

@@ -1,0 +1,110 @@
+"""The full decode step in the renderers: the report's section, the paper's table and macros and the
+figure, from synthetic e2e rows (clearly labelled as such) and without any."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from persistentkv import claims, targets
+from persistentkv.render import figures, report, synthetic, tables
+from persistentkv.results import load_results
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """(results, claims payload, report html) for synthetic results with e2e rows, and without."""
+    out = {}
+    for name, e2e in (("with", True), ("without", False)):
+        root = tmp_path_factory.mktemp(f"e2e-{name}")
+        hw_dir = synthetic.write_results(root, e2e=e2e)
+        results = load_results(hw_dir, root / "results" / "counters", synthetic.config())
+        payload = claims.judge(results)
+        figures.render_all(results, root / "figures", "svg")
+        html = report.render(payload, results, root / "figures", root / "report.html").read_text()
+        out[name] = (results, payload, html, root)
+    return out
+
+
+def section(html: str) -> str:
+    start = html.index('<section id="e2e">')
+    return html[start:html.index("</section>", start)]
+
+
+def test_the_report_has_the_full_decode_step_section_with_every_cell(rendered):
+    results, payload, html, _ = rendered["with"]
+    part = section(html)
+    e2e = payload["e2e"]
+    assert e2e["measured"] and e2e["cells"]
+    assert 'data-figure="e2e"' in part and html.count('data-figure="e2e"') == 1
+    table = part.split('id="e2e-cells"', 1)[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td>", table)
+    assert [where for where, _ in rows] == [c["where"] for c in e2e["cells"]]
+    assert [best for _, best in rows] == [c["baseline"] for c in e2e["cells"]]
+    assert re.findall(r'<tr class="group"><th colspan="12">(\S+) \((\w+) kernels\)', table) == \
+        list(dict.fromkeys((c["model"], c["kernels"]) for c in e2e["cells"]))
+    first = e2e["cells"][0]
+    assert f"{first['our_step_us']:.0f}" in part and f"{first['amdahl']:.3f}×" in part
+    for sentence in e2e["sentences"]:
+        assert sentence.replace("'", "&#39;") in part
+    # rows that did not run are listed with their reason, and the config's note on the shard is there
+    assert "synthetic: needs more memory than the toy device has" in part and 'id="e2e-not-run"' in part
+    assert "llama3_70b_tp8: synthetic: one GPU&#39;s shard" in part
+    assert "not a prefill" in part and "not measured on" not in part
+
+
+def test_without_rows_the_section_says_not_measured(rendered):
+    results, payload, html, root = rendered["without"]
+    part = section(html)
+    assert results.e2e.empty and not payload["e2e"]["measured"]
+    assert f"The full decode step: not measured on {results.hw} yet." in part
+    assert 'id="e2e-cells"' not in part and 'data-figure="e2e"' in part  # the figure is its placeholder
+    assert f"not measured on {results.hw} yet" in (root / "figures" / "e2e.svg").read_text()
+
+
+def test_a_partial_run_is_marked_in_the_report(tmp_path):
+    hw_dir = synthetic.write_results(tmp_path)
+    synthetic.write_e2e(hw_dir, complete=False)
+    results = load_results(hw_dir, tmp_path / "results" / "counters", synthetic.config())
+    payload = claims.judge(results)
+    figures.render_all(results, tmp_path / "figures", "svg", only=None)
+    html = report.render(payload, results, tmp_path / "figures", tmp_path / "report.html").read_text()
+    assert payload["e2e"]["complete"] is False
+    assert "Partial run:" in section(html)
+
+
+def test_the_paper_table_and_macros_come_from_the_verdicts(rendered, tmp_path):
+    results, payload, _, _ = rendered["with"]
+    tables.render(payload, results, tmp_path)
+    table = (tmp_path / "tables" / "e2e.tex").read_text()
+    cells = payload["e2e"]["cells"]
+    assert table.count(r"\\") - 2 == len(cells)  # the two header lines, then one line per cell
+    assert tables.tex(cells[0]["label"]) in table and f"{cells[0]['ratio']:.3f}" in table
+    macros = dict((n, v) for n, v, _ in tables.macros(payload, results))
+    assert macros["pkvEtoeStepFloor"] == f"{targets.E2E_STEP_FLOOR:g}"
+    assert macros["pkvEtoeCells"] == str(len(cells))
+    step, gain = payload["e2e"]["step"], payload["e2e"]["gain"]
+    assert macros["pkvEtoeStepVerdict"] == ("holds" if step["holds"] else "does not hold")
+    assert macros["pkvEtoeGainReached"] == str(gain["reached"])
+    assert macros["pkvEtoeMinRatio"] == tables.tex_ratio(step["min"]["ratio"])
+    empty, none_payload, _, _ = rendered["without"]
+    tables.render(none_payload, empty, tmp_path / "none")
+    assert "not measured on" in (tmp_path / "none" / "tables" / "e2e.tex").read_text()
+    none = dict((n, v) for n, v, _ in tables.macros(none_payload, empty))
+    assert none["pkvEtoeCells"] == tables.NM and none["pkvEtoeStepVerdict"] == "not measured"
+
+
+def test_the_figure_data_is_the_rows_medians_and_the_verdicts_intervals(rendered):
+    results, payload, _, _ = rendered["with"]
+    split = figures.data_e2e_split(results)
+    ok = results.e2e[(results.e2e["status"] == "ok") & (results.e2e["model"] != "")]
+    mine = ok[(ok["model"] == "llama3_8b") & (ok["batch_size"] == 16) & (ok["context"] == 4096)
+              & (ok["backend"] == "flashinfer-tc")]
+    row = split[(split["model"] == "llama3_8b") & (split["cell"] == "B=16 x 4K") & (split["backend"] == "flashinfer-tc")]
+    assert float(row["step_us"].iloc[0]) == pytest.approx(mine["step_us"].median())
+    assert float(row["rest_us"].iloc[0]) == pytest.approx(mine["step_us"].median() - mine["attention_us"].median())
+    assert "trtllm-xqa" not in set(split["backend"])  # unavailable: no bar
+    gain = figures.data_e2e_gain(results)
+    assert list(gain["ratio"]) == [c["ratio"] for c in payload["e2e"]["cells"]]
+    assert list(gain["amdahl_lo"]) == [c["amdahl_lo"] for c in payload["e2e"]["cells"]]
