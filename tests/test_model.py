@@ -338,3 +338,18 @@ def test_loops_over_one_cache_share_a_rows_pages(weights):
     with pytest.raises(PKVError, match="row 3 holds 1 pages; another reservation asks for 2"):
         kv.pool.reserve(3, 4)
         kv.pool.reserve(3, 8)
+
+
+def test_a_models_traces_come_from_the_config_and_an_unknown_one_is_refused():
+    from persistentkv.configuration import load_config
+    from persistentkv.errors import PKVError
+    from persistentkv.model import model_shape, model_traces
+
+    config = load_config("config/config.yaml")
+    generated = [t["name"] for t in config["traces"] if t["kind"] != "file"]
+    assert model_traces(config, "llama3_8b", generated) == config["models"]["llama3_8b"]["traces"]
+    assert model_traces(config, "tiny", generated) == generated  # names none: every generated trace
+    model_shape(config, "llama3_8b")  # `traces` is not a shape field
+    config["models"]["tiny"]["traces"] = ["bimodal_b8", "no_such_trace"]
+    with pytest.raises(PKVError, match="models.tiny.traces: no_such_trace is not a trace"):
+        model_traces(config, "tiny", generated)

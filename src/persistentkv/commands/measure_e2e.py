@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default=None,
                         help="comma-separated BxCONTEXT cells, e.g. 1x4096,64x4096 (default: each model's cases)")
     parser.add_argument("--traces", default=None,
-                        help="comma-separated trace names, or 'none' (default: every generated trace of the config)")
+                        help="comma-separated trace names, or 'none' (default: each model's models.<name>.traces, else "
+                             "every generated trace of the config)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated subset (default: config measure.backends that are graph-safe on the GPU)")
     parser.add_argument("--kernels", default="auto",
@@ -391,7 +392,7 @@ def measure(args: argparse.Namespace) -> int:
     from ..ceiling import measure_ceilings
     from ..env import torch_dtype
     from ..measure.device import TorchDevice
-    from ..model import KERNEL_CHOICES, Model, check_fits, footprint, model_cases, model_shape, random_weights
+    from ..model import KERNEL_CHOICES, Model, check_fits, footprint, model_cases, model_shape, model_traces, random_weights
     from ..provenance import collect, new_run_id, utc_now
 
     config = configuration.load_config(args.config)
@@ -400,12 +401,10 @@ def measure(args: argparse.Namespace) -> int:
     require(models, "the config has no models with cases; add models.<name>.cases or pass --models")
     cases_arg = parse_cases(args.cases)
     generated = [e["name"] for e in config["traces"] if e["kind"] != "file"]
-    trace_names = [] if args.traces == "none" else (
-        _names(args.traces, configuration.trace_names(config), "traces") or generated)
+    trace_names = [] if args.traces == "none" else _names(args.traces, configuration.trace_names(config), "traces")
     names = _names(args.backends, registry.names(), "backends") or default_backends(config)
     kernels = _names(args.kernels, KERNEL_CHOICES, "kernels")
     quick = bool(args.quick)
-    trace_names = trace_names[:1] if quick else trace_names
     P, dtype = int(config["spec"]["page_size"]), str(config["spec"]["dtype"])
     seed = configuration.calibration_seed(config)
     require(args.out.endswith(".parquet"), f"--out {args.out!r} must be a .parquet file")
@@ -426,7 +425,9 @@ def measure(args: argparse.Namespace) -> int:
         shape = model_shape(config, name)
         cells = cases_arg or model_cases(config, name)
         cells = cells[:1] if quick else cells
-        built = [traces.build(configuration.trace_entry(config, t), seed) for t in trace_names]
+        names_of = trace_names if trace_names is not None else model_traces(config, name, generated)
+        names_of = names_of[:1] if quick else names_of
+        built = [traces.build(configuration.trace_entry(config, t), seed) for t in names_of]
         plans.append((shape, cells, built))
     units = {shape.name: len(cells) + sum(len(timed_steps(t, ctx.stride, quick)) for t in built)
              for shape, cells, built in plans}

@@ -13,8 +13,8 @@ measure-e2e``. Imports torch only inside functions, like the backends.
 
 from .llama import KERNEL_CHOICES, Kernels, Sampling, Weights, random_weights, sample
 from .loop import FOLLOW_MODES, DecodeLoop, Model, PagedKV, PagePool, follow_mode
-from .shape import Footprint, ModelShape, check_fits, footprint, model_cases, model_shape
+from .shape import Footprint, ModelShape, check_fits, footprint, model_cases, model_shape, model_traces
 
 __all__ = ["KERNEL_CHOICES", "Kernels", "Sampling", "Weights", "random_weights", "sample", "FOLLOW_MODES",
            "DecodeLoop", "Model", "PagedKV", "PagePool", "follow_mode", "Footprint", "ModelShape", "check_fits",
-           "footprint", "model_cases", "model_shape"]
+           "footprint", "model_cases", "model_shape", "model_traces"]

@@ -98,7 +98,7 @@ class ModelShape:
 
 
 #: Keys of a ``models.<name>`` entry that are not dimensions.
-_NOT_SHAPE = ("cases",)
+_NOT_SHAPE = ("cases", "traces")
 
 
 def model_shape(config: dict, name: str) -> ModelShape:
@@ -115,6 +115,19 @@ def model_cases(config: dict, name: str) -> list[tuple[int, int]]:
     if not cases:
         return []
     return [(int(b), int(n)) for b in cases["batch_sizes"] for n in cases["contexts"]]
+
+
+def model_traces(config: dict, name: str, default: list[str]) -> list[str]:
+    """The traces ``models.<name>.traces`` follows in measure-e2e; ``default`` (the config's
+    generated traces) when the model names none. Every name must be a trace of the config."""
+    entry = (config.get("models") or {}).get(name, {})
+    if "traces" not in entry:
+        return list(default)
+    known = [t["name"] for t in config.get("traces", [])]
+    unknown = [t for t in entry["traces"] if t not in known]
+    require(not unknown, f"models.{name}.traces: {', '.join(unknown)} is not a trace of the config "
+                         f"(traces: {', '.join(known)})")
+    return list(entry["traces"])
 
 
 @dataclass(frozen=True)
