@@ -146,3 +146,14 @@ def test_a_partial_run_says_so():
     assert partial["complete"] is False and partial["sentences"][0].startswith("Partial:")
     whole = verdicts(rows, provenance={"run": {"complete": True}})
     assert whole["complete"] is True and not whole["sentences"][0].startswith("Partial:")
+
+
+def test_a_partial_run_says_how_far_it_got_and_what_stopped_it():
+    from persistentkv.targets import _first, _stopped_phrase
+
+    said = _stopped_phrase({"done": 18, "total": 19, "stopped_by": "RuntimeError: an illegal memory access"})
+    assert said == "the run finished 18 of 19 configurations (stopped by: RuntimeError: an illegal memory access)"
+    assert _stopped_phrase({}) == "the run stopped before its end"
+    labels = [f"cell {i}" for i in range(8)]
+    assert _first(labels) == "cell 0, cell 1, cell 2, cell 3, cell 4 and 3 more"
+    assert _first(labels[:2]) == "cell 0, cell 1"

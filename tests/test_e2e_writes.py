@@ -99,6 +99,7 @@ def test_a_run_stopped_mid_way_keeps_the_configurations_it_finished(tmp_path, fa
     assert sorted(timed["backend"].unique()) == ["flashinfer-tc", "pkv-workqueue"]
     record = sidecar(out)
     assert record["complete"] is False and record["configurations"] == {"done": 2, "total": 3}
+    assert "Stop" in record["stopped_by"] and "time limit" in record["stopped_by"]  # what stopped it
     # the partial file's floors stand on the ceiling measured before the cases, whose rows it holds
     assert (frame.loc[frame["backend"] == "read-ceiling", "repeat"] < 3).all()
     assert timed["read_ceiling_gbps"].to_numpy() == pytest.approx(BEFORE_GBPS)

@@ -532,7 +532,7 @@ def e2e_verdicts(results: Results) -> dict:
     frame = results.e2e
     out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "nopdl": PKV_NOPDL, "step_floor": E2E_STEP_FLOOR,
            "rest_floor": E2E_REST_FLOOR, "measured": False, "complete": None, "run_ids": [], "cells": [],
-           "without_pair": [], "step": {}, "gain": {}, "rest": [], "not_run": []}
+           "without_pair": [], "step": {}, "gain": {}, "rest": [], "not_run": [], "stopped": []}
     if frame.empty or not set(E2E_CELL + ["backend", "repeat", "step_us", "status"]) <= set(frame.columns):
         out["sentences"] = [_e2e_missing(results.hw)]
         return out
@@ -540,6 +540,10 @@ def e2e_verdicts(results: Results) -> dict:
     out["run_ids"] = sorted(str(r) for r in timed["run_id"].dropna().unique()) if "run_id" in timed else []
     flags = [results.provenance.get(r, {}).get("complete") for r in out["run_ids"]]
     out["complete"] = None if all(f is None for f in flags) else all(f is not False for f in flags)
+    records = [results.provenance.get(r, {}) for r in out["run_ids"]]
+    out["stopped"] = [{"run_id": r, "done": (rec.get("configurations") or {}).get("done"),
+                       "total": (rec.get("configurations") or {}).get("total"), "stopped_by": rec.get("stopped_by")}
+                      for r, rec in zip(out["run_ids"], records) if rec.get("complete") is False]
     bad = timed[timed["status"].isin(E2E_NOT_RUN)]
     for (status, reason), part in bad.assign(reason=bad["reason"].fillna("")).groupby(["status", "reason"], sort=True):
         out["not_run"].append({"status": str(status), "reason": str(reason), "rows": int(len(part)),
@@ -665,10 +669,25 @@ def _e2e_not_run_sentences(entry: dict) -> list[str]:
                                          f"({n['reason'] or 'no reason recorded'})" for n in entry["not_run"]) + "."]
 
 
+def _stopped_phrase(stopped: dict) -> str:
+    """'the run finished 18 of 19 configurations (stopped by: ...)' from a partial run's sidecar."""
+    done, total = stopped.get("done"), stopped.get("total")
+    said = (f"the run finished {done} of {total} configurations" if done is not None and total is not None
+            else "the run stopped before its end")
+    return said + (f" (stopped by: {stopped['stopped_by']})" if stopped.get("stopped_by") else "")
+
+
+def _first(labels: list[str], shown: int = 5) -> str:
+    """The first ``shown`` labels, then how many more."""
+    more = len(labels) - shown
+    return ", ".join(labels[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def _e2e_sentences(entry: dict, hw: str) -> list[str]:
     said = []
     if entry["complete"] is False:
-        said.append("Partial: the run stopped before its end; what follows judges the configurations it finished.")
+        said.append("Partial: " + "; ".join(_stopped_phrase(s) for s in entry.get("stopped") or [{}])
+                    + "; what follows judges the configurations it finished.")
     step, gain = entry["step"], entry["gain"]
     if step:
         low = step["min"]
@@ -679,7 +698,7 @@ def _e2e_sentences(entry: dict, hw: str) -> list[str]:
         said.append(f"The scheduler's gain survives in a full decode step in {gain['reached']} of {gain['cells']} "
                     f"cells (the measured speedup's interval reaches the Amdahl prediction's from the same run's "
                     f"attention times): {'holds' if gain['holds'] else 'does not hold'}"
-                    + (f"; short: {', '.join(gain['short'])}." if gain["short"] else "."))
+                    + (f"; short: {_first(gain['short'])}." if gain["short"] else "."))
     else:
         said.append(f"No cell on {hw} has both {entry['backend']} and a baseline timed: the step floor and the "
                     f"gain are not measured.")

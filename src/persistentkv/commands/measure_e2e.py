@@ -384,15 +384,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from .. import configuration, traces
     from ..backends import registry
     from ..ceiling import measure_ceilings
-    from ..env import torch_dtype
     from ..measure.device import TorchDevice
-    from ..model import KERNEL_CHOICES, Model, check_fits, footprint, model_cases, model_shape, model_traces, random_weights
+    from ..model import KERNEL_CHOICES, model_cases, model_shape, model_traces
     from ..provenance import collect, new_run_id, utc_now
 
     config = configuration.load_config(args.config)
@@ -435,6 +433,26 @@ def measure(args: argparse.Namespace) -> int:
                           configurations=len(kernels) * sum(len(cells) + len(built) for _, cells, built in plans),
                           before=before, failed_before=failed_before)
     rows: list[dict] = []
+    try:
+        _measure_all(ctx, plans, units, kernels, names, saver, rows, device, dtype, P, run_id, seed)
+    except BaseException as exc:  # a device fault, an interrupt: keep the rows, say what stopped it
+        saver.stopped(rows, exc)
+        raise
+    after, failed_after = measure_ceilings(device, repeats=3 if quick else 5, log=print)
+    frame, sidecar = saver.finish(rows, after, failed_after)
+    print(f"wrote {args.out} ({len(frame)} rows) and {sidecar}")
+    print(summary_table(frame))
+    return 0
+
+
+def _measure_all(ctx, plans, units, kernels, names, saver, rows, device, dtype, P, run_id, seed) -> None:
+    """Every model's cells and traces, appending to ``rows`` and saving after each configuration."""
+    import torch
+    from tqdm import tqdm
+
+    from ..env import torch_dtype
+    from ..model import Model, check_fits, footprint, random_weights
+
     with tqdm(total=len(kernels) * sum(units.values()), desc="e2e", unit="cell") as progress:
         ctx.progress = progress
         for shape, cells, built in plans:
@@ -475,11 +493,6 @@ def measure(args: argparse.Namespace) -> int:
                         saver.save(rows)
             del weights, model
             _release()
-    after, failed_after = measure_ceilings(device, repeats=3 if quick else 5, log=print)
-    frame, sidecar = saver.finish(rows, after, failed_after)
-    print(f"wrote {args.out} ({len(frame)} rows) and {sidecar}")
-    print(summary_table(frame))
-    return 0
 
 
 def with_floors(rows: list[dict], read: float) -> list[dict]:
@@ -536,6 +549,19 @@ class PartialWriter:
 
         self.done += int(done)
         return self._write(rows, self.before, self.failed_before, run_read_gbps([self.before]), complete=False)
+
+    def stopped(self, rows: list[dict], exc: BaseException):
+        """The run stopped on ``exc``: the rows so far, and a partial sidecar that names why (after a
+        device fault the rows still come from host memory; the write itself may fail then too, and
+        is reported without hiding ``exc``)."""
+        from ..ceiling import run_read_gbps
+
+        self.record["stopped_by"] = _one_line(exc) or type(exc).__name__
+        try:
+            return self._write(rows, self.before, self.failed_before, run_read_gbps([self.before]), complete=False)
+        except Exception as write_exc:
+            print(f"measure-e2e: could not write the rows after the stop: {_one_line(write_exc)}")
+            return None
 
     def finish(self, rows: list[dict], after, failed_after: dict):
         """The whole run: both ceilings, complete."""
