@@ -189,6 +189,29 @@ def test_trace_rows_arrive_and_leave_between_replays(weights):
     assert changes >= 3
 
 
+@pytest.mark.parametrize("backend", ["pkv-buckets", "pkv-split"])
+def test_a_replan_mode_attention_graph_follows_its_lengths(backend, weights):
+    """A host-planned route re-plans when the lengths change, and its captured graphs read the
+    old plan's buffers: after the step's lengths grow, the attention graph replays what an eager
+    run at the new lengths computes (a stale graph kept past its plan faulted on the 70B shard's
+    trace: benchmarks/NOTES.md, "The full decode step")."""
+    import torch
+
+    loop = make_loop(backend, weights, "float16")
+    with torch.no_grad():
+        prefill_all(loop)
+        loop.capture("step")
+        loop.capture("attention")
+        assert loop.mode == "replan"
+        loop.set_positions(loop.positions_host + 60)  # across pages and tiles, within the reservations
+        loop.replay("attention")
+        replayed = loop.out.clone()
+        loop.attention()
+        torch.cuda.synchronize()
+    assert torch.equal(replayed, loop.out)
+    assert loop.recaptures == 1
+
+
 def test_a_configuration_that_does_not_fit_is_refused_before_allocating():
     import torch
 

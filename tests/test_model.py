@@ -353,3 +353,27 @@ def test_a_models_traces_come_from_the_config_and_an_unknown_one_is_refused():
     config["models"]["tiny"]["traces"] = ["bimodal_b8", "no_such_trace"]
     with pytest.raises(PKVError, match="models.tiny.traces: no_such_trace is not a trace"):
         model_traces(config, "tiny", generated)
+
+
+def test_a_replan_drops_the_graphs_that_read_the_old_plan(weights):
+    """A replan-mode loop (host-planned items: numpy here, pkv-buckets and pkv-split on the GPU)
+    whose lengths change gets a new plan with new buffers; a graph captured before it would read
+    the old, freed ones, so every graph goes and the next replay re-captures. (A stale attention
+    graph, kept because only the step's lengths were compared, faulted on the H200:
+    benchmarks/NOTES.md, "The full decode step".)"""
+    loop = tiny_loop("numpy", weights)
+    for rid, n in enumerate((20, 37)):
+        loop.admit(rid, n, 1, 64)
+    loop.next_tokens()
+    assert loop.mode == "replan"
+    sentinel = {"step": object(), "attention": object()}
+    loop._graphs = dict(sentinel)  # what capture() leaves; capturing itself needs a GPU
+    plan = loop.plan
+    assert loop.graph_ready("step") and loop.graph_ready("attention")  # nothing changed: kept
+    assert loop.plan is plan and loop.recaptures == 0
+    loop.set_positions(loop.positions_host + 1)  # the lengths grow by one
+    assert not loop.graph_ready("attention") and not loop.graph_ready("step")
+    assert loop.plan is not plan and loop.recaptures == 1
+    loop._graphs = dict(sentinel)
+    loop.follow([1], [39], {1: 64}, lambda rid: 0)  # row 0 leaves: rebuilt, graphs dropped
+    assert not loop.graph_ready("step") and loop.recaptures == 2

@@ -259,7 +259,6 @@ class DecodeLoop:
         self.mode = None
         self._planned = None     # host lengths the current plan was made for (host and replan modes)
         self._graphs: dict[str, Any] = {}
-        self._captured = None    # host lengths of the captured step (replan mode re-captures on change)
         self.recaptures = 0
         self.replans = 0
         self.tokens = self.positions = self.lengths = self.keys = self.table = None
@@ -421,7 +420,7 @@ class DecodeLoop:
         self._replan(capacity=True)
         if self._graphs:
             self.recaptures += 1
-        self._graphs, self._captured = {}, None
+        self._graphs = {}
         self._dirty = False
 
     def batch(self, capacity: bool = False) -> Batch:
@@ -451,7 +450,13 @@ class DecodeLoop:
                 self.plan, self._planned = plan, None
                 self.replans += 1
                 return
-        self.plan = self.backend.plan(self.batch())
+        plan = self.backend.plan(self.batch())
+        if self.mode == "replan" and self._graphs:
+            # the captured graphs read the old plan's buffers, which go with it: both re-capture
+            # at their next replay (one attention graph kept past its plan read freed memory)
+            self._graphs = {}
+            self.recaptures += 1
+        self.plan = plan
         self._planned = self.positions_host.copy()
         self.replans += 1
 
@@ -586,21 +591,21 @@ class DecodeLoop:
         with torch.cuda.graph(graph, stream=stream):
             body()
         self._graphs[what] = graph
-        self._captured = self.positions_host.copy()
 
     def replay(self, what: str = "step") -> None:
-        """Replay the captured ``what``; a ``replan``-mode loop re-captures first when the lengths
-        changed since its capture, a ``host``-mode one re-plans (into the captured buffers)."""
+        """Replay the captured ``what``; a ``replan``-mode loop re-plans when the lengths changed
+        since its plan, which drops its graphs (they read the old plan's buffers) and re-captures
+        here, a ``host``-mode one re-plans into the captured buffers."""
         self._prepare()
-        if what not in self._graphs or (self.mode == "replan" and not np.array_equal(self._captured,
-                                                                                      self.positions_host)):
-            if self._graphs.get(what) is not None:
-                self.recaptures += 1
+        if what not in self._graphs:
             self.capture(what)
         self._graphs[what].replay()
         if what == "step":
             self.positions_host += 1
 
     def graph_ready(self, what: str = "step") -> bool:
+        """Whether ``what`` is captured for the current rows and lengths (a change of rows, or of
+        lengths in ``replan`` mode, drops the graphs first)."""
+        self._prepare()
         return what in self._graphs
 
