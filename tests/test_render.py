@@ -485,7 +485,8 @@ def test_report_shows_the_floor_column_and_the_shapes_section(measured, tmp_path
     assert engine.count("<tr>") == 1 + sum(e["source"] == "bench_kernels" for e in payload["floor"]["floor"]["cases"])
     shapes = section[section.index('id="shapes"'):section.index("</table>", section.index('id="shapes"'))]
     assert shapes.count("<tr>") == 1 + 72                                   # the heading and every synthetic case
-    assert 'alt="The shapes experiment" src="data:image/svg+xml;base64,' in section
+    assert '<a href="#fig-shapes">' in section  # the figure itself is drawn once, under Figures
+    assert html.count('data-figure="shapes"') == 1 and 'alt="The shapes experiment"' in html
     assert 'id="shapes-invariance"' in section and "not measured on" not in section
 
 
