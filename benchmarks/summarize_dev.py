@@ -141,12 +141,21 @@ def print_host_percpu(path: Path, df: pd.DataFrame) -> None:
               f"{pinned['median_us'].corr(pinned['probe_us']):.3f}")
 
 
+def print_e2e(path: Path, df: pd.DataFrame) -> None:
+    from persistentkv.commands.measure_e2e import summary_table
+
+    print(f"\n{path.stem} (persistentkv measure-e2e: the full Llama decode step per backend; median and p99 step "
+          f"us, tokens/s, attention's share, the step against the fastest baseline's, the Amdahl prediction from "
+          f"the attention times, the rest against its weight-read floor)")
+    print(summary_table(df))
+
+
 #: file-name prefix -> its table, tried in this order (bench_stream_ before the variant benches')
 PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", print_variants),
             ("ceiling_sizes_", print_ceiling_sizes), ("trace_cta_", print_trace),
             ("adaptive_overhead_", print_step_pieces), ("plan_pieces_", print_plan_pieces),
             ("replay_latency_", print_replay_latency), ("host_overhead_", print_host_overhead),
-            ("host_percpu_", print_host_percpu))
+            ("host_percpu_", print_host_percpu), ("e2e_", print_e2e))
 
 
 def printer_for(path: Path):
