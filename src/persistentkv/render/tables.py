@@ -217,12 +217,21 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
             continue
         add(f"pkvAdaptive{word}Sentence", tex(entry["sentence"]), "claims.adaptive_verdicts")
     m.extend(e2e_macros(payload))
+    m.extend(floor_macros(payload))
     names = [n for n, _, _ in m]
     bad = [n for n in names if not _MACRO_NAME.match(n)]
     require(not bad, f"macro name {bad[0] if bad else ''!r} is not letters-only")
     dup = sorted({n for n in names if names.count(n) > 1})
     require(not dup, f"macro {dup[0] if dup else ''!r} defined twice")
     return m
+
+
+def floor_macros(payload: dict) -> list[tuple[str, str, str]]:
+    """The one-kernel floor's and the shapes experiment's verdicts (claims.json ``floor``,
+    targets.floor_verdicts) as one sentence macro; not measured without rows."""
+    sentences = (payload.get("floor") or {}).get("sentences") or [
+        f"Not measured: no one-kernel floor rows (bench_kernels, bench_shapes) on {payload['hw']} yet."]
+    return [("pkvFloorSentences", tex(" ".join(sentences)), "targets.floor_verdicts")]
 
 
 def e2e_macros(payload: dict) -> list[tuple[str, str, str]]:
