@@ -115,19 +115,29 @@ def bench_cases(config: dict, policy: str | None, backends: list[str] | None, qu
 
 def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool) -> int:
     config = configuration.load_config(config_path)
-    cases = bench_cases(config, policy, backends, quick)
+    return _run_kernel_grid(config, out, bench_cases(config, policy, backends, quick), "bench_kernels",
+                            ("kernel", "eager"), quick, ("trace",))
+
+
+def _run_kernel_grid(config: dict, out: str, cases, experiment: str, protocols: tuple, quick: bool,
+                     index: tuple) -> int:
+    """bench-kernels' and bench-shapes' run: ``cases`` under ``protocols`` with the one-kernel floor
+    in every case's rounds, between the two ceiling measurements; the rows to ``out``, then the
+    summary and the kernel table per case (``index``: the columns that name one)."""
     device = _device()
     started = utc_now()
-    run_id = new_run_id("bench_kernels", started)
-    settings = Settings.from_config(config, protocols=("kernel", "eager"), quick=quick,
+    run_id = new_run_id(experiment, started)
+    settings = Settings.from_config(config, protocols=protocols, quick=quick,
                                     seed=int(config["seeds"]["calibration"]), bench=True)
-    rows = _bracketed(device, run_id, "bench_kernels", quick,
+    log(f"{experiment}: {len(cases)} cases, {' and '.join(protocols)} rows, {settings.repeats} repeats after "
+        f"{settings.warmup} warm-up rounds, the one-kernel floor in every round")
+    rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
                                                 RunContext(run_id, ceiling, log=log, floor=one_kernel_floor)))
     frame = raw_frame(rows)
     _write(out, frame, run_id, collect(config, [0], started, device))
     _summary(frame)
-    _print_table(frame)
+    _print_table(frame, index)
     return 0
 
 
@@ -149,21 +159,8 @@ def run_shapes(config_path: str, out: str, backends: list[str] | None, quick: bo
     cases, skipped = shapes_cases(config, backends, quick)
     for why in skipped:
         log(f"bench_shapes: skipped {why}")
-    device = _device()
-    started = utc_now()
-    run_id = new_run_id(SHAPES_EXPERIMENT, started)
-    settings = Settings.from_config(config, protocols=("kernel",), quick=quick,
-                                    seed=int(config["seeds"]["calibration"]), bench=True)
-    log(f"{SHAPES_EXPERIMENT}: {len(cases)} cases, kernel rows, {settings.repeats} repeats after {settings.warmup} "
-        f"warm-up rounds, the one-kernel floor in every round")
-    rows = _bracketed(device, run_id, SHAPES_EXPERIMENT, quick,
-                      lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
-                                                RunContext(run_id, ceiling, log=log, floor=one_kernel_floor)))
-    frame = raw_frame(rows)
-    _write(out, frame, run_id, collect(config, [0], started, device))
-    _summary(frame)
-    _print_table(frame, ("num_kv_heads", "num_qo_heads", "trace"))
-    return 0
+    return _run_kernel_grid(config, out, cases, SHAPES_EXPERIMENT, ("kernel",), quick,
+                            ("num_kv_heads", "num_qo_heads", "trace"))
 
 
 def run_validation(config_path: str, traces_dir: str, out: str, policy: str | None,
