@@ -272,7 +272,7 @@ def ratios(cells: list[Cell], reference: str = "flashinfer-best", backends=None,
     (object: float64 [n_boot] replicates, for :func:`geomean`). A cell without the reference
     contributes no rows.
     """
-    q = _quantiles(confidence)
+    _quantiles(confidence)  # a bad confidence fails here, with rows or without
     out = []
     for cell in cells:
         for b in (cell.backends if backends is None else [x for x in backends if x in cell.point]):
@@ -280,12 +280,9 @@ def ratios(cells: list[Cell], reference: str = "flashinfer-best", backends=None,
             if r is None:
                 continue
             boot = r["boot"]
-            ok = np.isfinite(boot)
+            lo, hi = interval(boot, confidence)
             out.append({**cell.key, "backend": b, "reference": reference, "ref_backend": r["ref_backend"],
-                        "ratio": r["ratio"],
-                        "lo": float(np.quantile(boot[ok], q[0])) if ok.any() else np.nan,
-                        "hi": float(np.quantile(boot[ok], q[1])) if ok.any() else np.nan,
-                        "n_steps": r["n_steps"], "boot": boot})
+                        "ratio": r["ratio"], "lo": lo, "hi": hi, "n_steps": r["n_steps"], "boot": boot})
     if not out:
         return pd.DataFrame(columns=CELL + ["backend", "reference", "ref_backend", "ratio", "lo", "hi",
                                             "n_steps", "boot"])
@@ -300,7 +297,7 @@ def geomean(rows: pd.DataFrame, by: list[str] | None = None, n_boot: int | None 
     hi, n_rows, boot.
     """
     by = list(by or [])
-    q = _quantiles(confidence)
+    _quantiles(confidence)  # a bad confidence fails here, with rows or without
     if rows.empty:
         return pd.DataFrame(columns=by + ["ratio", "lo", "hi", "n_rows", "boot"])
     require("boot" in rows.columns and "ratio" in rows.columns, "geomean needs rows from ratios()")
@@ -318,11 +315,8 @@ def geomean(rows: pd.DataFrame, by: list[str] | None = None, n_boot: int | None 
             logs = np.log(boots[pick, np.arange(nb)[:, None]])           # [nb, k]
             rep = np.exp(logs.mean(axis=1))
             point = float(np.exp(np.log(points).mean()))
-        ok = np.isfinite(rep)
-        out.append({**dict(zip(by, key)), "ratio": point,
-                    "lo": float(np.quantile(rep[ok], q[0])) if ok.any() else np.nan,
-                    "hi": float(np.quantile(rep[ok], q[1])) if ok.any() else np.nan,
-                    "n_rows": int(k), "boot": rep})
+        lo, hi = interval(rep, confidence)
+        out.append({**dict(zip(by, key)), "ratio": point, "lo": lo, "hi": hi, "n_rows": int(k), "boot": rep})
     return pd.DataFrame(out)
 
 

@@ -346,14 +346,6 @@ def _case(source: str, cell, kv_bytes: int) -> dict:
             "case": f"{cell.key['trace']} (Hkv={hkv}, G={hq // hkv}, {kv_bytes / 1e6:.1f} MB)"}
 
 
-def _interval(boot) -> tuple[float, float]:
-    ok = np.isfinite(boot)
-    if not ok.any():
-        return float("nan"), float("nan")
-    lo, hi = analysis._quantiles(analysis.CONFIDENCE)
-    return float(np.quantile(boot[ok], lo)), float(np.quantile(boot[ok], hi))
-
-
 def floor_verdicts(results: Results) -> dict:
     """ENGINE_BACKEND against the one-kernel floor and on the shapes grid, with 95 % bootstrap
     intervals (the ``floor`` entry of claims.json); every target was fixed before the data:
@@ -382,7 +374,7 @@ def floor_verdicts(results: Results) -> dict:
             r = analysis.ratio(cell, ENGINE_BACKEND, FLOOR_BACKEND)
             if r is None:
                 continue
-            lo, hi = _interval(r["boot"])
+            lo, hi = analysis.interval(r["boot"])
             target = floor_band(sizes[id(cell)])
             entry = {**_case(source, cell, sizes[id(cell)]), "frac": float(r["ratio"]), "lo": lo, "hi": hi,
                      "ours_us": cell.time(ENGINE_BACKEND)[0], "floor_us": cell.time(FLOOR_BACKEND)[0],
@@ -421,7 +413,7 @@ def _invariance(cells: list, sizes: dict) -> dict:
         t, boot = cell.time(ENGINE_BACKEND)
         t_ref, boot_ref = ref.time(ENGINE_BACKEND)
         with np.errstate(invalid="ignore", divide="ignore"):
-            lo, hi = _interval(boot / boot_ref)
+            lo, hi = analysis.interval(boot / boot_ref)
         ratio = t / t_ref
         pairs.append({**entry, "reference": ref_entry["case"], "us": t, "reference_us": t_ref, "ratio": ratio,
                       "lo": lo, "hi": hi, "holds": bool(ratio <= SHAPES_INVARIANCE),
@@ -437,7 +429,7 @@ def _against_baselines(cells: list, sizes: dict) -> dict:
         r = analysis.ratio(c, ENGINE_BACKEND, "baseline-best")
         if r is None:
             continue
-        lo, hi = _interval(r["boot"])
+        lo, hi = analysis.interval(r["boot"])
         speedups.append({**_case(SHAPES_EXPERIMENT, c, sizes[id(c)]), "ratio": float(r["ratio"]), "lo": lo,
                          "hi": hi, "baseline": str(r["ref_backend"])})
     speedups.sort(key=lambda e: (e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
