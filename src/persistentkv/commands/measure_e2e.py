@@ -434,7 +434,7 @@ def measure(args: argparse.Namespace) -> int:
                           before=before, failed_before=failed_before)
     rows: list[dict] = []
     try:
-        _measure_all(ctx, plans, units, kernels, names, saver, rows, device, dtype, P, run_id, seed)
+        _measure_all(ctx, plans, units, kernels, names, saver, rows)
     except BaseException as exc:  # a device fault, an interrupt: keep the rows, say what stopped it
         saver.stopped(rows, exc)
         raise
@@ -445,7 +445,7 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_all(ctx, plans, units, kernels, names, saver, rows, device, dtype, P, run_id, seed) -> None:
+def _measure_all(ctx, plans, units, kernels, names, saver, rows) -> None:
     """Every model's cells and traces, appending to ``rows`` and saving after each configuration."""
     import torch
     from tqdm import tqdm
@@ -453,6 +453,7 @@ def _measure_all(ctx, plans, units, kernels, names, saver, rows, device, dtype, 
     from ..env import torch_dtype
     from ..model import Model, check_fits, footprint, random_weights
 
+    device, dtype, P, run_id, seed = ctx.device, ctx.dtype, ctx.page_size, ctx.run_id, ctx.seed
     with tqdm(total=len(kernels) * sum(units.values()), desc="e2e", unit="cell") as progress:
         ctx.progress = progress
         for shape, cells, built in plans:
