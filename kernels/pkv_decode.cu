@@ -35,6 +35,7 @@
 //   store      the output (one split) or the partial state (o normalised, lse in log2 units) at
 //              slot = item index, then (fused) the arrival, and the last CTA's merge_group:
 //                M = max_s lse_s;  w_s = 2^(lse_s - M);  out = sum_s w_s o_s / sum_s w_s  (0 if empty)
+//              in one level up to MERGE_FANIN splits, in two above (arrive_and_merge)
 //
 // Napkin math (H200, Hq=32, Hkv=8, D=128, fp16): a token costs 2*8*128*2 = 4 KB of K+V over all
 // heads; a 64-token stage of one kv head is 32 KB; 3 stages = 96 KB of shared memory, so two
@@ -243,7 +244,7 @@ struct Params {
   const int* num_items;  // device item count (GPU-planned launches) or nullptr
   float* part_o;         // [slots, G, D]
   float* part_lse;       // [slots, G], log2 units
-  int* counters;         // [B * Hkv], zero between launches: the fused merge's arrivals
+  int* counters;         // [slots], zero between launches: the fused merge's arrivals (arrive_and_merge)
   int slot_offset;       // slot of this launch's first item
   int num_kv_heads, group_size, log2_page;
   long long kv_sp, kv_st;
@@ -272,49 +273,83 @@ __device__ __forceinline__ void write_merged(const Params& p, int row, int qh, i
   dst[3] = to_kv(acc.w * inv);
 }
 
-// Merge the partial states of one (row, kv head): slots [base, base + n).
-// Each thread owns one float4 of one query head's output and walks the n partial states in
-// chunks of MERGE_UNROLL, loading a chunk's lse values and o columns together (all in flight)
-// and folding them in with an online softmax over splits: no shared memory, no barrier, about
-// n / MERGE_UNROLL L2 round trips. Threads of a warp share g, so their lse loads coalesce.
+// Fold the partial states at slots base, base + stride, ..., base + (n - 1) * stride for query
+// head g (of the kv head), float4 d of its output: m = max lse, den = sum 2^(lse - m), acc = sum
+// 2^(lse - m) o. The thread walks the n states in chunks of MERGE_UNROLL, loading a chunk's lse
+// values and o columns together (all in flight) and folding them in with an online softmax over
+// splits: no shared memory, no barrier, about n / MERGE_UNROLL L2 round trips. Threads of a warp
+// share g, so their lse loads coalesce.
 constexpr int MERGE_UNROLL = 16;
-__device__ void merge_group(const Params& p, int row, int head, int base, int n) {
+__device__ __forceinline__ void fold_states(const Params& p, int base, int n, int stride, int g, int d, float& m,
+                                            float& den, float4& acc) {
+  const int G = p.group_size;
+  const float* lse = p.part_lse + (long long)base * G + g;
+  const float* col = p.part_o + ((long long)base * G + g) * D + d;
+  const long long lse_step = (long long)stride * G, o_step = (long long)stride * G * D;
+  m = NEG_INF;
+  den = 0.f;
+  acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < n; s0 += MERGE_UNROLL) {
+    float l[MERGE_UNROLL];
+    float4 o[MERGE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < MERGE_UNROLL; ++u) {
+      const bool ok = s0 + u < n;
+      l[u] = ok ? __ldcg(lse + (s0 + u) * lse_step) : NEG_INF;
+      o[u] = ok ? __ldcg(reinterpret_cast<const float4*>(col + (s0 + u) * o_step)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float mc = m;
+#pragma unroll
+    for (int u = 0; u < MERGE_UNROLL; ++u) mc = fmaxf(mc, l[u]);
+    if (mc == NEG_INF) continue;  // every split so far is empty
+    const float scale = fast_exp2(m - mc);  // m = -inf -> 0
+    den *= scale;
+    acc.x *= scale;
+    acc.y *= scale;
+    acc.z *= scale;
+    acc.w *= scale;
+#pragma unroll
+    for (int u = 0; u < MERGE_UNROLL; ++u) {
+      fold(acc, den, fast_exp2(l[u] - mc), o[u]);  // empty split: lse = -inf -> weight 0
+    }
+    m = mc;
+  }
+}
+
+// Merge the partial states of one (row, kv head) into its output: slots base, base + stride, ...
+// (n of them). Each thread owns one float4 of one query head's output.
+__device__ void merge_group(const Params& p, int row, int head, int base, int n, int stride = 1) {
   const int G = p.group_size;
   constexpr int D4 = D / 4;
-  const float* lse = p.part_lse + (long long)base * G;
   for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
     const int g = idx / D4, d = (idx - g * D4) * 4;
-    const float* col = p.part_o + ((long long)base * G + g) * D + d;
-    float m = NEG_INF, den = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n; s0 += MERGE_UNROLL) {
-      float l[MERGE_UNROLL];
-      float4 o[MERGE_UNROLL];
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) {
-        const bool ok = s0 + u < n;
-        l[u] = ok ? __ldcg(lse + (s0 + u) * G + g) : NEG_INF;
-        o[u] = ok ? __ldcg(reinterpret_cast<const float4*>(col + (long long)(s0 + u) * G * D))
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float mc = m;
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) mc = fmaxf(mc, l[u]);
-      if (mc == NEG_INF) continue;  // every split so far is empty
-      const float scale = fast_exp2(m - mc);  // m = -inf -> 0
-      den *= scale;
-      acc.x *= scale;
-      acc.y *= scale;
-      acc.z *= scale;
-      acc.w *= scale;
-#pragma unroll
-      for (int u = 0; u < MERGE_UNROLL; ++u) {
-        fold(acc, den, fast_exp2(l[u] - mc), o[u]);  // empty split: lse = -inf -> weight 0
-      }
-      m = mc;
-    }
+    float m, den;
+    float4 acc;
+    fold_states(p, base, n, stride, g, d, m, den, acc);
     write_merged(p, row, head * G + g, d, acc, den);
   }
+}
+
+// Merge the n partial states at slots [base, base + n) into one, written over slot base's: o
+// normalised, lse = m + log2(den) (-inf when every split was empty), so that merging it with
+// others weighs it as the sum of its splits' weights. Each thread reads and writes only its own
+// float4 of o, so o is written in place; the lse a query head's threads all read is staged in
+// shared memory (``stage``, G floats) and written after a barrier.
+__device__ void merge_in_place(const Params& p, int base, int n, float* stage) {
+  const int G = p.group_size;
+  constexpr int D4 = D / 4;
+  for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
+    const int g = idx / D4, d = (idx - g * D4) * 4;
+    float m, den;
+    float4 acc;
+    fold_states(p, base, n, 1, g, d, m, den, acc);
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    *reinterpret_cast<float4*>(p.part_o + ((long long)base * G + g) * D + d) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (d == 0) stage[g] = den > 0.f ? m + __log2f(den) : NEG_INF;
+  }
+  __syncthreads();  // every thread has read slot base's lse values
+  for (int g = threadIdx.x; g < G; g += THREADS) p.part_lse[(long long)base * G + g] = stage[g];
 }
 
 // Where this thread's loads of an item go: the item's pages and tokens, the cache's bytes, and
@@ -542,27 +577,53 @@ __device__ __forceinline__ void combine_and_store(const Params& p, int slot, con
   }
 }
 
-// Fused merge: the last CTA of this (row, kv head) to finish merges its group. After the
-// barrier, one thread's acq_rel atomic publishes the whole CTA's partial state (release is
-// cumulative over what the barrier ordered before it) and, for the last CTA, acquires the
-// others'; the barrier after it extends that to every thread, whose loads then go to L2 (.cg).
-// The arrival counter is set back to 0 by the last CTA, ready for the next launch.
-__device__ __forceinline__ void arrive_and_merge(const Params& p, int slot, const Item& it, kv_t* smem) {
-  int* flag = reinterpret_cast<int*>(reinterpret_cast<float*>(smem) + WARPS * 16 * OBUF_STRIDE + 2 * WARPS * 16);
+// Fused merge: the last CTA of a group's splits to finish merges them. After the barrier, one
+// thread's acq_rel atomic publishes the whole CTA's partial state (release is cumulative over what
+// the barrier ordered before it) and, for the last CTA, acquires the others'; the barrier after it
+// extends that to every thread, whose loads then go to L2 (.cg). The last CTA sets the counter
+// back to 0, ready for the next launch. Returns whether this CTA arrived last (every thread).
+__device__ __forceinline__ bool arrive(int* counter, int expected, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* counter = p.counters + it.row * p.num_kv_heads + it.head;
     int prev;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
-    const int last = prev == it.nsplit - 1;
-    if (last) *counter = 0;  // nobody else touches it in this launch: every CTA of the group arrived
+    const int last = prev == expected - 1;
+    if (last) *counter = 0;  // nobody else touches it in this launch: every CTA it counts arrived
     *flag = last;
   }
   __syncthreads();
+  return *flag;
+}
+
+// A group of up to MERGE_FANIN splits merges in one level: its last CTA folds every partial state
+// (one chunk of loads per thread). A larger group merges in two, so that no CTA folds more than
+// MERGE_FANIN states: its splits form subgroups of MERGE_FANIN consecutive slots; the last CTA of
+// each subgroup merges it into the subgroup's first slot (merge_in_place), and the last of those
+// merges the subgroups' slots into the output. With one kv head and one row the whole step is one
+// group split hundreds of ways, which one CTA took tens of L2 round trips to merge.
+// Counters are per slot (zero between launches): a group's at its first slot, subgroup j's at its
+// second slot (base + j * MERGE_FANIN + 1; a subgroup of one split needs none), so no two collide.
+constexpr int MERGE_FANIN = 16;
+__device__ __forceinline__ void arrive_and_merge(const Params& p, int slot, const Item& it, kv_t* smem) {
+  float* smem_f = reinterpret_cast<float*>(smem);
+  int* flag = reinterpret_cast<int*>(smem_f + WARPS * 16 * OBUF_STRIDE + 2 * WARPS * 16);
+  const int base = slot - it.split;
+  int n = it.nsplit, stride = 1;
+  if (n > MERGE_FANIN) {
+    const int first = it.split - it.split % MERGE_FANIN;
+    const int size = min(MERGE_FANIN, n - first);
+    if (size > 1) {
+      if (!arrive(p.counters + base + first + 1, size, flag)) return;
+      merge_in_place(p, base + first, size, smem_f);  // stage: the combine buffer, free by now
+    }
+    n = (n + MERGE_FANIN - 1) / MERGE_FANIN;
+    stride = MERGE_FANIN;
+  }
+  const bool last = arrive(p.counters + base, n, flag);
   stamp(5);
-  trace_merged(*flag);
-  if (!*flag) return;
-  merge_group(p, it.row, it.head, slot - it.split, it.nsplit);
+  trace_merged(last);
+  if (!last) return;
+  merge_group(p, it.row, it.head, base, n, stride);
 }
 
 // One item: its partial state (or output), then (FUSED) the arrival and the group's merge.

@@ -264,6 +264,47 @@ def test_repeated_fused_launches_reset_their_counters(warps):
     assert_repeats_bit_exact(engine, plan, q, k, v, out)
 
 
+#: the fused merge's fan-in (kernels/pkv_decode.cu MERGE_FANIN): groups above it merge in two levels
+MERGE_FANIN = 16
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("heads, head_dim", [((4, 1), 128), ((8, 1), 128), ((16, 2), 64), ((16, 1), 256)],
+                         ids=["G4", "G8", "G8-D64-Hkv2", "G16-D256"])
+@pytest.mark.parametrize("target", [15, 16, 17, 31, 32, 33, 200, 264])
+def test_groups_split_past_the_fanin_merge_in_two_levels(warps, heads, head_dim, target):
+    """One row (and a ragged pair) whose groups split about ``target`` ways, around the fan-in
+    and its multiples (a last subgroup of one split at 17 and 33), against float64; the plan must
+    really hold groups of that many splits, and repeated launches (the per-slot counters reset
+    by their last CTA) must agree bit for bit."""
+    import torch
+
+    from persistentkv.engine import DecodeEngine
+    from persistentkv.errors import PKVError
+
+    spec = AttentionSpec(heads[0], heads[1], head_dim, 16, "float16")
+    if warps == 8 and head_dim > 128:
+        pytest.skip("no 8-warp module at head_dim > 128")
+    try:
+        engine = DecodeEngine(spec, warps=warps, target_items=target * heads[1], min_chunk_tiles=1)
+    except PKVError as exc:
+        if "this device allows" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    for lengths in ([32 * 64 * target], [40000, 3 * 32 * target + 5]):
+        batch, q, k, v = device_case(spec, lengths, 0.3, target)
+        plan = engine.plan(batch, "workqueue")
+        out = torch.full_like(q, float("nan"))
+        engine.run(q, (k, v), plan, out)
+        torch.cuda.synchronize()
+        nsplit = engine.device_items(plan)[:, 3] >> 16
+        if len(lengths) == 1:  # one row: the queue splits its group exactly ``target`` ways
+            assert nsplit.max() == target, f"{lengths}: the plan split the group {nsplit.max()} ways"
+        err = rel_err(out, reference_torch64(batch, q, k, v))
+        assert err <= TOLERANCE["float16"], f"{lengths} target {target}: rel err {err} (max split {nsplit.max()})"
+        assert_repeats_bit_exact(engine, plan, q, k, v, out)
+
+
 def test_refuses_unsupported_specs_before_launch():
     import torch
 

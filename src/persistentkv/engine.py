@@ -107,7 +107,7 @@ class DevicePlan:
         What the launches read and write, ``view(name)`` for any of them:
         ``items`` int32 [max_items, 8] (row | head << 16, lo, hi, split | nsplit << 16, page_base,
         0, 0, flags); ``num_items`` int32 [1] (GPU-planned); ``part_o`` float32 [slots, G, D] and
-        ``part_lse`` float32 [slots, G] (partial states); ``counters`` int32 [B * Hkv] (the fused
+        ``part_lse`` float32 [slots, G] (partial states); ``counters`` int32 [slots] (the fused
         merge's arrivals, zero between launches); ``packed`` int32 [2B + 1 + pages]
         (seq_lens | kv_indptr | kv_indices; GPU-planned). A GPU-planned plan keeps them in one
         device tensor, ``buffers['workspace']``, beside ``upload`` (what one pinned copy
@@ -314,7 +314,7 @@ class DecodeEngine:
         buffers = {
             "part_o": torch.empty((max(n, 1), G, D), dtype=torch.float32, device=self.device),
             "part_lse": torch.empty((max(n, 1), G), dtype=torch.float32, device=self.device),
-            "counters": torch.zeros((batch.batch_size * spec.num_kv_heads,), dtype=torch.int32, device=self.device),
+            "counters": torch.zeros((max(n, 1),), dtype=torch.int32, device=self.device),
             "items": self._i32(items8),
             "kv_indices": self._i32(batch.kv_indices if batch.kv_indices.size else [0]),
             "merge_groups": self._i32(host.merge_groups if host.merge_groups.size else np.zeros((1, 4))),
@@ -350,7 +350,7 @@ class DecodeEngine:
         G, D = spec.group_size, spec.head_dim
         n_packed = 2 * B + 1 + nnz
         o_counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
-        n_counters = B * spec.num_kv_heads  # per (row, kv head): its fused merge's arrivals
+        n_counters = max_items  # per slot: the fused merge's arrivals (a group's, its subgroups')
         o_num = (o_counters + n_counters + 3) & ~3
         o_items = o_num + 4
         o_states = o_items + 8 * max_items
