@@ -2,11 +2,11 @@
 
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
                                       [--waves 2,0.5] [--without pdl,early_kv] [--baselines vllm-fa3]
-                                      [--against DIR]
+                                      [--against DIR] [--heads 32:8]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
-pages. Each case's variants are checked against float64, then timed as bench_common.py does it:
+pages (--heads HQ:HKV sets the heads, e.g. 4:1 for a TP=8 shard of Llama-3-8B). Each case's variants are checked against float64, then timed as bench_common.py does it:
 graphs of --calls calls over rotated cache copies (cold L2), --repeats rounds with every variant
 of the case interleaved. Variants:
   wq, wq8                  the GPU-planned work queue (route workqueue), 4 and 8 warps per CTA
@@ -103,7 +103,7 @@ class _Against:
         return self._engine.plan(theirs, route, **options)
 
 
-def against_variants(path: str, *, warps=WARPS) -> list[Variant]:
+def against_variants(path: str, spec, *, warps=WARPS) -> list[Variant]:
     """The shipped variants of every route and warps, built by the engine under ``path``
     (--against; module docstring), named X-TAG with TAG the package's suffix."""
     import importlib
@@ -123,7 +123,7 @@ def against_variants(path: str, *, warps=WARPS) -> list[Variant]:
                                             spec.dtype)
         return _Against(package.engine.engine_for(theirs, **options), package)
 
-    return [v._replace(name=f"{v.name}-{tag}") for v in variants(SPEC, warps=warps, make_engine=make_engine)]
+    return [v._replace(name=f"{v.name}-{tag}") for v in variants(spec, warps=warps, make_engine=make_engine)]
 
 
 def parse_waves(text: str) -> tuple[float, ...]:
@@ -135,6 +135,15 @@ def parse_waves(text: str) -> tuple[float, ...]:
     if any(not w > 0 or w == 1 for w in waves):
         raise SystemExit("--waves: each multiple must be > 0 and not 1 (1 is the default queue, wq / wq8)")
     return waves
+
+
+def parse_heads(text: str) -> AttentionSpec:
+    """``4:1`` -> the bench's spec with 4 query heads and 1 kv head (D=128, page 16, fp16)."""
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+        return AttentionSpec(hq, hkv, SPEC.head_dim, SPEC.page_size, SPEC.dtype)
+    except ValueError as exc:
+        raise SystemExit(f"--heads: {text!r} is not HQ:HKV with HKV dividing HQ ({exc})") from None
 
 
 def parse_names(text: str, known, option: str) -> tuple[str, ...]:
@@ -159,15 +168,17 @@ def main() -> int:
                             help="comma-separated baselines to time where installed (default all; '' for none)")
         parser.add_argument("--against", default="", help="a folder with another version's kernels/ and "
                             "src/persistentkv_TAG: adds its shipped variants as X-TAG (see above)")
+        parser.add_argument("--heads", default="32:8", help="query heads and kv heads, HQ:HKV (default 32:8)")
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
     without = parse_names(args.without, tuple(SWITCHES), "--without")
     baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
+    spec = parse_heads(args.heads)
     t_start = time.time()
-    ours = variants(SPEC, waves=waves, without=without)
+    ours = variants(spec, waves=waves, without=without)
     if args.against:
-        ours += against_variants(args.against)
+        ours += against_variants(args.against, spec)
     if not ours:
         raise SystemExit("no engine could be built on this GPU")
     ceiling = read_ceiling_gbps()
@@ -175,7 +186,7 @@ def main() -> int:
     for v in ours:
         if v.plan == {"route": "workqueue"}:
             print(f"  {v.name}: target_items {v.engine.target_items}, min chunk {v.engine.min_chunk_tiles} tiles")
-    baselines = load_baselines(SPEC, baseline_names)
+    baselines = load_baselines(spec, baseline_names)
 
     def for_batch(batch) -> dict:
         runs = {}
@@ -188,7 +199,7 @@ def main() -> int:
 
     rows = []
     table = [comparison_row(label, floor, med, ok)
-             for label, med, ok, floor in timed_cases(SPEC, args, for_batch, ceiling, rows, "bench_engine", t_start)]
+             for label, med, ok, floor in timed_cases(spec, args, for_batch, ceiling, rows, "bench_engine", t_start)]
     print_comparison(table)
     if rows:
         print_paired(pd.DataFrame(rows))

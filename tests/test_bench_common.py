@@ -192,7 +192,7 @@ def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batc
         "def engine_for(spec, **options):\n"
         "    return Engine(spec, **options)\n")
     try:
-        out = bench_engine.against_variants(str(tmp_path))
+        out = bench_engine.against_variants(str(tmp_path), bench_engine.SPEC)
     finally:
         sys.path.remove(str(tmp_path / "src"))
     assert [v.name for v in out] == ["wq-old1", "buckets-old1", "split-old1", "wq8-old1", "buckets8-old1",
@@ -202,7 +202,7 @@ def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batc
     assert out[1].engine.plan(batch, **out[1].plan) == ("planned", "persistentkv_old1.cache", "buckets", (300, 17))
     (tmp_path / "kernels" / "pkv_decode.cu").unlink()
     with pytest.raises(SystemExit, match="must hold kernels/pkv_decode.cu"):
-        bench_engine.against_variants(str(tmp_path))
+        bench_engine.against_variants(str(tmp_path), bench_engine.SPEC)
 
 
 def test_bench_engine_options_are_checked_before_any_gpu_work():
@@ -340,3 +340,14 @@ def test_summarize_dev_reads_every_committed_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="stray.parquet: no table of summarize_dev.py reads it"):
         summarize_dev.main(tmp_path)
     assert capsys.readouterr().out == ""
+
+
+def test_bench_engine_heads_set_the_spec_and_refuse_a_bad_pair():
+    import bench_engine
+
+    spec = bench_engine.parse_heads("4:1")
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim) == (4, 1, bench_engine.SPEC.head_dim)
+    for bad in ("4", "4:x", "5:2"):
+        with pytest.raises(SystemExit, match="--heads"):
+            bench_engine.parse_heads(bad)
+
