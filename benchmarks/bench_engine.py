@@ -1,7 +1,7 @@
 """Our shipped routes and warps beside the installed baselines, under CUDA-graph replay, cold L2.
 
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
-                                      [--waves 2,0.5] [--without pdl,early_kv] [--baselines vllm-fa3]
+                                      [--waves 2,0.5] [--baselines vllm-fa3]
                                       [--against DIR] [--heads 32:8]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
@@ -14,8 +14,6 @@ of the case interleaved. Variants:
   split, split8            the rectangular split grid with its merge (route split)
   wq@xW, wq8@xW            (--waves W,...) the queues over W times their default target_items:
                            W waves of shorter items (W > 1), or fewer and longer ones (W < 1)
-  wq-nopdl, wq8-nopdl      (--without pdl) the queues without programmatic dependent launch
-  wq-noearly, wq8-noearly  (--without early_kv) the queues without K/V loads before the PDL wait
   X-TAG                    (--against DIR) every shipped variant X built by another version of
                            the engine: DIR holds that version's kernels/ and src/PACKAGE (the
                            package renamed, e.g. persistentkv_0390ebd, so both import in one
@@ -48,8 +46,6 @@ from persistentkv.names import BASELINES, ENGINE_ROUTES  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 SPEC = AttentionSpec(32, 8, 128, 16, "float16")
-#: engine switches --without turns off, and the tag of the queue variant without each
-SWITCHES = {"pdl": "nopdl", "early_kv": "noearly"}
 
 
 class Variant(NamedTuple):
@@ -59,10 +55,10 @@ class Variant(NamedTuple):
     plan: dict
 
 
-def variants(spec, *, warps=WARPS, waves=(), without=(), make_engine=None) -> list[Variant]:
+def variants(spec, *, warps=WARPS, waves=(), make_engine=None) -> list[Variant]:
     """Our variants (module docstring), in the order the tables print them: every shipped route at
-    each of ``warps``, then the queue over each of ``waves`` times its default target_items, then
-    the queue with each engine switch of ``without`` off. ``make_engine(spec, **options)`` builds
+    each of ``warps``, then the queue over each of ``waves`` times its default target_items.
+    ``make_engine(spec, **options)`` builds
     the engines (default persistentkv.engine.engine_for), so the same variants can come from
     another build of the kernels. Warps whose engine cannot be built here print why and are left
     out."""
@@ -80,8 +76,6 @@ def variants(spec, *, warps=WARPS, waves=(), without=(), make_engine=None) -> li
         out += [Variant(f"{queue}@x{x:g}", engine, {"route": "workqueue",
                                                     "target_items": max(1, round(x * engine.target_items))})
                 for x in waves]
-        out += [Variant(f"{queue}-{SWITCHES[s]}", make_engine(spec, warps=w, **{s: False}), {"route": "workqueue"})
-                for s in without]
     return out
 
 
@@ -162,8 +156,6 @@ def main() -> int:
     def extra(parser):
         parser.add_argument("--waves", default="", help="comma-separated multiples W of the queues' default "
                             "target_items: adds wq@xW and wq8@xW")
-        parser.add_argument("--without", default="", help=f"comma-separated engine switches ({', '.join(SWITCHES)}): "
-                            "adds the queues with each one off")
         parser.add_argument("--baselines", default=",".join(BASELINES),
                             help="comma-separated baselines to time where installed (default all; '' for none)")
         parser.add_argument("--against", default="", help="a folder with another version's kernels/ and "
@@ -172,11 +164,10 @@ def main() -> int:
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
-    without = parse_names(args.without, tuple(SWITCHES), "--without")
     baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
     spec = parse_heads(args.heads)
     t_start = time.time()
-    ours = variants(spec, waves=waves, without=without)
+    ours = variants(spec, waves=waves)
     if args.against:
         ours += against_variants(args.against, spec)
     if not ours:

@@ -96,7 +96,7 @@ def python_key_rows(repeats: int) -> list:
     plan = (1, 8)
     last = key_of(q, k, v, out, plan)
     return summarise(time_loops(lambda i: key_of(q, k, v, out, plan) == last, lambda: None, repeats),
-                     case="cpu tensors", mode="python_key", pdl=False)
+                     case="cpu tensors", mode="python_key")
 
 
 def cpu_topology() -> dict:
@@ -173,7 +173,7 @@ def per_cpu_rows(call, sync, passes: int, repeats: int, local: set, seed: int = 
                 core, siblings = topo.get(cpu, (-1, "")) if cpu is not None else (-1, "")
                 irqs = after[cpu] - before[cpu] if cpu is not None and cpu < len(after) and before else -1
                 rows += summarise(samples, case="B=1 x 4K", mode="run_pinned" if cpu is not None else "run_unpinned",
-                                  pdl=True, cpu=-1 if cpu is None else cpu, core_id=core, siblings=siblings,
+                                  cpu=-1 if cpu is None else cpu, core_id=core, siblings=siblings,
                                   gpu_local=cpu in local if cpu is not None else None, irqs=irqs, pass_=p,
                                   probe_us=probed)
     finally:
@@ -226,35 +226,32 @@ def main(argv: list[str] | None = None) -> int:
             scratch[::64] += 1  # one write per cache line of 256 MiB: the host's caches hold none of run()'s
 
         sync = torch.cuda.synchronize
-        pdl_choices = (True, False) if torch.cuda.get_device_capability()[0] >= 9 else (False,)
         for case, length in (("B=1 x 4K", 4096), ("B=1 x 128K", 131072)):
             batch, q, k, v = device_case(spec, [length], hole_fraction=0.0)
             pairs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(7)]
             out = torch.empty_like(q)
-            for pdl in pdl_choices:
-                engine = engine_for(spec, pdl=pdl)
-                plan = engine.plan(batch, "workqueue")
-                engine.run(q, pairs[0], plan, out)
-                decode = plan.launches[-1]
-                stream = engine._stream()
-                launch = (lambda i: decode.pdl(stream)) if decode.pdl is not None else (
-                    lambda i: engine._launch(decode, stream))
-                modes = {
-                    "run": lambda i: engine.run(q, pairs[i & 1], plan, out),
-                    "run_nocheck": lambda i: engine.run(q, pairs[i & 1], plan, out, check=False),
-                    "launch": launch,
-                    "run_cold": lambda i: engine.run(q, pairs[i & 7], plan, out),
-                    "run_nocheck_cold": lambda i: engine.run(q, pairs[i & 7], plan, out, check=False),
-                    "launch_cold": launch,
-                }
-                for mode, call in modes.items():
-                    rows += summarise(time_loops(call, sync, args.repeats, before=flush if "cold" in mode else None),
-                                      case=case, mode=mode, pdl=pdl)
+            engine = engine_for(spec)
+            plan = engine.plan(batch, "workqueue")
+            engine.run(q, pairs[0], plan, out)
+            decode = plan.launches[-1]
+            stream = engine._stream()
+            launch = lambda i: engine._launch(decode, stream)  # noqa: E731
+            modes = {
+                "run": lambda i: engine.run(q, pairs[i & 1], plan, out),
+                "run_nocheck": lambda i: engine.run(q, pairs[i & 1], plan, out, check=False),
+                "launch": launch,
+                "run_cold": lambda i: engine.run(q, pairs[i & 7], plan, out),
+                "run_nocheck_cold": lambda i: engine.run(q, pairs[i & 7], plan, out, check=False),
+                "launch_cold": launch,
+            }
+            for mode, call in modes.items():
+                rows += summarise(time_loops(call, sync, args.repeats, before=flush if "cold" in mode else None),
+                                  case=case, mode=mode)
             del pairs, q, k, v, out
             torch.cuda.empty_cache()
     for r in rows:
         where = f" cpu={r['cpu']:3d} pass={r['pass_']}" if "cpu" in r else ""
-        print(f"{r['case']:12s} {r['mode']:16s}{where} pdl={r['pdl']!s:5s} N={r['loop_calls']:3d}  "
+        print(f"{r['case']:12s} {r['mode']:16s}{where} N={r['loop_calls']:3d}  "
               f"{r['median_us']:7.2f} us per call [{r['q1_us']:.2f}, {r['q3_us']:.2f}]  min {r['min_us']:.2f}  "
               f"longest call {r['max_call_us']:.1f}")
     write_rows(rows, args.out, "host_percpu" if args.per_cpu else "host_overhead", t_start)

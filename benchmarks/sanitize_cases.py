@@ -1,7 +1,7 @@
 """A representative set of engine launches for compute-sanitizer (memcheck, racecheck, synccheck).
 
-    compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py --warps 4,8 --pdl
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py --warps 4,8 --pdl
+    compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py --warps 4,8
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py --warps 4,8
     compute-sanitizer --tool synccheck python benchmarks/sanitize_cases.py --warps 4,8
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel of the shipped
@@ -41,10 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="4",
                         help="comma-separated CTA widths, 4 and/or 8 (8 runs only where head_dim <= 128; default 4)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="also launch the work queue and buckets with programmatic dependent launch (sm_90), "
-                             "twice each (the second call reads its items, and loads its first K/V, before "
-                             "griddepcontrol.wait)")
     args = parser.parse_args(argv)
     try:
         widths = [int(w) for w in args.warps.split(",")]
@@ -74,16 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     for (spec, lengths), warps in ((case, w) for case in CASES for w in widths):
         if warps == 8 and spec.head_dim > 128:
             continue
-        engine = engine_for(spec, warps=warps, pdl=False)  # PDL: --pdl
+        engine = engine_for(spec, warps=warps)
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         ref = reference_torch64(batch, q, k, v)
         for route, options in ROUTES:
             check(engine, batch, q, k, v, ref, route, options, route)
-        if args.pdl:
-            pdl = engine_for(spec, warps=warps, pdl=True)
-            for route, options in ROUTES[:2]:
-                # two calls: the first waits before reading its items, the second does not
-                check(pdl, batch, q, k, v, ref, route, options, f"{route}-pdl", calls=2)
     return 1 if failures else 0
 
 

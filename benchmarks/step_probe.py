@@ -1,22 +1,21 @@
-"""Where the full decode step's time goes, and what PDL does inside it (development; GPU).
+"""Where the full decode step's time goes (development; GPU).
 
-    python benchmarks/step_probe.py [--model llama3_8b] [--cells 1x4096,1x32768,16x32768]
-                                    [--rounds 15] [--out DIR]
+    python benchmarks/step_probe.py [--model llama3_8b] [--cell 1x4096] [--rounds 15] [--out DIR]
 
-Three parts, one process, on the model shapes of config/config.yaml (seeded random weights,
+Two parts, one process, on the model shapes of config/config.yaml (seeded random weights,
 random K/V, as ``persistentkv measure-e2e`` builds them):
 
-  pdl        the step graph of the GPU-planned queue (at the warps pkv-workqueue picks for the
-             cell) with PDL and early K/V (``pdl-kv``, what pkv-workqueue ships), PDL with only
-             the item and page ids read early (``pdl-ids``), and without PDL (``nopdl``), replayed
-             in interleaved rounds: the step's us per round.
   linears    each projection of the step (qkv, o, gate_up, down over the model's layers, and
              lm_head) at B=1 as F.linear runs it, one CUDA graph of one call per layer's weights
              (weights stream from HBM, as in the step), under torch's default BLAS library and
              under cuBLASLt (torch.backends.cuda.preferred_blas_library): us per call and the
              fraction of the weight bytes' read-ceiling time.
-  kernels    one B=1 step (the first cell's context) under torch.profiler: GPU time per kernel
-             name, summed over the step, beside the graph-replayed step.
+  kernels    one step of --cell under torch.profiler: GPU time per kernel name, summed over
+             the step, beside the graph-replayed step.
+
+Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
+variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
+and PDL left the engine (benchmarks/NOTES.md, "Tried and rejected").
 
 Writes step_probe_HHMMSS.parquet to --out ($OUT) after each part: part, cell, variant, name,
 repeat, us, bytes, read_gbps.
@@ -37,27 +36,6 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 CONFIG = ROOT / "config" / "config.yaml"
-
-
-class Queue:
-    """The GPU-planned queue on an engine with ``pdl`` and ``early_kv`` (measure_e2e's EngineWorkqueue,
-    with early K/V as a switch too)."""
-
-    graph_safe = True
-
-    def __init__(self, name, warps, pdl, early_kv):
-        self.name, self.warps, self.pdl, self.early_kv = name, warps, pdl, early_kv
-
-    def unavailable(self, spec):
-        return []
-
-    def plan(self, batch):
-        from persistentkv.engine import engine_for
-
-        return engine_for(batch.spec, warps=self.warps, pdl=self.pdl, early_kv=self.early_kv).plan(batch, "workqueue")
-
-    def run(self, q, cache, plan, out):
-        plan.engine.run(q, cache, plan, out)
 
 
 def write(rows, out, stem):
@@ -95,40 +73,6 @@ def admit_all(loop, batch_size, context, reserve, vocab):
     tokens = np.random.default_rng(0).integers(0, vocab, batch_size)
     for rid in range(batch_size):
         loop.admit(rid, context - 1, int(tokens[rid]), reserve)
-
-
-def part_pdl(model_name, cells, rounds, rows):
-    import torch
-
-    from persistentkv.commands.measure_e2e import _time_rounds
-    from persistentkv.model import DecodeLoop
-
-    for b, n in cells:
-        shape, model, kv, reserve = build(model_name, b, n)
-        shipped = DecodeLoop(model, kv, "pkv-workqueue")
-        admit_all(shipped, b, n, reserve, shape.vocab_size)
-        shipped.next_tokens()
-        warps = shipped.plan.warps
-        loops = {}
-        for name, pdl, early in (("pdl-kv", True, True), ("pdl-ids", True, False), ("nopdl", False, False)):
-            loop = DecodeLoop(model, kv, Queue(name, warps, pdl, early))
-            admit_all(loop, b, n, reserve, shape.vocab_size)
-            loop.next_tokens()
-            loop.capture("step")
-            loop.capture("attention")
-            loops[name] = loop
-        marks = {name: loop.mark() for name, loop in loops.items()}
-        times = _time_rounds(loops, rounds, 2, marks)
-        for name, pairs in times.items():
-            for r, (step_us, attn_us) in enumerate(pairs):
-                rows.append(dict(part="pdl", cell=f"{b}x{n}", variant=name, name="step", repeat=r, us=step_us))
-                rows.append(dict(part="pdl", cell=f"{b}x{n}", variant=name, name="attention", repeat=r, us=attn_us))
-        med = {k: np.median([s for s, _ in v]) for k, v in times.items()}
-        print(f"pdl {model_name} {b}x{n} (warps {warps}): " +
-              ", ".join(f"{k} {v:.1f} us" for k, v in med.items()) +
-              f"; pdl-kv / nopdl {med['pdl-kv'] / med['nopdl']:.4f}, pdl-ids / nopdl {med['pdl-ids'] / med['nopdl']:.4f}")
-        del loops, shipped, kv
-        torch.cuda.empty_cache()
 
 
 def part_linears(model_name, rounds, ceiling, rows):
@@ -220,12 +164,12 @@ def part_kernels(model_name, cell, rows):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3_8b")
-    parser.add_argument("--cells", default="1x4096,1x32768,16x32768")
+    parser.add_argument("--cell", default="1x4096")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--parts", default="pdl,linears,kernels")
+    parser.add_argument("--parts", default="linears,kernels")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+    cell = tuple(int(x) for x in args.cell.split("x"))
     parts = args.parts.split(",")
     from persistentkv.ceiling import ceiling_gbps, measure_ceilings
     from persistentkv.measure.device import TorchDevice
@@ -235,13 +179,10 @@ def main() -> int:
     stem = time.strftime("step_probe_%H%M%S")
     rows: list[dict] = []
     if "kernels" in parts:
-        part_kernels(args.model, cells[0], rows)
+        part_kernels(args.model, cell, rows)
         write(rows, args.out, stem)
     if "linears" in parts:
         part_linears(args.model, args.rounds, ceiling, rows)
-        write(rows, args.out, stem)
-    if "pdl" in parts:
-        part_pdl(args.model, cells, args.rounds, rows)
         write(rows, args.out, stem)
     return 0
 

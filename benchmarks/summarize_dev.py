@@ -117,12 +117,13 @@ def print_replay_latency(path: Path, df: pd.DataFrame) -> None:
 
 
 def print_host_overhead(path: Path, df: pd.DataFrame) -> None:
-    table = df.pivot_table(index=["case", "pdl", "loop_calls"], columns="mode", values="median_us", sort=False)
+    index = [c for c in ("case", "pdl", "loop_calls") if c in df]  # runs up to 3153ad5 timed PDL on and off
+    table = df.pivot_table(index=index, columns="mode", values="median_us", sort=False)
     print(f"\n{path.stem} (us per run() call on the host, median over loops that each start after a "
           f"synchronisation; benchmarks/host_overhead.py: *_cold = host caches flushed before each loop)")
     print(table.round(1).to_string())
     if "max_call_us" in df:
-        longest = df.pivot_table(index=["case", "pdl", "loop_calls"], columns="mode", values="max_call_us",
+        longest = df.pivot_table(index=index, columns="mode", values="max_call_us",
                                  sort=False)
         print("each loop's longest call (us, median over loops)")
         print(longest.round(0).to_string())
@@ -150,12 +151,40 @@ def print_e2e(path: Path, df: pd.DataFrame) -> None:
     print(summary_table(df))
 
 
+def print_step_probe(path: Path, df: pd.DataFrame) -> None:
+    """benchmarks/step_probe.py: the step's projections against their weight bytes' read time, its
+    kernels, and the PDL variants of the queue inside the step."""
+    lin = df[df["part"] == "linears"]
+    if len(lin):
+        med = lin.groupby(["name", "variant"]).agg(us=("us", "median"), bytes=("bytes", "first"),
+                                                   read_gbps=("read_gbps", "first"))
+        med["of_read_ceiling"] = med["bytes"] / (med["us"] * 1e3) / med["read_gbps"]
+        print(f"\n{path.stem} (step_probe.py: each projection at B=1 in a graph over its layers' weights, us per "
+              f"call and its weight bytes' read-ceiling time / that)")
+        print(med[["us", "of_read_ceiling"]].round(3).unstack("variant").to_string())
+    ker = df[(df["part"] == "kernels") & (df["variant"] == "eager")].sort_values("us", ascending=False)
+    if len(ker):
+        step = df[(df["part"] == "kernels") & (df["variant"] == "graph")]["us"]
+        print(f"kernels of one {ker['cell'].iloc[0]} step (GPU us summed per kernel name; {ker['us'].sum():.0f} in all, "
+              f"graph-replayed step {step.iloc[0]:.0f})")
+        print(ker.head(14).assign(name=ker["name"].str.slice(0, 90))[["us", "repeat", "name"]]
+              .rename(columns={"repeat": "count"}).round(1).to_string(index=False))
+    pdl = df[(df["part"] == "pdl") & (df["name"] == "step")]
+    if len(pdl):
+        wide = pdl.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
+        ratio = wide.div(wide["nopdl"], axis=0).drop(columns="nopdl")
+        out = wide.groupby("cell").median().join(ratio.groupby("cell").median().add_suffix(" / nopdl"))
+        print("the step with the queue's PDL variants (median us; per-round ratio to nopdl, median)")
+        print(out.round(4).to_string())
+
+
 #: file-name prefix -> its table, tried in this order (bench_stream_ before the variant benches')
 PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", print_variants),
             ("ceiling_sizes_", print_ceiling_sizes), ("trace_cta_", print_trace),
             ("adaptive_overhead_", print_step_pieces), ("plan_pieces_", print_plan_pieces),
             ("replay_latency_", print_replay_latency), ("host_overhead_", print_host_overhead),
-            ("host_percpu_", print_host_percpu), ("e2e_", print_e2e))
+            ("host_percpu_", print_host_percpu), ("e2e_", print_e2e),
+            ("step_probe_", print_step_probe))
 
 
 def printer_for(path: Path):

@@ -5,14 +5,14 @@
 
 Builds the decode module with PKV_TRACE=1 (DecodeEngine(spec, trace=True); the engine's own
 modules never trace): thread 0 of every decode CTA stamps %globaltimer (ns, one clock for the GPU)
-and clock64 at its phases - 0 entry, 1 after griddepcontrol.wait, 2 first stage landed, 3 K/V loop
+and clock64 at its phases - 0 entry, 1 prologue issued (item and first page ids), 2 first stage landed, 3 K/V loop
 done, 4 state written, 5 merge decided, 6 exit - and appends a record as it exits. A graph of
 --calls calls over rotated cache copies (cold L2, as bench_common.py makes them) is replayed, then
 replayed once more with the trace reset.
 
-CTAs of call k+1 pass their wait only after call k has completed, so records come in call order:
-call = record index // items. Per call (the first of the graph excluded: nothing precedes it in
-the graph), relative to that call's release (the first CTA past its wait), the table gives:
+CTAs of call k+1 start only after call k has completed, so records come in call order: call =
+record index // items. Per call (the first of the graph excluded: nothing precedes it in the
+graph), relative to that call's release (the first CTA past its prologue), the table gives:
   period     release to the next call's release (the time per call under replay)
   gap        the previous call's last exit to this call's release (completion -> dependents; for
              the routes with a separate merge kernel, buckets and split, that kernel is in it)

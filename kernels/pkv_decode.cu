@@ -1,7 +1,7 @@
 // PersistentKV split decode over a paged KV cache (NHD), with the merge of partial states.
 //
-// Device code only: every decision (which items exist, how many splits, which launches, which
-// items may load early) is made by a planner (src/persistentkv/plan.py on the host, pkv_plan below
+// Device code only: every decision (which items exist, how many splits, which launches) is made
+// by a planner (src/persistentkv/plan.py on the host, pkv_plan below
 // on the device); these kernels execute items.
 //
 // Configuration, fixed per compiled module by macros (the engine compiles one module per
@@ -22,9 +22,7 @@
 // of that kv head, so each K/V byte is read from HBM once. WARPS warps; a pipeline stage is a tile
 // of TILE = 16 * WARPS tokens (16 per warp); K and V tiles stream into shared memory with cp.async
 // (16-byte chunks, XOR-swizzled so ldmatrix is bank-conflict free), STAGES deep. Per item:
-//   prologue   (load_item, fetch_pages) the item and the page ids of the first STAGES tiles, read
-//              before the PDL wait; with early K/V, the first STAGES - 1 tiles' loads too, all but
-//              the item's last page (issue_stage part 1)
+//   prologue   (load_item, fetch_pages) the item and the page ids of the first STAGES tiles
 //   Q          (load_q) 16 rows x D: registers (D <= 128) or shared memory (D = 256)
 //   loop       per tile t: wait for tile t, issue tile t + STAGES - 1, then per warp (compute_tile)
 //                S[16 x 16] = Q[16 x D] K^T    rows = query heads (rows >= G are zero padding),
@@ -116,13 +114,11 @@ constexpr int SMEM_BYTES = PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYT
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Item {
-  int row, head, lo, hi, split, nsplit, page_base, flags;
+  int row, head, lo, hi, split, nsplit, page_base;
 };
-// Item flag: the planner lets this item load its first K/V stages before the PDL wait.
-constexpr int ITEM_EARLY_KV = 1;
 
-// Items are 8 ints: (row | head << 16, lo, hi, split | nsplit << 16, page_base, 0, 0, flags). Loaded
-// by volatile asm, which the compiler keeps where it is written (PKV_ITEM_OR_RETURN).
+// Items are 8 ints (two int4): (row | head << 16, lo, hi, split | nsplit << 16, page_base, 0, 0, 0).
+// Loaded by volatile asm, which the compiler keeps where it is written (PKV_ITEM_OR_RETURN).
 __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int slot) {
   int4 a, b;
   asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];\n"
@@ -137,12 +133,9 @@ __device__ __forceinline__ Item load_item(const int4* __restrict__ items, int sl
   it.split = a.w & 0xFFFF;
   it.nsplit = a.w >> 16;  // arithmetic shift: a garbage word past the count may read negative
   it.page_base = b.x;
-  it.flags = b.w;
   return it;
 }
-// Q by volatile asm loads (the compiler keeps them after griddepcontrol.wait, where they are
-// written; __ldg is an invariant load, which it may move above it, and the kernel before may be
-// writing Q). The SASS is the same as with __ldg.
+// Q by non-coherent vector loads (the SASS of __ldg).
 __device__ __forceinline__ uint4 ld_nc_v4(const kv_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -216,21 +209,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for it).
-// grid_wait: block until the grids this one depends on have completed and their memory is
-// visible. grid_launch_dependents: let the next grid's CTAs be scheduled (they run up to their
-// own grid_wait). Each CTA signals only after its own wait, so when a dependent CTA runs, every
-// CTA of this grid has passed its wait: every grid before this one has completed.
-__device__ __forceinline__ void grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
 
@@ -250,8 +228,6 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
-  int early;             // bit 0: read the item and page ids before the preceding grid completes (PDL);
-                         // bit 1 (with bit 0): also the first stages' K/V of all but the item's last page
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -359,7 +335,7 @@ struct Loader {
   const char* kbytes;    // K and V of this kv head
   const char* vbytes;
   unsigned sp_b, st_b;   // page and token strides in bytes (below 4 GB: DecodeEngine checks)
-  int lo, hi, log2_page, p_mask, last_page;
+  int lo, hi, log2_page, p_mask;
   int lc, lr;
 };
 
@@ -373,14 +349,11 @@ __device__ __forceinline__ void fetch_pages(const Loader& ld, int tile, int (&pg
   }
 }
 
-// cp.async loads of tile ``tile`` into its stage of sK and sV. part 0: all of its loads; early K/V
-// splits them in two: part 1 every page but the item's last (and the zero fill past hi), part 2
-// the item's last page (the one a decode step's append may be writing before the PDL wait).
+// cp.async loads of tile ``tile`` into its stage of sK and sV.
 // A token row's byte offset from its page id is one 32 x 32 -> 64-bit multiply-add
 // (IMAD.WIDE.U32) of the byte strides: 64-bit math took ~20 instructions per K/V load pair, in the
 // loop's critical section between a tile's landing and the next tile's loads (NOTES, v17).
-__device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV, int tile, const int (&pg)[LOADS],
-                                            int part) {
+__device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV, int tile, const int (&pg)[LOADS]) {
   const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_ELEMS);
   const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
   const int t0 = ld.lo + tile * TILE;
@@ -389,7 +362,6 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV
     const int t = ld.lr + ROWS_PER_PASS * i;
     const int tok = t0 + t;
     const bool valid = tok < ld.hi;
-    if (part != 0 && (part == 2) != (valid && (tok >> ld.log2_page) == ld.last_page)) continue;
     const unsigned so = swz(t, ld.lc) * 2;
     // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
     // src-size 0 never reads
@@ -646,10 +618,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   ld.hi = it.hi;
   ld.log2_page = p.log2_page;
   ld.p_mask = P_mask;
-  ld.last_page = (it.hi - 1) >> p.log2_page;
-  // Early K/V loads where the launch allows them (p.early bit 1) and the planner let the item
-  // (plan.early_kv_items, and pkv_plan's flags below).
-  const bool early_kv = (p.early & 2) && (it.flags & ITEM_EARLY_KV);
   ld.sp_b = (unsigned)p.kv_sp * 2u;
   ld.st_b = (unsigned)p.kv_st * 2u;
   ld.kbytes = reinterpret_cast<const char*>(kbase);
@@ -661,34 +629,21 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   ws.m0 = ws.m1 = NEG_INF;
   ws.l0 = ws.l1 = 0.f;
 
-  // Prologue: page ids for the first STAGES tiles (independent loads, issued together). Under
-  // programmatic dependent launch with p.early set, they (and the item) are read before
-  // grid_wait, while the preceding kernel still runs; with early K/V (p.early bit 1) the loads of
-  // the first STAGES - 1 tiles into shared memory too, but for the item's last page: the page that
-  // a decode step's append, the kernel before this one, may be writing. Early loads stay
-  // uncommitted until the first commit below, so they join tile 0's group (waiting for a tile
-  // still waits for all of its loads). Tile STAGES - 1's ids wait in pg_next. (An L2 prefetch of
-  // those K/V tiles before the wait was measured too, commit 24023d6: no faster anywhere.)
+  // Prologue: page ids for the first STAGES tiles (independent loads, issued together); tile
+  // STAGES - 1's wait in pg_next.
   int pg_next[LOADS];  // the page ids of the next tile to load: t + STAGES - 1 at iteration t
   int pg[STAGES - 1][LOADS];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < ntiles) fetch_pages(ld, s, pg[s]);
   if (STAGES - 1 < ntiles) fetch_pages(ld, STAGES - 1, pg_next);
-  if (early_kv) {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < ntiles) issue_stage(ld, sK, sV, s, pg[s], 1);
-  }
-  grid_wait();               // Q, K/V, partial states and counters may be the preceding kernel's
-  grid_launch_dependents();
   stamp(1);
 
   unsigned qf[Q_SMEM ? 1 : D / 16][4];
   load_q(p, it, sQ, qf);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per tile
-    if (s < ntiles) issue_stage(ld, sK, sV, s, pg[s], early_kv ? 2 : 0);
+    if (s < ntiles) issue_stage(ld, sK, sV, s, pg[s]);
     cp_async_commit();
   }
 
@@ -700,7 +655,7 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     __syncthreads();  // tile t landed for every thread; tile t - 1's stages are free again
     if (PKV_TRACE && t == 0) stamp(2);
     if (ahead) {
-      issue_stage(ld, sK, sV, t + STAGES - 1, pg_next, 0);
+      issue_stage(ld, sK, sV, t + STAGES - 1, pg_next);
       ahead = t + STAGES < ntiles;
       if (ahead) fetch_pages(ld, t + STAGES, pg_next);  // used one iteration later
     }
@@ -732,8 +687,7 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
 // item is loaded together with the count, not after it: its buffer holds every CTA's slot
 // (max_items), and a CTA past the count leaves without using what it read. Loaded after the count,
 // the item cost each GPU-planned CTA one more global round trip before its first page ids.
-// The count is a volatile asm load (as __ldg, an invariant load to the compiler, it was hoisted
-// above the kernel's griddepcontrol.wait), and the return tests words of the item as well (never
+// The count is a volatile asm load, and the return tests words of the item as well (never
 // negative in a real item: nsplit < 2^15, page_base >= 0), so that ptxas cannot sink the item's
 // loads below it.
 #define PKV_ITEM_OR_RETURN(slot, it)                                                   \
@@ -746,17 +700,16 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
       const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
-      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2, int early
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
 
 // The work-queue kernels: pkv_decode writes partial states (a separate pkv_merge combines them),
 // pkv_decode_fused merges in the last CTA of each group.
 #define PKV_DECODE_KERNEL(NAME, FUSED)                                                                 \
   extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) NAME(PKV_DECODE_ARGS) { \
     Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,     \
-             num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early}; \
+             num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                        \
     PKV_TRACE_BEGIN;                                                                                 \
-    if (!early) pkv::grid_wait(); /* the item and the GPU-planned count may be the preceding kernel's */ \
     PKV_ITEM_OR_RETURN(slot, it);                                                                    \
     pkv::decode_item<FUSED>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));                        \
     PKV_TRACE_END(slot, it);                                                                         \
@@ -790,13 +743,11 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
 //     (128 tiles): chunk 4 tiles, 32 splits, 256 items; B=4 x 32768: closed 142, chunk 128, S_i = 8.
 //   S_i = ceil(T_i / chunk)
 //   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
-//   flags: ITEM_EARLY_KV unless the item spans 2..STAGES-1 of this module's stages and its row has
-//     early_skip_splits splits or more (plan.early_kv_items)
 #define PKV_PLAN_THREADS 1024
 #define PKV_PLAN_MAX_ROWS 4096
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const int* seq_lens, const int* kv_indptr, int batch, int num_kv_heads, int target_items,
-    int min_chunk_tiles, int max_items, int early_skip_splits, int* items, int* num_items) {
+    int min_chunk_tiles, int max_items, int* items, int* num_items) {
   __shared__ int s_off[PKV_PLAN_MAX_ROWS + 1];
   __shared__ int s_split[PKV_PLAN_MAX_ROWS];
   __shared__ long long s_warp[32];
@@ -892,10 +843,8 @@ extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const long long T = (N + TILE_TOKENS - 1) / TILE_TOKENS;
     const int lo = (int)min((long long)N, (T * s) / S * TILE_TOKENS);
     const int hi = (int)min((long long)N, (T * (s + 1)) / S * TILE_TOKENS);
-    const int stages = (hi - lo + pkv::TILE - 1) / pkv::TILE;
-    const bool skip = stages > 1 && stages <= pkv::STAGES - 1 && S >= early_skip_splits;
     int4* dst = reinterpret_cast<int4*>(items) + 2 * j;
     dst[0] = make_int4(i | (h << 16), lo, hi, s | (S << 16));
-    dst[1] = make_int4(kv_indptr[i], 0, 0, skip ? 0 : pkv::ITEM_EARLY_KV);
+    dst[1] = make_int4(kv_indptr[i], 0, 0, 0);
   }
 }

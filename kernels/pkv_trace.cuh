@@ -4,7 +4,7 @@
 //
 // Thread 0 of every decode CTA stamps %globaltimer (ns, one clock for the whole GPU) and clock64
 // (this SM's cycles) at each phase into shared memory (no registers held across the loop), and
-// appends the record to pkv_trace as it exits. Phases: 0 entry, 1 after grid_wait, 2 first stage
+// appends the record to pkv_trace as it exits. Phases: 0 entry, 1 prologue issued (item and first page ids), 2 first stage
 // landed, 3 loop done, 4 state written, 5 merge decided, 6 exit. A record is TRACE_FIELDS words:
 // 7 ns stamps, 7 cycle stamps, then meta word 0 = SM | blockIdx.x << 16 | slot << 40 and meta word
 // 1 = merged (fused tail) | item tokens << 8.

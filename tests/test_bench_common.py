@@ -134,7 +134,7 @@ def test_add_engine_plan_registers_the_plan_and_its_run_or_says_why_not(capsys):
     assert calls[-1] == ("run", "q", "kv", ("plan-of", "batch", "workqueue"), "out")
 
 
-def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves_then_switches(capsys):
+def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves(capsys):
     """One function builds every variant of ours as (name, engine, plan options), each engine from
     make_engine, so the same variants can come from another build of the kernels; warps whose
     engine cannot be built are left out with the reason."""
@@ -144,26 +144,25 @@ def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves_then_
 
     def make_engine(spec, **options):
         built.append(options)
-        if options["warps"] == 8 and options.get("pdl") is False:
-            raise RuntimeError("no 8-warp module without PDL here")
+        if options["warps"] == 8 and options.get("fail"):
+            raise RuntimeError("no 8-warp module here")
         return FakeEngine(target_items=132 if options["warps"] == 8 else 264, **options)
 
-    out = bench_engine.variants("spec", waves=(2, 0.5), without=("early_kv",), make_engine=make_engine)
-    assert [v.name for v in out] == ["wq", "buckets", "split", "wq@x2", "wq@x0.5", "wq-noearly",
-                                     "wq8", "buckets8", "split8", "wq8@x2", "wq8@x0.5", "wq8-noearly"]
+    out = bench_engine.variants("spec", waves=(2, 0.5), make_engine=make_engine)
+    assert [v.name for v in out] == ["wq", "buckets", "split", "wq@x2", "wq@x0.5",
+                                     "wq8", "buckets8", "split8", "wq8@x2", "wq8@x0.5"]
     plans = {v.name: v.plan for v in out}
-    assert plans["buckets8"] == {"route": "buckets"} and plans["wq-noearly"] == {"route": "workqueue"}
+    assert plans["buckets8"] == {"route": "buckets"} and plans["wq"] == {"route": "workqueue"}
     assert plans["wq@x2"] == {"route": "workqueue", "target_items": 528}
     assert plans["wq8@x0.5"] == {"route": "workqueue", "target_items": 66}
     engines = {v.name: v.engine.options for v in out}
     assert engines["wq8"] == engines["split8"] == {"warps": 8}
-    assert engines["wq-noearly"] == {"warps": 4, "early_kv": False}
-    assert built == [{"warps": 4}, {"warps": 4, "early_kv": False}, {"warps": 8}, {"warps": 8, "early_kv": False}]
+    assert built == [{"warps": 4}, {"warps": 8}]
     # an engine that cannot be built leaves its warps out, and says why
-    out = bench_engine.variants("spec", without=("pdl",), make_engine=lambda spec, **o: (
-        FakeEngine(**o) if o["warps"] == 4 else make_engine(spec, pdl=False, **o)))
-    assert [v.name for v in out] == ["wq", "buckets", "split", "wq-nopdl"]
-    assert "8 warps: no engine (RuntimeError: no 8-warp module without PDL here)" in capsys.readouterr().out
+    out = bench_engine.variants("spec", make_engine=lambda spec, **o: (
+        FakeEngine(**o) if o["warps"] == 4 else make_engine(spec, fail=True, **o)))
+    assert [v.name for v in out] == ["wq", "buckets", "split"]
+    assert "8 warps: no engine (RuntimeError: no 8-warp module here)" in capsys.readouterr().out
 
 
 def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batches(tmp_path):
@@ -212,7 +211,8 @@ def test_bench_engine_options_are_checked_before_any_gpu_work():
     for bad in ("1", "0", "-2", "x", "nan"):
         with pytest.raises(SystemExit, match="--waves"):
             bench_engine.parse_waves(bad)
-    assert bench_engine.parse_names("pdl,early_kv", tuple(bench_engine.SWITCHES), "--without") == ("pdl", "early_kv")
+    assert bench_engine.parse_names("vllm-fa3,trtllm-xqa", ("vllm-fa3", "trtllm-xqa"), "--baselines") == \
+        ("vllm-fa3", "trtllm-xqa")
     assert bench_engine.parse_names("", ("vllm-fa3",), "--baselines") == ()
     with pytest.raises(SystemExit, match="--baselines: flashinfer not among"):
         bench_engine.parse_names("vllm-fa3,flashinfer", ("vllm-fa3", "trtllm-xqa"), "--baselines")
@@ -334,7 +334,7 @@ def test_summarize_dev_reads_every_committed_run(tmp_path, capsys):
     assert summarize_dev.main() == 0
     out = capsys.readouterr().out
     assert all(f"\n{p.stem} (" in out for p in runs)
-    assert re.search(r"B=1 N=4096\s+wq8-early_kv0\s+0\.941 ", out)  # the early-load skip's deciding case
+    assert re.search(r"B=1 N=4096\s+wq8-early_kv0\s+0\.941 ", out)  # a committed run's paired ratio, as printed
     (tmp_path / "bench_x.parquet").write_bytes((ROOT / "benchmarks" / "runs" / runs[0].name).read_bytes())
     (tmp_path / "stray.parquet").write_bytes(b"")
     with pytest.raises(SystemExit, match="stray.parquet: no table of summarize_dev.py reads it"):

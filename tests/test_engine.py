@@ -1,6 +1,5 @@
 """The engine's host side without a GPU: plans' uploads and the addresses their launches get
-(DecodeEngine with a NumPy stand-in for torch), run()'s checks and per-call stores, PDL's early
-reads, and the launch layer's cuLaunchKernelEx config.
+(DecodeEngine with a NumPy stand-in for torch), run()'s checks, per-call stores and launches.
 
 The kernels read these addresses blind, so a wrong offset would be a silent wrong answer on the
 GPU; here every pointer in the planner's and the decode kernel's parameter blocks is checked
@@ -35,7 +34,6 @@ def cpu_engine(capability=(9, 0), num_sms=H200_SMS, warps=4):
     occupancy = 2 if warps == 4 else 1
     engine.target_items = occupancy * num_sms
     engine.warps = warps
-    engine.early_kv, engine._early_bits = True, 3  # as DecodeEngine sets them under PDL
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
@@ -93,7 +91,6 @@ def fake_engine(warps=4):
     engine = cpu_engine(warps=warps)
     engine.torch = FakeTorch()
     engine.device, engine._device_index = SimpleNamespace(index=0), 0
-    engine.pdl = False
     engine.module.functions = {name: SimpleNamespace(ptr=i + 1) for i, name in
                                enumerate(("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan"))}
     engine._plan_function = 4
@@ -133,13 +130,12 @@ def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hol
     assert plan.counters()["h2d_bytes"] == upload.size * 4
 
     # the planner's launch (made by plan(), before any run) writes items and num_items
-    assert launched == [plan.launches[0]] and plan.launches[0].kind == "plan" and not plan.early_ok
+    assert launched == [plan.launches[0]] and plan.launches[0].kind == "plan"
     p = args_of(plan.launches[0].args)
     assert p["seq_lens"] == plan.view("packed").data_ptr()
     assert p["kv_indptr"] == plan.view("packed").data_ptr() + 4 * B
     assert (p["batch"], p["num_kv_heads"], p["max_items"]) == (B, spec.num_kv_heads, max_items)
     assert (p["target_items"], p["min_chunk_tiles"]) == (engine.target_items, engine.min_chunk_tiles)
-    assert p["early_skip_splits"] == planner.EARLY_SKIP_SPLITS
     assert p["items"] == plan.view("items").data_ptr() and p["num_items"] == plan.view("num_items").data_ptr()
     assert plan.view("items").numpy().shape == (max_items, 8)
 
@@ -320,10 +316,7 @@ def test_host_routes_upload_through_pinned_memory_without_a_sync(route):
     items = plan.buffers["items"].numpy()
     assert items[:host.num_items, :4].tolist() == host.items.tolist()
     assert items[:host.num_items, 4].tolist() == batch.kv_indptr[host.items[:, 0] & 0xFFFF].tolist()
-    assert not items[:, 5:7].any()  # words 5 and 6 are 0
-    # word 7: the early-K/V flags, as plan.early_kv_items gives them for this module's stages
-    assert items[:host.num_items, 7].tolist() == planner.early_kv_items(host.items, engine.module.tile,
-                                                                       engine.module.stages).tolist()
+    assert not items[:, 5:].any()  # words 5 to 7 are 0
     assert plan.buffers["kv_indices"].numpy().tolist() == batch.kv_indices.tolist()
     groups = plan.buffers["merge_groups"].numpy()
     if host.merge_groups.size:
@@ -349,66 +342,38 @@ def test_host_overhead_times_the_key_run_builds():
     assert engine._last_check != host_overhead.key_of(q, k, v, out, (plan.batch_size, plan.num_pages + 1))
 
 
-def test_host_routes_flag_the_items_that_may_not_load_early():
-    """A split plan of 32 splits over a 4096-token row gives items of 128 tokens: 2 stages of a
-    4-warp module, in a group of 32 splits, so the planner clears their early-K/V flag; a
-    4-split plan of the same row (1024 tokens, 16 stages) keeps it."""
-    engine, _ = fake_engine()
-    batch = make_batch(engine.spec, [4096], seed=1)
-    flags = {S: engine.plan(batch, "split", num_splits=S).buffers["items"].numpy()[:, 7] for S in (32, 4)}
-    assert flags[32].tolist() == [0] * 8 * 32
-    assert flags[4].tolist() == [1] * 8 * 4
-
-
 def test_engine_refuses_a_removed_route():
     engine, _ = fake_engine()
     with pytest.raises(PKVError, match="unknown route 'cluster'; expected one of workqueue, buckets, split"):
         engine.plan(make_batch(engine.spec, [100]), "cluster")
 
 
-# --------------------------------------------------------------------------- PDL's early reads, without a GPU
-@pytest.mark.parametrize("early_kv", [True, False])
-def test_pdl_reads_items_early_only_after_a_decode_launch_followed_the_plan(early_kv):
-    """DecodeEngine.run sets the decode kernels' `early` argument: 0 on the first decode launch
-    after plan / replan_device (the plan kernel or upload may be the preceding operation), after
-    that 3 (items and the first stages' K/V early) with early_kv, else 1 (items only); launches
-    without PDL never set it."""
+# --------------------------------------------------------------------------- launches, without a GPU
+def test_run_launches_the_plans_kernels_in_order_and_replan_only_the_planner():
+    """run() makes one driver launch per run launch, in the plan's order, with this call's pointers
+    and strides written into each block (the merge's output too); the GPU planner's launch is
+    replan_device's, never run()'s."""
     from persistentkv.engine import DevicePlan
     from persistentkv.launch import DecodeArgs, KernelLaunch, MergeArgs, PlanArgs, arg_block
 
     engine = cpu_engine()
-    if not early_kv:
-        engine.early_kv, engine._early_bits = False, 1
-    e = engine._early_bits
     engine.device, engine._device_index = SimpleNamespace(index=0), 0
     engine._raw_stream = lambda index: 0
     seen = []
-    engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append((function, None)))
-
-    def decode(function, pdl=True):
-        args = arg_block(DecodeArgs, *[0] * 21, 7)
-        launch = KernelLaunch("decode", 4, args, function)
-        if pdl:
-            launch.pdl = lambda stream, l=launch: seen.append((l.function, l.args.early))
-        return launch
-
+    engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append(function))
+    decode = [KernelLaunch("decode", 4, arg_block(DecodeArgs, *[0] * 21), f) for f in (1, 2)]
     merge = KernelLaunch("merge", 2, arg_block(MergeArgs, *[0] * 7), 9)
-    fake = SimpleNamespace(data_ptr=lambda: 0, stride=lambda: (0, 0, 0, 0))
-    plan = DevicePlan("workqueue", engine.spec, 1, [KernelLaunch("plan", 1, arg_block(PlanArgs, *[0] * 10), 5), decode(1),
-                                                   merge, decode(2)])
+    fake = SimpleNamespace(data_ptr=lambda: 64, stride=lambda: (24, 12, 8, 1))
+    plan = DevicePlan("workqueue", engine.spec, 1, [KernelLaunch("plan", 1, arg_block(PlanArgs, *[0] * 9), 5),
+                                                   decode[0], merge, decode[1]])
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, 0), (9, None), (2, e)]
+    assert seen == [1, 9, 2]
+    assert decode[1].args.q == decode[1].args.out == 64 and decode[1].args.kv_sp == 24
+    assert merge.args.out == 64 and (merge.args.o_sb, merge.args.o_sh) == (24, 12)
     seen.clear()
+    engine.replan_device(plan)
     engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(1, e), (9, None), (2, e)]
-    seen.clear()
-    engine.replan_device(plan)  # the plan kernel precedes the next decode launch again
-    engine.run(fake, (fake, fake), plan, fake, check=False)
-    assert seen == [(5, None), (1, 0), (9, None), (2, e)]
-    plain = DevicePlan("split", engine.spec, 1, [decode(3, pdl=False)])
-    seen.clear()
-    engine.run(fake, (fake, fake), plain, fake, check=False)
-    assert seen == [(3, None)] and plain.launches[0].args.early == 7
+    assert seen == [5, 1, 9, 2]
 
 
 def test_replan_is_for_gpu_planned_plans_only():
@@ -416,59 +381,6 @@ def test_replan_is_for_gpu_planned_plans_only():
     plan = engine.plan(make_batch(engine.spec, [300]), "split")
     with pytest.raises(PKVError, match="only GPU-planned"):
         engine.replan_device(plan)
-
-
-def test_pdl_launch_api_is_absent_without_a_driver(monkeypatch):
-    """Where libcuda or its cuLaunchKernelEx is missing, the helper says so (None) instead of
-    raising from ctypes, so DecodeEngine's automatic PDL stays off there."""
-    from persistentkv import launch as launch_module
-
-    def no_driver(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    lookup = launch_module.launch_kernel_ex.__wrapped__  # the lookup itself, without the per-process cache
-    monkeypatch.setattr(ctypes, "CDLL", no_driver)
-    assert lookup() is None
-
-    class OldDriver:  # a libcuda without the symbol
-        def __getattr__(self, name):
-            raise AttributeError(name)
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: OldDriver())
-    assert lookup() is None
-
-    class NewDriver:
-        cuLaunchKernelEx = staticmethod(lambda *args: 0)
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: NewDriver())
-    assert lookup() is not None
-
-
-def test_pdl_launch_fills_the_launch_config(monkeypatch):
-    """PDLLaunch hands cuLaunchKernelEx one programmatic-serialization attribute, the grid, block,
-    shared memory, the call's stream and the parameter block; a nonzero CUresult and a driver
-    without the function are one-line errors."""
-    from persistentkv import launch as launch_module
-
-    calls = []
-
-    def launch_ex(config_ref, function, params, extra):
-        config = ctypes.cast(config_ref, ctypes.POINTER(launch_module._LaunchConfig)).contents
-        attr = config.attrs[0]
-        calls.append((config.gridDimX, config.blockDimX, config.sharedMemBytes, config.hStream, config.numAttrs,
-                      attr.id, attr.value[0], function.value, params.value, extra))
-        return len(calls) - 1  # CUDA_SUCCESS on the first call, an error after
-
-    monkeypatch.setattr(launch_module, "launch_kernel_ex", lambda: launch_ex)
-    launch = launch_module.PDLLaunch(0x1234, 264, 128, 98304, 0x5678)
-    launch(0xABC)
-    assert calls == [(264, 128, 98304, 0xABC, 1, launch_module.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                      1, 0x1234, 0x5678, None)]
-    with pytest.raises(PKVError, match="cuLaunchKernelEx .* returned CUresult 1"):
-        launch(0xABC)
-    monkeypatch.setattr(launch_module, "launch_kernel_ex", lambda: None)
-    with pytest.raises(PKVError, match="pdl needs cuLaunchKernelEx"):
-        launch_module.PDLLaunch(0x1234, 264, 128, 98304, 0x5678)
 
 
 def test_parameter_blocks_follow_the_kernels_signatures():

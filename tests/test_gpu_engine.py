@@ -6,8 +6,8 @@ batches over scattered pages, empty splits, a 1M-token row, the numerics stress 
 tests/numerics.py (large scores, a one-hot softmax, equal keys, the maximum in a row's last page
 or at its first token, large values, zero queries); then the GPU planner against the host
 planner, plans uploaded behind a busy stream, graph replay over rotated caches, a whole step
-(plan + 32 layers) in one graph, and programmatic dependent launch with early K/V (bit-exact
-against the plain launch, and reading the append into a row's last page).
+(plan + 32 layers) in one graph, the append into a row's last page right before each run, and
+groups split past the fused merge's fan-in (two-level merge).
 
 Every case draws fresh random inputs, poisons the output with NaN first (so an unwritten element
 fails), and compares ||out - ref|| / ||ref|| with the float64 reference (tests/gpu_support.py),
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from gpu_support import (TOLERANCE, assert_graph_replay_matches, assert_repeats_bit_exact, device_case,
-                         reference_torch64, rel_err, replay_captured, requires_gpu, run_step, torch_dtype)
+                         reference_torch64, rel_err, replay_captured, requires_gpu, torch_dtype)
 from numerics import KINDS, stress_case
 from persistentkv import plan as planner
 from persistentkv.cache import Batch, make_batch
@@ -165,24 +165,19 @@ def test_module_facts(warps, head_dim):
 
 @pytest.mark.parametrize("warps", [4, 8])
 def test_gpu_planner_equals_cpu_planner(warps):
-    """pkv_plan's items equal plan.plan_workqueue's, and its early-K/V flags plan.early_kv_items'
-    for the module's stages, on random, bimodal and extreme rows and several wave sizes."""
+    """pkv_plan's items equal plan.plan_workqueue's on random, bimodal and extreme rows and several
+    wave sizes."""
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     engine = engine_of(spec, warps)
     rng = np.random.default_rng(3)
     bimodal = [49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168]
     cases = [rng.integers(1, 70000, size=B) for B in (1, 3, 8, 100, 512, 3000)] + [bimodal, [1, 5, 1 << 20], [4096]]
-    flags_seen = set()
     for lengths in cases:
         batch = make_batch(spec, lengths)
         for target in (engine.target_items, 64, 1000):
-            dev = engine.device_items(engine.plan(batch, "workqueue", target_items=target), flags=True)
+            dev = engine.device_items(engine.plan(batch, "workqueue", target_items=target))
             cpu = planner.plan_workqueue(batch, target_items=target, min_chunk_tiles=engine.min_chunk_tiles)
-            np.testing.assert_array_equal(dev[:, :4], cpu.items, err_msg=f"B={len(lengths)} target={target}")
-            flags = planner.early_kv_items(cpu.items, engine.module.tile, engine.module.stages)
-            np.testing.assert_array_equal(dev[:, 4], flags, err_msg=f"flags, B={len(lengths)} target={target}")
-            flags_seen.update(flags.tolist())
-    assert flags_seen == {0, 1}  # both kinds of item were checked
+            np.testing.assert_array_equal(dev, cpu.items, err_msg=f"B={len(lengths)} target={target}")
 
 
 def test_plans_made_while_the_stream_is_busy_keep_their_own_uploads():
@@ -377,81 +372,17 @@ def test_whole_step_capture_with_lengths_changed_on_the_device(warps):
         assert rel_err(outs[layer], ref) <= TOLERANCE["float16"], f"layer {layer}"
 
 
-# --------------------------------------------------------------------------- programmatic dependent launch
-def pdl_engines(spec, warps=4, early_kv=True):
-    """(the engine without PDL, the engine with it) for the same module."""
-    import torch
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90")
-    return engine_of(spec, warps, pdl=False), engine_of(spec, warps, pdl=True, early_kv=early_kv)
-
-
-def chain(engine, plan, q0, k, v, layers: int, graph: bool, replan: bool = False):
-    """layers calls, layer l's q = layer l-1's output (scaled into a sane range by the kernel's
-    own softmax: outputs are convex combinations of V rows); ``replan``: the GPU planner runs
-    first, inside the step (and the graph)."""
-    import torch
-
-    outs = [torch.full_like(q0, float("nan")) for _ in range(layers)]
-
-    def step():
-        if replan:
-            engine.replan_device(plan)
-        engine.run(q0, (k, v), plan, outs[0])
-        for layer in range(1, layers):
-            engine.run(outs[layer - 1], (k, v), plan, outs[layer])
-
-    run_step(step, outs, graph)
-    return outs
-
-
+# --------------------------------------------------------------------------- the step's append
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("early_kv", [False, True], ids=["items-early", "kv-early"])
-def test_pdl_chained_layers_match_the_plain_launch_bit_for_bit(warps, route, graph, early_kv):
+def test_each_run_sees_the_append_into_the_last_page(warps, route, graph):
+    """Before each layer a torch kernel writes token n-1 of every row (the step's new token, in the
+    row's last page) with values of its own, as a decode step's append does; each layer's output
+    must equal float64 over the cache as that write left it, eagerly and under graph replay."""
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    plain, pdl = pdl_engines(spec, warps, early_kv)
-    # 4096 tokens: the 2-stage items of 32 splits that the planner keeps from loading early
-    batch, q, k, v = device_case(spec, [9000, 1, 300, 4100, 64, 20000], hole_fraction=0.3, seed=17)
-    layers = 12
-    ref = chain(plain, plain.plan(batch, route), q, k, v, layers, graph)
-    got = chain(pdl, pdl.plan(batch, route), q, k, v, layers, graph)
-    assert rel_err(got[0], reference_torch64(batch, q, k, v)) <= TOLERANCE["float16"]
-    for layer in range(layers):
-        assert not torch.isnan(got[layer]).any(), f"layer {layer}: unwritten output"
-        assert torch.equal(got[layer], ref[layer]), f"w{warps} {route} layer {layer}: differs from the launch without PDL"
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-def test_pdl_whole_step_with_replan_in_one_graph(warps):
-    """GPU plan + chained layers captured together: the first layer after the replan reads its
-    items only after the wait (early_ok is False there), the later ones before it."""
-    import torch
-
-    spec = AttentionSpec(32, 8, 128, 16, "bfloat16")
-    plain, pdl = pdl_engines(spec, warps)
-    batch, q, k, v = device_case(spec, [70000, 3, 5000, 129], hole_fraction=0.2, seed=warps)
-    results = [chain(engine, engine.plan(batch, "workqueue"), q, k, v, 8, graph=True, replan=True)
-               for engine in (plain, pdl)]
-    assert rel_err(results[1][0], reference_torch64(batch, q, k, v)) <= TOLERANCE["bfloat16"]
-    for layer, (a, b) in enumerate(zip(*results)):
-        assert torch.equal(a, b), f"warps={warps} layer {layer}"
-
-
-@pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_early_loads_see_the_append_into_the_last_page(warps, route, graph):
-    """early_kv: before each layer a torch kernel writes token n-1 of every row (the step's new
-    token, in the row's last page) with values of its own; each layer's output must equal float64
-    over the cache as that write left it, eagerly and under graph replay."""
-    import torch
-
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    _, early = pdl_engines(spec, warps, early_kv=True)
-    assert early.early_kv
+    engine = engine_of(spec, warps)
     lengths = [4096, 16, 17, 300, 9000, 2049]  # page-boundary lengths and long rows
     batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=23 + warps)
     layers = 6
@@ -463,13 +394,13 @@ def test_early_loads_see_the_append_into_the_last_page(warps, route, graph):
              for _ in range(layers)]
     new_v = [torch.randn_like(t) for t in new_k]
     outs = [torch.full_like(q, float("nan")) for _ in range(layers)]
-    plan = early.plan(batch, route)
+    plan = engine.plan(batch, route)
 
     def step():
         for layer in range(layers):
             k[page, slot] = new_k[layer]
             v[page, slot] = new_v[layer]
-            early.run(q, (k, v), plan, outs[layer])
+            engine.run(q, (k, v), plan, outs[layer])
 
     step()
     if graph:

@@ -5,7 +5,7 @@
   queues split rows); each backend's float16 loop, its own prefill in its own cache, is fed the
   reference's tokens and replays its captured step 64 times. Per step: the largest logit error;
   over the steps: top-1 agreement >= 99 % and mean KL(reference || backend) < 1e-3.
-* Graph replay of our engine's step (PDL on and off) is bit-identical to its eager step.
+* Graph replay of our engine's step is bit-identical to its eager step.
 * In steady state a ``device``-mode step replays with no host synchronisation (torch's sync
   debug mode raises on any), and a trace's arrivals and departures re-capture.
 """
@@ -117,14 +117,10 @@ def test_captured_step_matches_the_float32_loop_with_teacher_forcing(backend, we
     assert float(kl.mean()) < 1e-3
 
 
-@pytest.mark.parametrize("pdl", [None, False])
-def test_graph_replay_of_our_step_is_bit_identical_to_its_eager_step(pdl, weights):
+def test_graph_replay_of_our_step_is_bit_identical_to_its_eager_step(weights):
     import torch
 
-    from persistentkv.commands.measure_e2e import EngineWorkqueue
-
-    backend = "pkv-workqueue" if pdl is None else EngineWorkqueue("pkv-workqueue-nopdl", 4, pdl=False)
-    loop = make_loop(backend, weights, "float16")
+    loop = make_loop("pkv-workqueue", weights, "float16")
     with torch.no_grad():
         prefill_all(loop)
         marked = loop.mark()

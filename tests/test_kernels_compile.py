@@ -76,7 +76,7 @@ def test_the_trace_build_adds_one_define():
     assert compile_options(spec, 8, trace=True) == (*compile_options(spec, 8), "-DPKV_TRACE=1")
 
 
-@pytest.mark.parametrize("option", ["early_kv", "trace", "pdl"])
+@pytest.mark.parametrize("option", ["trace"])
 @pytest.mark.parametrize("bad", ["yes", 1])
 def test_engine_flags_must_be_bools_before_any_gpu_check(option, bad):
     with pytest.raises(PKVError, match=f"{option} must be"):

@@ -403,27 +403,3 @@ def test_checker_catches_corrupted_plans():
     for plan in broken:
         with pytest.raises(AssertionError):
             check_plan(plan, batch)
-
-
-def test_early_kv_items_worked_numbers():
-    """4 warps (64-token stages, 3 stages): 32 splits of a 4096-token row are 2-stage items in a
-    group of 32: no early loads; 8 splits of 512 tokens (8 stages) keep them; so do 32 splits of
-    64 tokens (1 stage) and 7 splits of 2 stages (fewer than EARLY_SKIP_SPLITS)."""
-    from persistentkv.plan import EARLY_SKIP_SPLITS, early_kv_items
-
-    assert EARLY_SKIP_SPLITS == 8
-    spec = AttentionSpec()
-
-    def flags(lengths, S, stage=64, stages=3):
-        return set(early_kv_items(plan_split(make_batch(spec, lengths), S).items, stage, stages).tolist())
-
-    assert flags([4096], 32) == {0}
-    assert flags([4096], 8) == {1}
-    assert flags([2048], 32) == {1}          # 64-token items: one stage
-    assert flags([128 * 7], 7) == {1}        # 2 stages, 7 splits
-    assert flags([128 * 8], 8) == {0}        # 2 stages, 8 splits
-    assert flags([4096], 32, stage=128) == {1}   # 8 warps: 128 tokens are one stage
-    assert flags([8192], 32, stage=128) == {0}   # 256 tokens: 2 stages of 128
-    assert flags([4096], 32, stages=2) == {1}    # head_dim 256 (2 stages): no item of 2..1 stages
-    empty = plan_split(make_batch(spec, [10]), 16).items   # empty items: 0 stages, loads nothing
-    assert early_kv_items(empty, 64, 3).tolist() == [1] * empty.shape[0]

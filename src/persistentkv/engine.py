@@ -24,23 +24,10 @@ line.
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
 SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqueue.
 
-``pdl`` (sm_90+) launches the decode kernels with programmatic dependent launch: a kernel's CTAs
-start while the preceding kernel on the stream finishes, read their work item and page ids,
-then wait (``griddepcontrol.wait``) for the preceding kernel's completion before they read Q, the
-cache or the partial-state buffers. The item and page ids are read early only when the plan's
-items were written before the preceding kernel: the first ``run`` after ``plan`` or
-``replan_device`` waits first (``DevicePlan.early_ok``). The separate merge always launches
-without it. Default (``pdl=None``): on where the device (sm_90+) and the driver
-(cuLaunchKernelEx) have it, as FlashInfer's and TensorRT-LLM's decode kernels are launched there.
-
-``early_kv`` (default True; with PDL only): with the item read early, the K/V loads of the first
-pipeline stages are issued before the wait as well, for every page but the item's last, so they
-overlap the preceding kernel's tail (benchmarks/NOTES.md, v12: 4-16 % per call at B=1 up to 32K
-tokens, 1-3 % on 500 MB steps), except for the items the planner marks otherwise
-(plan.early_kv_items: 2 to STAGES - 1 stages in a group of 8 or more splits, v16). The contract:
-the kernel before each run() on the stream may write the cache only in each row's last page, as a
-one-token decode step's append does; pass ``early_kv=False`` when another kernel (e.g. a page
-copy) writes pages that a plan reads right before its run().
+Every kernel launches plainly, after the kernel before it on the stream has completed. Launching
+the decode kernels with programmatic dependent launch, their item, page ids and first K/V stages
+read while the preceding kernel finished, made attention timed back to back faster and the full
+decode step slower (benchmarks/NOTES.md, "Tried and rejected"); it left the engine after 3153ad5.
 
 ``trace`` (development): builds the module with the CTA trace stamps (kernels/pkv_trace.cuh) that
 benchmarks/trace_cta.py reads; never for serving.
@@ -58,8 +45,8 @@ from . import plan as planner
 from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
-from .launch import (DEFAULT_WARPS, DecodeArgs, KernelLaunch, MergeArgs, PDLLaunch, PlanArgs, PTRS, STRIDES6, arg_block,
-                     launch_kernel_ex, load_module, min_chunk_tiles_for, warps_unsupported, NO_LAUNCH_EX)
+from .launch import (DEFAULT_WARPS, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs, PTRS, STRIDES6, arg_block,
+                     load_module, min_chunk_tiles_for, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
 
@@ -67,8 +54,6 @@ GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
 PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
-#: Compute capability (major) with programmatic dependent launch (griddepcontrol).
-PDL_MIN_MAJOR = 9
 LOG2E = 1.4426950408889634
 
 
@@ -124,10 +109,6 @@ class DevicePlan:
     host_plan: planner.Plan | None = None
     #: recomputes the host plan this device plan is equal to (for counters; never on the hot path)
     _host_equivalent: Any = None
-    #: the items were written before the kernel that precedes the next decode launch, so a PDL
-    #: launch may read them before griddepcontrol.wait (False after plan and replan_device until
-    #: a decode launch has followed)
-    early_ok: bool = False
     #: warps per CTA of the module that planned it (its launches run only on that module)
     warps: int = DEFAULT_WARPS
     #: name -> (first int32 element of buffers['workspace'], element count, shape, dtype or None for
@@ -185,20 +166,13 @@ class DecodeEngine:
         Smallest work item in 32-token planner tiles (default: one pipeline stage).
     warps : {4, 8}
         Warps per decode CTA (8: head_dim <= 128).
-    pdl : bool, optional
-        Programmatic dependent launch (default: where the device and driver have it).
-    early_kv : bool
-        Under PDL, load the first K/V stages before the wait (see the module docstring).
     trace : bool
         Build with the CTA trace stamps (development; benchmarks/trace_cta.py).
     """
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, *, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, pdl: bool | None = None,
-                 early_kv: bool = True, trace: bool = False):
-        require(isinstance(early_kv, bool), f"early_kv must be True or False, got {early_kv!r}")
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, trace: bool = False):
         require(isinstance(trace, bool), f"trace must be True or False, got {trace!r}")
-        require(pdl is None or isinstance(pdl, bool), f"pdl must be None (auto), True or False, got {pdl!r}")
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -213,17 +187,6 @@ class DecodeEngine:
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
-        require(not pdl or props.major >= PDL_MIN_MAJOR,
-                f"pdl needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); this device is "
-                f"{props.major}.{props.minor}")
-        has_api = launch_kernel_ex() is not None if pdl is not False else False
-        require(not pdl or has_api, NO_LAUNCH_EX)
-        #: auto (None): on where both the device (sm_90+) and the driver (cuLaunchKernelEx) have it
-        self.pdl = (props.major >= PDL_MIN_MAJOR and has_api) if pdl is None else pdl
-        #: under PDL, also load the first stages' K/V (all but each item's last page) before the wait
-        self.early_kv = early_kv and self.pdl
-        #: the decode launches' ``early`` word once a plan's items may be read early (kernel Params)
-        self._early_bits = 3 if self.early_kv else 1
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -296,20 +259,18 @@ class DecodeEngine:
         spec, mod = self.spec, self.module
         args = arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
                          slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
-                         self.scale_log2, 0)
+                         self.scale_log2)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
-        pdl = PDLLaunch(function, grid, mod.threads, mod.smem_bytes, args.address) if self.pdl else None
-        return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
+        return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes)
 
     def _upload(self, batch: Batch, host: planner.Plan) -> DevicePlan:
-        """A host plan's items (as the kernels read them, with their early-K/V flags for this
-        module's stages), page table and merge groups on the device, and its launches."""
+        """A host plan's items (as the kernels read them), page table and merge groups on the
+        device, and its launches."""
         torch, spec = self.torch, self.spec
         n = host.num_items
         items8 = np.zeros((max(n, 1), 8), dtype=np.int32)
         items8[:n, :4] = host.items
         items8[:n, 4] = batch.kv_indptr[host.items[:, 0] & 0xFFFF]
-        items8[:n, 7] = planner.early_kv_items(host.items, self.module.tile, self.module.stages)
         G, D = spec.group_size, spec.head_dim
         buffers = {
             "part_o": torch.empty((max(n, 1), G, D), dtype=torch.float32, device=self.device),
@@ -365,7 +326,7 @@ class DecodeEngine:
         base = workspace.data_ptr()
         items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
         plan_args = arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk, max_items,
-                              planner.EARLY_SKIP_SPLITS, items, num_items)
+                              items, num_items)
         launches = [KernelLaunch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
                     self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
                                         states + 4 * n_part_o, base + 4 * o_counters, 0)]
@@ -398,16 +359,12 @@ class DecodeEngine:
         """
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans follow lengths changed on the device")
         self._launch(plan.launches[0], self._stream())
-        plan.early_ok = False
 
     def occupancy(self, launch: KernelLaunch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory."""
         return int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(launch.function, launch.threads, launch.smem))
 
     def _launch(self, launch: KernelLaunch, stream: int) -> None:
-        if launch.pdl is not None:
-            launch.pdl(stream)
-            return
         self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
                                   stream, launch.args.address, 0)
 
@@ -485,19 +442,14 @@ class DecodeEngine:
                 continue
             PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr)
             STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
-            if launch.pdl is not None:
-                args.early = self._early_bits if plan.early_ok else 0
-                launch.pdl(stream)
-                plan.early_ok = True
-            else:
-                self._launch(launch, stream)
+            self._launch(launch, stream)
 
-    def device_items(self, plan: DevicePlan, flags: bool = False) -> np.ndarray:
+    def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them: a host copy, int32 [n, 4] (plan.Plan.items'
-        words), or [n, 5] with ``flags`` (then the flags word: plan.early_kv_items); synchronises."""
+        words); synchronises."""
         items = plan.view("items").cpu().numpy()
         n = plan.host_plan.num_items if plan.host_plan is not None else int(plan.view("num_items").item())
-        return np.concatenate([items[:n, :4], items[:n, 7:8]], axis=1) if flags else items[:n, :4]
+        return items[:n, :4]
 
 
 _ENGINES: dict = {}

@@ -19,9 +19,6 @@ PLAN_ROUTES = ("split", "buckets", "padded_buckets", "workqueue")
 
 #: Our backends, in their stable order (results, tables, figures), and the engine route each runs.
 PKV_BACKENDS = {"pkv-workqueue": "workqueue", "pkv-buckets": "buckets", "pkv-split": "split"}
-#: Our work queue with programmatic dependent launch off, beside pkv-workqueue in the full decode
-#: step (persistentkv measure-e2e), so PDL's share of the step is measured, not assumed.
-PKV_NOPDL = "pkv-workqueue-nopdl"
 #: FlashInfer's two decode kernels.
 FLASHINFER = ("flashinfer-cc", "flashinfer-tc")
 #: The baselines our routes are compared with; "best baseline" is the fastest of these per cell.

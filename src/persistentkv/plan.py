@@ -366,27 +366,6 @@ def plan_workqueue(batch: Batch, target_items: int | None = None, num_splits: in
     return _assemble("workqueue", batch, [(block, rows, splits, batch.seq_lens)], params, fused_merge)
 
 
-#: Items of 2 .. stages - 1 pipeline stages in a group of this many splits or more do not load
-#: their K/V before the PDL wait: there the early loads cover whole items, all CTAs' at once,
-#: while the previous call's merges (as many states each) still run, and that call ends later by
-#: more than the loads gain (H200, B=1 x 4K: 10.5 -> 9.8 us without them; benchmarks/NOTES.md, v16).
-EARLY_SKIP_SPLITS = 8
-
-
-def early_kv_items(items: np.ndarray, stage_tokens: int, stages: int) -> np.ndarray:
-    """Which items may load their first K/V stages before the PDL wait (the engine's early_kv):
-    int32 [n], 1 or 0, for items int32 [n, 4] run by a module of ``stages`` pipeline stages of
-    ``stage_tokens`` tokens. 0 for an item of 2 .. stages - 1 stages whose row has
-    EARLY_SKIP_SPLITS splits or more, else 1. pkv_plan sets the same flags on the device.
-
-    Worked numbers (4 warps: 64-token stages, 3 stages): B=1 x 4096 tokens planned as 32 splits of
-    128 tokens: 2 stages, 32 splits -> 0; B=1 x 32768, 32 splits of 1024 tokens: 16 stages -> 1."""
-    items = np.asarray(items).reshape(-1, 4)
-    n_stages = (items[:, 2].astype(np.int64) - items[:, 1] + stage_tokens - 1) // stage_tokens
-    skip = (n_stages > 1) & (n_stages <= stages - 1) & ((items[:, 3] >> 16) >= EARLY_SKIP_SPLITS)
-    return (~skip).astype(np.int32)
-
-
 #: route name -> its planner, and the options each takes (every parameter but the batch)
 _PLANNERS = {"split": plan_split, "buckets": plan_buckets, "padded_buckets": plan_buckets,
              "workqueue": plan_workqueue}

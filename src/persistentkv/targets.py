@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis
-from .names import BASELINES, EXPERIMENTS, FLOOR_BACKEND, PKV_NOPDL, SHAPES_EXPERIMENT, synthetic_name
+from .names import BASELINES, EXPERIMENTS, FLOOR_BACKEND, SHAPES_EXPERIMENT, synthetic_name
 from .results import Results
 
 #: The backend the engine's targets are about: our work queue, as pkv-workqueue runs it.
@@ -512,7 +512,6 @@ def e2e_verdicts(results: Results) -> dict:
       attention times, best_step / (best_step - best_attention + our_attention); a cell reaches its
       prediction when the measured interval's upper end is at least the prediction's lower end;
       the claim holds when every measured cell reaches it.
-    * ``pdl``: per cell, the step of pkv-workqueue with PDL off (names.PKV_NOPDL) over ours.
     * ``rest``: per model and kernels variant, over every row at B=1 (all backends), the weight
       floor (weight_floor_us, median) over the median non_attention_us; holds at E2E_REST_FLOOR.
     * ``not_run``: rows whose status is one of E2E_NOT_RUN, grouped by status and reason (the
@@ -522,7 +521,7 @@ def e2e_verdicts(results: Results) -> dict:
     run's sidecar says it stopped before its end (measure-e2e's partial writes), None when no
     sidecar says."""
     frame = results.e2e
-    out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "nopdl": PKV_NOPDL, "step_floor": E2E_STEP_FLOOR,
+    out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "step_floor": E2E_STEP_FLOOR,
            "rest_floor": E2E_REST_FLOOR, "measured": False, "complete": None, "run_ids": [], "cells": [],
            "without_pair": [], "step": {}, "gain": {}, "rest": [], "not_run": [], "stopped": []}
     if frame.empty or not set(E2E_CELL + ["backend", "repeat", "step_us", "status"]) <= set(frame.columns):
@@ -579,7 +578,7 @@ def e2e_cell(key: dict, cell: pd.DataFrame) -> dict:
     if ENGINE_BACKEND not in steps.index or not baselines:
         return {**entry, "ratio": None}
     best = min(baselines, key=lambda b: float(np.nanmedian(steps.loc[b].to_numpy(float))))
-    names = [ENGINE_BACKEND, best] + ([PKV_NOPDL] if PKV_NOPDL in steps.index else [])
+    names = [ENGINE_BACKEND, best]
     rounds = steps.columns
     attn = series["attention_us"].reindex(index=names, columns=rounds)
     values = np.vstack([steps.loc[names].to_numpy(float), attn.to_numpy(float)])   # [2 x names, rounds]
@@ -602,13 +601,7 @@ def e2e_cell(key: dict, cell: pd.DataFrame) -> dict:
                  attention_share=float(a[0] / s[0]),
                  tokens_per_s=float(pd.to_numeric(ours["tokens_per_s"], errors="coerce").median()),
                  p99_us=float(pd.to_numeric(ours["step_us"], errors="coerce").quantile(E2E_TAIL)),
-                 floor_us=_median(ours, "floor_us"), mem_peak_bytes=_max_int(cell, "mem_peak_bytes"),
-                 pdl=None)
-    if n == 3:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            pdl, pdl_boot = s[2] / s[0], s_boot[:, 2] / s_boot[:, 0]
-        p_lo, p_hi = analysis.interval(pdl_boot)
-        entry["pdl"] = {"ratio": float(pdl), "lo": p_lo, "hi": p_hi, "nopdl_step_us": float(s[2])}
+                 floor_us=_median(ours, "floor_us"), mem_peak_bytes=_max_int(cell, "mem_peak_bytes"))
     return entry
 
 
@@ -694,11 +687,6 @@ def _e2e_sentences(entry: dict, hw: str) -> list[str]:
     else:
         said.append(f"No cell on {hw} has both {entry['backend']} and a baseline timed: the step floor and the "
                     f"gain are not measured.")
-    pdl = [c for c in entry["cells"] if c["pdl"]]
-    if pdl:
-        ratios = sorted(c["pdl"]["ratio"] for c in pdl)
-        said.append(f"PDL: with it off the step takes {ratios[0]:.3f}x to {ratios[-1]:.3f}x ours "
-                    f"({len(pdl)} cells).")
     for r in entry["rest"]:
         said.append(f"Outside attention at B=1, {r['model']}/{r['kernels']} reaches "
                     f"{analysis.fmt_ratio(r['frac'], r['lo'], r['hi'])} of its weight-read floor (target "

@@ -24,10 +24,6 @@ is its bytes, weights read once (every layer, the LM head, B embedding rows) plu
 row and layer, at the run's read ceiling (persistentkv.ceiling, measured before and after the
 cases; the higher counts).
 
-Our engine runs twice: ``pkv-workqueue`` as the registry builds it (programmatic dependent launch
-on where the device has it) and ``pkv-workqueue-nopdl``, the same GPU-planned queue on the same
-module (its warps as pkv-workqueue picked them for the cell) with PDL off.
-
 Traces: the loop follows the trace's rows (arrivals and departures), every ``measure.step_stride``
 th step is timed; a change of rows re-plans and re-captures, and ``recaptures`` counts them.
 A configuration that does not fit in free device memory is refused with one line before anything
@@ -51,20 +47,18 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PKVError, require
-from ..names import PKV_NOPDL
 
 #: Column -> dtype of the rows this command writes (one per repeat of a backend in a cell or step).
 E2E_COLUMNS: dict[str, str] = {
     "run_id": "string", "experiment": "string", "model": "string", "tensor_parallel": "int64",
     "trace": "string", "seed": "int64", "step": "int64", "batch_size": "int64", "context": "int64",
-    "total_tokens": "int64", "dtype": "string", "page_size": "int64", "backend": "string", "pdl": "string",
+    "total_tokens": "int64", "dtype": "string", "page_size": "int64", "backend": "string",
     "kernels": "string", "follow": "string", "repeat": "int64", "step_us": "float64", "attention_us": "float64",
     "non_attention_us": "float64", "tokens_per_s": "float64", "weight_bytes": "int64", "kv_bytes": "int64",
     "floor_us": "float64", "weight_floor_us": "float64", "kv_floor_us": "float64", "read_ceiling_gbps": "float64",
     "mem_estimate_bytes": "int64", "mem_peak_bytes": "int64", "recaptures": "int64", "status": "string",
     "reason": "string",
 }
-NOPDL = PKV_NOPDL
 #: Tokens each row may grow past its context inside a cell (one step per replay, rewound each round).
 ROOM = 64
 EXPERIMENT = "e2e"
@@ -119,29 +113,6 @@ def default_backends(config: dict) -> list[str]:
     return [b for b in config["measure"]["backends"] if b != ADAPTIVE and b not in CPU_ONLY]
 
 
-class EngineWorkqueue:
-    """The GPU-planned queue on an engine built with ``pdl`` and ``warps``: the PDL-off side of
-    pkv-workqueue's comparison (same module, same plan, launches without PDL)."""
-
-    graph_safe = True
-
-    def __init__(self, name: str, warps: int, pdl: bool):
-        self.name, self.warps, self.pdl = name, int(warps), bool(pdl)
-
-    def unavailable(self, spec) -> list[str]:
-        from ..engine import engine_unsupported, gpu_reasons
-
-        return engine_unsupported(spec, self.warps) + gpu_reasons()
-
-    def plan(self, batch):
-        from ..engine import engine_for
-
-        return engine_for(batch.spec, warps=self.warps, pdl=self.pdl).plan(batch, "workqueue")
-
-    def run(self, q, cache, plan, out) -> None:
-        plan.engine.run(q, cache, plan, out)
-
-
 # -- one configuration ------------------------------------------------------------------------
 class Setting:
     """What the rows of one (model, cell or trace) share."""
@@ -158,7 +129,7 @@ class Setting:
         row.update(self.fields, backend=backend, step=int(step), batch_size=int(batch_size),
                    context=int(lengths.max()) if lengths.size else 0, total_tokens=int(lengths.sum()),
                    weight_bytes=self.shape.step_weight_bytes(self.dtype, batch_size),
-                   kv_bytes=int(lengths.sum()) * self.shape.kv_bytes_per_token(self.dtype), pdl="", follow="",
+                   kv_bytes=int(lengths.sum()) * self.shape.kv_bytes_per_token(self.dtype), follow="",
                    repeat=-1, mem_peak_bytes=0, recaptures=0, reason="", status="ok")
         for name in ("step_us", "attention_us", "non_attention_us", "tokens_per_s", "floor_us", "weight_floor_us",
                      "kv_floor_us", "read_ceiling_gbps"):
@@ -167,17 +138,8 @@ class Setting:
         return row
 
 
-def _pdl_of(backend, loop) -> str:
-    if backend == NOPDL:
-        return "off"
-    if loop is not None and backend == "pkv-workqueue":
-        return "on" if loop.plan.engine.pdl else "off"
-    return ""
-
-
 def _loops(model, kv, names, rows_of, log):
-    """{name: DecodeLoop} for every backend that can run here, plus pkv-workqueue-nopdl beside
-    pkv-workqueue when its engine launches with PDL; {name: reason} for the others."""
+    """{name: DecodeLoop} for every backend that can run here; {name: reason} for the others."""
     from ..model import DecodeLoop
 
     loops, refused = {}, {}
@@ -190,15 +152,6 @@ def _loops(model, kv, names, rows_of, log):
             loops[name] = loop
         except Exception as exc:
             refused[name] = _one_line(exc)
-            continue
-        if name == "pkv-workqueue" and loop.plan.engine.pdl:
-            try:
-                off = DecodeLoop(model, kv, EngineWorkqueue(NOPDL, loop.plan.warps, pdl=False), log=log)
-                rows_of(off)
-                off.next_tokens()
-                loops[NOPDL] = off
-            except Exception as exc:
-                refused[NOPDL] = _one_line(exc)
     return loops, refused
 
 
@@ -253,7 +206,7 @@ def _timed_rows(setting, loops, times, batch_size, lengths, step, peak) -> list[
         for repeat, (step_us, attn_us) in enumerate(times[name]):
             rows.append(setting.row(name, batch_size, lengths, step, repeat=repeat, step_us=step_us,
                                     attention_us=attn_us, non_attention_us=step_us - attn_us,
-                                    tokens_per_s=batch_size / (step_us * 1e-6), pdl=_pdl_of(name, loop),
+                                    tokens_per_s=batch_size / (step_us * 1e-6),
                                     follow=loop.mode, mem_peak_bytes=int(peak),
                                     recaptures=int(loop.recaptures)))
     return rows
@@ -272,7 +225,7 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
     dtype, P = ctx.dtype, ctx.page_size
     reserve = context + ROOM
     pages = batch_size * pages_for(reserve, P)
-    need = footprint(shape, dtype, pages, P, batch_size, backends=len(names) + 1)
+    need = footprint(shape, dtype, pages, P, batch_size, backends=len(names))
     need = replace(need, weights=0)  # the weights are already on the device
     label = f"{shape.name} at B={batch_size} x {context}"
     setting = Setting(ctx.run_id, shape, dtype, P, "cases", ctx.seed, model.kernels.name,
@@ -323,7 +276,7 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     held = [set(timed[0].request_ids)] + [set(a.request_ids) | set(b.request_ids) for a, b in zip(timed, timed[1:])]
     live = max(sum(pages_for(reserve[r], P) for r in rows) for rows in held)
     widest = max(step.batch_size for step in timed)
-    need = footprint(shape, dtype, live, P, widest, backends=len(names) + 1)
+    need = footprint(shape, dtype, live, P, widest, backends=len(names))
     need = replace(need, weights=0)
     setting = Setting(ctx.run_id, shape, dtype, P, trace.name, trace.seed, model.kernels.name,
                       need.total + shape.weight_bytes(dtype))
@@ -582,7 +535,7 @@ def _ceiling_rows(run_id: str, samples, failures: dict, read: float) -> list[dic
     measured = {s.backend for s in samples}
     base = {name: None for name in E2E_COLUMNS}
     base.update(run_id=run_id, experiment=EXPERIMENT, model="", tensor_parallel=1, seed=0, step=0, batch_size=0,
-                context=0, total_tokens=0, dtype="", page_size=0, pdl="", kernels="", follow="", weight_bytes=0,
+                context=0, total_tokens=0, dtype="", page_size=0, kernels="", follow="", weight_bytes=0,
                 mem_estimate_bytes=0, mem_peak_bytes=0, recaptures=0, read_ceiling_gbps=read, reason="",
                 status="ok")
     for name in ("attention_us", "non_attention_us", "tokens_per_s", "floor_us", "weight_floor_us", "kv_floor_us"):

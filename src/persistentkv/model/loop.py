@@ -29,9 +29,7 @@ How a captured step keeps its plan right while the lengths grow (:func:`follow_m
 
 Rows arrive and leave (:meth:`DecodeLoop.follow`, driven by a persistentkv.traces step): pages
 come from a seeded free list and return to it, and a change of the batch's rows re-plans and
-re-captures (``recaptures`` counts it). The early-K/V contract of the engine holds: the only
-kernel that writes the cache before an attention launch is the append, and it writes the rows'
-last pages.
+re-captures (``recaptures`` counts it).
 """
 
 from __future__ import annotations

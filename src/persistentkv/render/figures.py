@@ -716,8 +716,6 @@ def fig_split_ablation(frame: pd.DataFrame) -> Figure:
 # 10. The full decode step (results/<hw>/e2e.parquet): where each backend's step goes, and whether
 #     the attention gain survives it
 
-#: The pkv-workqueue-nopdl rows' colour: ours, lighter.
-E2E_NOPDL_COLOR = sns.color_palette("colorblind", 10)[0] + (0.45,)
 
 
 def e2e_cell_name(trace: str, step: int, batch_size: int, context: int) -> str:
@@ -777,7 +775,7 @@ def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
             for j, b in enumerate(backends):
                 mine = part[part["backend"] == b].set_index("cell").reindex(cells)
                 x = np.arange(len(cells)) - 0.4 + width * (j + 0.5)
-                shade = E2E_NOPDL_COLOR if b == targets.PKV_NOPDL else color(b)
+                shade = color(b)
                 handles[b] = left.bar(x, mine["attention_us"] / 1e3, width, color=shade, linewidth=0)
                 left.bar(x, mine["rest_us"] / 1e3, width, bottom=mine["attention_us"] / 1e3, color=shade,
                          alpha=0.35, linewidth=0)

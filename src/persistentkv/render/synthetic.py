@@ -348,7 +348,7 @@ E2E_CELLS = {"llama3_8b": [(1, 4096), (1, 32768), (16, 4096), (16, 32768)],
              "llama3_70b_tp8": [(1, 32768), (8, 32768)]}
 E2E_TRACE_STEPS = [("zipf_b8", 0, [30000, 2000, 1500, 900, 700, 500, 400, 300]),
                    ("zipf_b8", 8, [30008, 2008, 1508, 908, 708, 508, 408, 308])]
-E2E_BACKENDS = ("pkv-workqueue", "pkv-workqueue-nopdl", "flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa")
+E2E_BACKENDS = ("pkv-workqueue", "flashinfer-tc", "flashinfer-cc", "vllm-fa3", "trtllm-xqa")
 E2E_UNAVAILABLE = {"trtllm-xqa": "synthetic: trtllm-xqa left out to keep the test data small"}
 #: A cell the toy device cannot hold: its rows are refused, as measure-e2e refuses one.
 E2E_REFUSED = ("llama3_8b", 64, 131072, "synthetic: needs more memory than the toy device has")
@@ -356,13 +356,12 @@ E2E_REFUSED = ("llama3_8b", 64, 131072, "synthetic: needs more memory than the t
 
 def _e2e_attention_us(backend: str, lengths, shape) -> float:
     """One step's attention over every layer in the toy model: each layer reads its K/V at the
-    backend's fraction of the ceiling (_efficiency), plus a launch cost (1 us more without PDL)."""
+    backend's fraction of the ceiling (_efficiency), plus a launch cost."""
     lengths = np.asarray(lengths)
     per_layer_kv = float(lengths.sum()) * 2 * shape.num_kv_heads * shape.head_dim * 2
     ragged = float(lengths.std() / lengths.mean()) if lengths.size > 1 else 0.0
-    eff = _efficiency(backend.replace("-nopdl", ""), lengths.size, int(lengths.max()), min(ragged, 1.0), 0.0)
-    launch = 4.0 + (1.0 if backend.endswith("-nopdl") else 0.0)
-    return shape.num_layers * (per_layer_kv / (RUN_CEILING_GBPS * 1e3 * eff) + launch)
+    eff = _efficiency(backend, lengths.size, int(lengths.max()), min(ragged, 1.0), 0.0)
+    return shape.num_layers * (per_layer_kv / (RUN_CEILING_GBPS * 1e3 * eff) + 4.0)
 
 
 def e2e_models() -> dict:
@@ -409,12 +408,11 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
                     step_us = attn + rest * shared * float(np.exp(rng.normal(0, 0.004)))
                     rows.append({**cell, "backend": backend, "repeat": r, "step_us": step_us, "attention_us": attn,
                                  "non_attention_us": step_us - attn, "tokens_per_s": B / (step_us * 1e-6),
-                                 "pdl": "off" if backend.endswith("-nopdl") else "on" if backend.startswith("pkv") else "",
                                  "follow": "device" if backend.startswith("pkv") else "host",
                                  "status": "ok", "reason": ""})
             for backend, reason in E2E_UNAVAILABLE.items():
                 rows.append({**cell, "backend": backend, "repeat": -1, "step_us": np.nan, "attention_us": np.nan,
-                             "non_attention_us": np.nan, "tokens_per_s": np.nan, "pdl": "", "follow": "",
+                             "non_attention_us": np.nan, "tokens_per_s": np.nan, "follow": "",
                              "status": "unavailable", "reason": reason})
     name, B, context, reason = E2E_REFUSED
     shape = ModelShape(name=name, **E2E_MODELS[name])
@@ -423,12 +421,12 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
                      "context": context, "total_tokens": B * context, "backend": backend, "repeat": -1,
                      "weight_bytes": shape.step_weight_bytes("float16", B),
                      "kv_bytes": B * context * shape.kv_bytes_per_token("float16"), "step_us": np.nan,
-                     "attention_us": np.nan, "non_attention_us": np.nan, "tokens_per_s": np.nan, "pdl": "",
+                     "attention_us": np.nan, "non_attention_us": np.nan, "tokens_per_s": np.nan,
                      "follow": "", "mem_peak_bytes": 0, "status": "refused", "reason": reason})
     nbytes = 16 << 30
     rows += [{**base, "model": "", "tensor_parallel": 1, "trace": "read-ceiling", "step": 0, "batch_size": 0,
               "context": 0, "total_tokens": 0, "backend": "read-ceiling", "repeat": r, "kv_bytes": nbytes,
-              "weight_bytes": 0, "step_us": CEILING_FIXED_US + nbytes / (CEILING_GBPS * 1e3), "pdl": "",
+              "weight_bytes": 0, "step_us": CEILING_FIXED_US + nbytes / (CEILING_GBPS * 1e3),
               "follow": "", "kernels": "", "status": "ok", "reason": ""} for r in range(2 * 3)]
     return pd.DataFrame(rows)
 
