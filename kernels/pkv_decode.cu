@@ -357,19 +357,20 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV
   const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_ELEMS);
   const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
   const int t0 = ld.lo + tile * TILE;
+  unsigned long long off[LOADS];
+  bool valid[LOADS];
 #pragma unroll
   for (int i = 0; i < LOADS; ++i) {
-    const int t = ld.lr + ROWS_PER_PASS * i;
-    const int tok = t0 + t;
-    const bool valid = tok < ld.hi;
-    const unsigned so = swz(t, ld.lc) * 2;
+    const int tok = t0 + ld.lr + ROWS_PER_PASS * i;
+    valid[i] = tok < ld.hi;
     // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
     // src-size 0 never reads
-    const unsigned long long off =
-        (unsigned long long)(unsigned)pg[i] * ld.sp_b + ((unsigned)(tok & ld.p_mask) * ld.st_b + ld.lc * 16u);
-    cp_async16(dK + so, ld.kbytes + off, valid);
-    cp_async16(dV + so, ld.vbytes + off, valid);
+    off[i] = (unsigned long long)(unsigned)pg[i] * ld.sp_b + ((unsigned)(tok & ld.p_mask) * ld.st_b + ld.lc * 16u);
   }
+#pragma unroll
+  for (int i = 0; i < LOADS; ++i) cp_async16(dK + swz(ld.lr + ROWS_PER_PASS * i, ld.lc) * 2, ld.kbytes + off[i], valid[i]);
+#pragma unroll
+  for (int i = 0; i < LOADS; ++i) cp_async16(dV + swz(ld.lr + ROWS_PER_PASS * i, ld.lc) * 2, ld.vbytes + off[i], valid[i]);
 }
 
 // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G): into registers,
