@@ -14,7 +14,8 @@
 // Kernels:
 //   pkv_decode        one CTA per work item; writes a partial state (or the output when the item is
 //                     its row's only split); pkv_merge then combines the partial states.
-//   pkv_decode_fused  the same, and the last CTA of each (row, kv head) to finish merges the group.
+//   pkv_decode_fused  the same, and the last CTA of each (row, kv head) to finish merges the group
+//                     (in two levels past MERGE_FANIN splits: arrive_and_merge).
 //   pkv_merge         one CTA per merge group.
 //   pkv_plan          the balanced work queue, built on the device from device lengths.
 //

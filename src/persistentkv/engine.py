@@ -10,8 +10,9 @@ captured in a CUDA graph. Routes (names.ENGINE_ROUTES):
 
 * ``workqueue`` (default): the balanced compact queue, planned ON THE GPU by ``pkv_plan`` from the
   device sequence lengths (no host round trip), one fused launch (the last CTA of each
-  (row, kv head) merges). ``replan_device`` re-plans it from lengths changed on the device, so a
-  whole step (plan + layers) can be one CUDA graph.
+  (row, kv head) merges; in two levels when it split more than 16 ways). ``replan_device``
+  re-plans it from lengths changed on the device, so a whole step (plan + layers) can be one CUDA
+  graph.
 * ``buckets``: one decode + merge launch pair per exact-length bucket, as published.
 * ``split``: the rectangular B x Hkv x S grid with its empty splits, decode + merge.
 
@@ -27,7 +28,7 @@ SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqu
 Every kernel launches plainly, after the kernel before it on the stream has completed. Launching
 the decode kernels with programmatic dependent launch, their item, page ids and first K/V stages
 read while the preceding kernel finished, made attention timed back to back faster and the full
-decode step slower (benchmarks/NOTES.md, "Tried and rejected"); it left the engine after 3153ad5.
+decode step slower (benchmarks/NOTES.md, "Tried and rejected"); b3dd932 is the last commit with it.
 
 ``trace`` (development): builds the module with the CTA trace stamps (kernels/pkv_trace.cuh) that
 benchmarks/trace_cta.py reads; never for serving.
