@@ -293,18 +293,26 @@ __device__ __forceinline__ void fold_states(const Params& p, int base, int n, in
   }
 }
 
-// Merge the partial states of one (row, kv head) into its output: slots base, base + stride, ...
-// (n of them). Each thread owns one float4 of one query head's output.
-__device__ void merge_group(const Params& p, int row, int head, int base, int n, int stride = 1) {
-  const int G = p.group_size;
+// Fold states (fold_states) for every (query head g, float4 d) of a kv head, one per thread in
+// turn, handing each result to ``emit(g, d, m, den, acc)``.
+template <typename Emit>
+__device__ __forceinline__ void fold_each(const Params& p, int base, int n, int stride, Emit emit) {
   constexpr int D4 = D / 4;
-  for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
+  for (int idx = threadIdx.x; idx < p.group_size * D4; idx += THREADS) {
     const int g = idx / D4, d = (idx - g * D4) * 4;
     float m, den;
     float4 acc;
     fold_states(p, base, n, stride, g, d, m, den, acc);
-    write_merged(p, row, head * G + g, d, acc, den);
+    emit(g, d, m, den, acc);
   }
+}
+
+// Merge the partial states of one (row, kv head) into its output: slots base, base + stride, ...
+// (n of them). Each thread owns one float4 of one query head's output.
+__device__ void merge_group(const Params& p, int row, int head, int base, int n, int stride = 1) {
+  fold_each(p, base, n, stride, [&](int g, int d, float, float den, const float4& acc) {
+    write_merged(p, row, head * p.group_size + g, d, acc, den);
+  });
 }
 
 // Merge the n partial states at slots [base, base + n) into one, written over slot base's: o
@@ -314,17 +322,12 @@ __device__ void merge_group(const Params& p, int row, int head, int base, int n,
 // shared memory (``stage``, G floats) and written after a barrier.
 __device__ void merge_in_place(const Params& p, int base, int n, float* stage) {
   const int G = p.group_size;
-  constexpr int D4 = D / 4;
-  for (int idx = threadIdx.x; idx < G * D4; idx += THREADS) {
-    const int g = idx / D4, d = (idx - g * D4) * 4;
-    float m, den;
-    float4 acc;
-    fold_states(p, base, n, 1, g, d, m, den, acc);
+  fold_each(p, base, n, 1, [&](int g, int d, float m, float den, const float4& acc) {
     const float inv = den > 0.f ? 1.f / den : 0.f;
     *reinterpret_cast<float4*>(p.part_o + ((long long)base * G + g) * D + d) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (d == 0) stage[g] = den > 0.f ? m + __log2f(den) : NEG_INF;
-  }
+  });
   __syncthreads();  // every thread has read slot base's lse values
   for (int g = threadIdx.x; g < G; g += THREADS) p.part_lse[(long long)base * G + g] = stage[g];
 }
