@@ -13,7 +13,7 @@ from persistentkv import ceiling, configuration
 from persistentkv.errors import PKVError
 from persistentkv.measure import statistics, workload
 from persistentkv.measure.harness import RunContext, Settings, one_kernel_floor, run_case
-from persistentkv.measure.rows import raw_frame
+from persistentkv.measure.rows import floor_rows, raw_frame
 from persistentkv.names import BASELINES, CEILING_BACKENDS, FLOOR_BACKEND, PKV_BACKENDS, SHAPES_EXPERIMENT
 from persistentkv.spec import AttentionSpec
 
@@ -295,3 +295,70 @@ def test_shapes_config_is_checked_by_the_schema(config):
     bad["measure"]["bench_shapes"]["kv_heads"] = [0]
     with pytest.raises(PKVError, match="bench_shapes"):
         configuration.validate_config(bad, ROOT)
+
+
+# -- the separator: each timed call after one small kernel, its own time subtracted -----------------
+class FakeSeparator:
+    """A separator stand-in: a launch is ("sep", -1) in the capture (cost: the device's cost(-1))."""
+
+    def __init__(self, device):
+        self.device, self.calls = device, 0
+
+    def __call__(self):
+        self.calls += 1
+        (self.device.capturing if self.device.capturing is not None else self.device.eager).append((-1, -1))
+
+
+def cost_with_separator(grid):   # the separator costs 2 us, the reads as cost_by_grid
+    return 2e-6 if grid == -1 else cost_by_grid(grid)
+
+
+def test_floor_with_a_separator_reads_after_each_one_and_subtracts_their_own_time():
+    device = FakeFloorDevice(cost_with_separator)
+    separator = FakeSeparator(device)
+    floor = ceiling.OneKernelFloor(device, 4 * MiB, cold_l2_factor=3.0, calls_per_graph=10, reader=FakeReader,
+                                   separator=separator)
+    alone, *graphs = device.graphs
+    assert alone == [(-1, -1)] * floor.launches                       # the separators' graph, alone
+    for graph in graphs:                                              # every read right after one
+        assert [g for g, _ in graph[0::2]] == [-1] * floor.launches
+        assert [s for _, s in graph[1::2]] == list(range(floor.launches))
+    floor.round(record=False)
+    floor.round()
+    floor.round()
+    result = floor.result()
+    assert result.samples[528] == pytest.approx([5.0, 5.0]) and result.samples[132] == pytest.approx([9.0, 9.0])
+    assert result.separator_samples[528] == pytest.approx([2.0, 2.0])
+    assert "each after a separator kernel" in result.summary()
+    rows = floor_rows(result, {"kv_bytes": 4 * MiB, "run_id": "r"}, 4000.0)
+    assert [r["separator_us"] for r in rows] == pytest.approx([2.0, 2.0])
+    assert [r["time_us"] for r in rows] == pytest.approx([5.0, 5.0])
+
+
+def test_floor_without_a_separator_has_no_separator_samples():
+    device = FakeFloorDevice(cost_by_grid)
+    result = ceiling.measure_floor(device, 16 * MiB, repeats=2, warmup=0, reader=FakeReader)
+    assert result.separator_samples == {} and "separator" not in result.summary()
+    rows = floor_rows(result, {"kv_bytes": 16 * MiB, "run_id": "r"}, 4000.0)
+    assert all(np.isnan(r["separator_us"]) for r in rows)
+
+
+def test_kernel_once_subtracts_the_separators_replayed_right_before():
+    from persistentkv.measure.protocols import kernel_once
+    from persistentkv.measure.rotation import CopyCursor
+
+    device = FakeFloorDevice(cost_by_grid)
+    order = []
+
+    def replay(us):
+        def run():
+            order.append(us)
+            device.clock.t += us * 1e-6
+        return run
+
+    fields = kernel_once(device, [replay(70.0)], CopyCursor(1, 10), 10, queue_cycles=5, separators=replay(20.0))
+    assert order == [20.0, 70.0]                       # the separators first, then the graph
+    assert fields["time_us"] == pytest.approx(5.0) and fields["separator_us"] == pytest.approx(2.0)
+    assert device.spins == [5, 5]                      # both windows behind the spin
+    plain = kernel_once(device, [replay(70.0)], CopyCursor(1, 10), 10)
+    assert plain == {"time_us": pytest.approx(7.0), "layers": 1}

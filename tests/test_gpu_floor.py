@@ -54,3 +54,28 @@ def test_floor_times_are_positive_and_grow_with_the_bytes():
     assert large.median_us > small.median_us
     # 256 MiB in one kernel cannot beat 20 TB/s on any GPU this runs on, nor take a millisecond on an H200-class one
     assert 256 * 2**20 / (large.median_us * 1e-6) < 20e12
+
+
+def test_a_separated_floor_copies_every_time_and_still_reads_every_word():
+    from persistentkv import ceiling
+    from persistentkv.measure.device import TorchDevice
+
+    device = TorchDevice("cuda")
+    launches = []
+    copy = device.separator(256 * 1024)
+
+    def separator():
+        launches.append(1)
+        copy()
+
+    result = ceiling.measure_floor(device, 16 * 2**20, repeats=3, warmup=1, separator=separator)
+    assert set(result.separator_samples) == set(result.samples)
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in result.separator_samples.values())
+    assert all(t > 0 for v in result.samples.values() for t in v)   # the reads still cost time after the copy
+    # captured once alone and once per grid (plus one eager launch): replays re-launch no Python
+    assert len(launches) == 1 + result.launches * (1 + len(result.samples))
+    sink_reader = ceiling.CupyReader(device, 1, ceiling.floor_vectors(4096), seed=3)
+    copy()
+    sink_reader.launch(132, 0)
+    torch.cuda.synchronize()
+    assert int(sink_reader.sink.cpu().numpy().view(np.uint32)[0]) == xor_of(sink_reader.slot_bytes(0))

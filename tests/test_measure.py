@@ -27,7 +27,7 @@ from persistentkv import configuration
 from persistentkv.cache import compact_batch, make_batch
 from persistentkv.errors import PKVError
 from persistentkv.names import PUBLISHED_TRACES
-from persistentkv.measure import rotation, schedule, statistics, workload
+from persistentkv.measure import harness, rotation, schedule, statistics, workload
 from persistentkv.measure.rows import (RAW_COLUMNS, VALIDATION_COLUMNS, one_line, raw_frame, raw_row,
                                        validation_frame)
 from persistentkv.spec import AttentionSpec
@@ -997,3 +997,53 @@ def test_experiment_protocols_refuse_unknown_names():
 
     with pytest.raises(PKVError, match="measure.protocols.batch_sweep: unknown protocol"):
         experiment_protocols({"measure": {"protocols": {"batch_sweep": ["kernel", "graph"]}}}, "batch_sweep")
+
+
+# -- the kernel protocol's separator -------------------------------------------------------------
+class SeparatedDevice(FakeDevice):
+    """FakeDevice whose separator logs ("sep", nbytes) into the shared log on every launch."""
+
+    def separator(self, nbytes):
+        launch = super().separator(nbytes)
+
+        def logged():
+            self.log.events.append(("sep", nbytes))
+            launch()
+        return logged
+
+
+def test_separator_bytes_are_the_steps_appended_kv():
+    case = case_with(["pkv-workqueue"], lengths=(40, 17, 3))
+    # 3 rows x (K and V) x 2 kv heads x 64 x 4 bytes (float32)
+    assert harness.separator_bytes(case.batch) == 3 * 2 * 2 * 64 * 4
+
+
+def test_kernel_rows_with_a_separator_follow_one_each_and_subtract_it():
+    log = Log()
+    device = SeparatedDevice(l2_bytes=0, log=log)
+    log.events.clear()
+    case = case_with(["flashinfer-tc", "pkv-workqueue"])
+    settings_ = Settings(layers=1, repeats=2, warmup=0, calls_per_graph=3, protocols=("kernel", "eager"),
+                         kernel_separator=True)
+    rows = run_case(case, device, make_factory(log, {}), settings_, RunContext("r", 1000.0, log=lambda m: None))
+    frame = raw_frame(rows)
+    assert (frame["status"] == "ok").all()
+    kernel, eager = frame[frame["protocol"] == "kernel"], frame[frame["protocol"] == "eager"]
+    assert len(kernel) == 4 and (kernel["separator_us"] >= 0).all() and eager["separator_us"].isna().all()
+    nbytes = harness.separator_bytes(case.batch)
+    seps = [e for e in log.events if e[0] == "sep"]
+    assert seps and all(e == ("sep", nbytes) for e in seps)
+    # on the CPU a "graph" re-runs its function: every main-role run of the kernel graphs follows a
+    # separator, and the eager protocol's runs do not
+    runs = [i for i, e in enumerate(log.events) if e[0] == "run" and e[2] == "main"]
+    after_sep = [i for i in runs if log.events[i - 1][0] == "sep"]
+    assert len(after_sep) >= 3 * 2 * 2 and len(after_sep) < len(runs)
+
+
+def test_kernel_separator_comes_from_the_config_and_must_be_a_boolean():
+    config = configuration.load_config(str(ROOT / "config" / "config.yaml"))
+    assert config["measure"]["kernel_separator"] is True
+    assert Settings.from_config(config).kernel_separator is True
+    bad = {**config, "measure": {**config["measure"], "kernel_separator": "yes"}}
+    with pytest.raises(PKVError, match="kernel_separator must be true or false"):
+        Settings.from_config(bad)

@@ -41,7 +41,7 @@ memory torch owns (shared through DLPack, no copy).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -312,7 +312,9 @@ def best_grid(samples: dict) -> int:
 class FloorResult:
     """What :class:`OneKernelFloor` measured for one byte count.
 
-    samples: grid (blocks) -> us per launch, one per recorded round, in round order
+    samples: grid (blocks) -> us per launch, one per recorded round, in round order (with a
+    separator: the graph's time per launch less the separators' own, timed right before)
+    separator_samples: grid -> the separators' us per launch of the same rounds ({}: no separator)
     """
 
     nbytes: int
@@ -320,6 +322,7 @@ class FloorResult:
     copies: int
     launches: int
     samples: dict
+    separator_samples: dict = field(default_factory=dict)
 
     @property
     def grid(self) -> int:
@@ -336,8 +339,9 @@ class FloorResult:
     def summary(self) -> str:
         """One line: the chosen grid among the others, their medians, the rotation."""
         medians = ", ".join(f"{g}: {us:.2f}" for g, us in self.medians.items())
+        after = ", each after a separator kernel (its time subtracted)" if self.separator_samples else ""
         return (f"best of grids x{THREADS} threads (median us per launch, blocks: {medians}); {self.copies} "
-                f"cold-L2 copies of {self.n_vec * VECTOR_BYTES} bytes, {self.launches} launches per graph")
+                f"cold-L2 copies of {self.n_vec * VECTOR_BYTES} bytes, {self.launches} launches per graph{after}")
 
 
 class CupyReader:
@@ -387,10 +391,15 @@ class OneKernelFloor:
     ``device`` is a persistentkv.measure.device.TorchDevice (or a stand-in with ``sm_count``,
     ``l2_bytes``, ``free_bytes()``, ``event()``, ``queue_ahead()``, ``capture()``,
     ``synchronize()``); ``reader(device, copies, n_vec)`` makes the object whose
-    ``launch(grid, slot)`` queues one read (:class:`CupyReader`; the tests pass a fake)."""
+    ``launch(grid, slot)`` queues one read (:class:`CupyReader`; the tests pass a fake).
+
+    ``separator``: a launcher of one small kernel that every read follows, as every attention call
+    of the kernel protocol follows one (persistentkv.measure.protocols); then a graph of as many
+    separators alone is replayed right before each grid's, and its time per launch subtracted."""
 
     def __init__(self, device, nbytes: int, *, cold_l2_factor: float, calls_per_graph: int,
-                 queue_cycles: int = 0, max_copies: int = 64, blocks_per_sm=FLOOR_BLOCKS_PER_SM, reader=CupyReader):
+                 queue_cycles: int = 0, max_copies: int = 64, blocks_per_sm=FLOOR_BLOCKS_PER_SM, reader=CupyReader,
+                 separator=None):
         self.device = device
         self.nbytes = int(nbytes)
         self.n_vec = floor_vectors(nbytes)
@@ -401,6 +410,16 @@ class OneKernelFloor:
         self.queue_cycles = int(queue_cycles)
         self.reader = reader(device, self.copies, self.n_vec)
         slots = [i % self.copies for i in range(self.launches)]
+        self.separators = None
+        if separator is not None:
+            separator()
+            device.synchronize()
+
+            def separators_alone():
+                for _ in slots:
+                    separator()
+
+            self.separators = device.capture(separators_alone)
         self.replays = {}
         for grid in self.grids:
             self.reader.launch(grid, 0)  # loads the module and runs the grid once, outside any capture
@@ -408,33 +427,45 @@ class OneKernelFloor:
 
             def launches(grid=grid):
                 for s in slots:
+                    if separator is not None:
+                        separator()
                     self.reader.launch(grid, s)
 
             self.replays[grid] = device.capture(launches)
         self.samples = {g: [] for g in self.grids}
+        self.separator_samples = {g: [] for g in self.grids} if separator is not None else {}
         self.rounds = 0
 
     def round(self, record: bool = True) -> None:
         """Every grid's graph replayed once; ``record``: keep the times (False: a warm-up round)."""
         k = self.rounds % len(self.grids)
         for grid in self.grids[k:] + self.grids[:k]:
-            start, end = self.device.event(), self.device.event()
-            self.device.queue_ahead(self.queue_cycles)
-            start.record()
-            self.replays[grid]()
-            end.record()
-            self.device.synchronize()
+            alone = self._per_launch_us(self.separators) if self.separators is not None else 0.0
+            us = self._per_launch_us(self.replays[grid]) - alone
             if record:
-                self.samples[grid].append(start.elapsed_ms(end) * 1e3 / self.launches)
+                self.samples[grid].append(us)
+                if self.separators is not None:
+                    self.separator_samples[grid].append(alone)
         self.rounds += 1
+
+    def _per_launch_us(self, replay) -> float:
+        start, end = self.device.event(), self.device.event()
+        self.device.queue_ahead(self.queue_cycles)
+        start.record()
+        replay()
+        end.record()
+        self.device.synchronize()
+        return start.elapsed_ms(end) * 1e3 / self.launches
 
     def result(self) -> FloorResult:
         return FloorResult(self.nbytes, self.n_vec, self.copies, self.launches,
-                           {g: list(v) for g, v in self.samples.items()})
+                           {g: list(v) for g, v in self.samples.items()},
+                           {g: list(v) for g, v in self.separator_samples.items()})
 
     def close(self) -> None:
         """Drop the graphs and the buffer (the caller's allocator keeps the memory for the next case)."""
         self.replays.clear()
+        self.separators = None
         self.reader = None
 
 

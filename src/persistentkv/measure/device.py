@@ -154,6 +154,14 @@ class TorchDevice:
         self.synchronize()
         return graph.replay
 
+    def separator(self, nbytes: int) -> Callable[[], None]:
+        """A launcher of one small copy kernel (``nbytes``, at least 16, from one buffer into another
+        of this device): what each timed call of the kernel protocol follows
+        (persistentkv.measure.protocols, ``kernel_separator``)."""
+        src = self.torch.zeros(max(16, int(nbytes)), dtype=self.torch.uint8, device=self.device)
+        dst = self.torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
     # -- memory ---------------------------------------------------------------------------
     def free_bytes(self) -> int:
         if self.is_cuda:

@@ -59,6 +59,9 @@ class Settings:
     calls_per_graph: int = 10
     #: kernel rows: GPU cycles of the spin each replay is queued behind (0: none)
     kernel_queue_cycles: int = 0
+    #: kernel rows (and the floor): each call follows one copy kernel of the step's appended K/V
+    #: bytes, whose own time is subtracted (persistentkv.measure.protocols); False: back to back
+    kernel_separator: bool = False
     cold_l2_factor: float = 3.0
     protocols: tuple[str, ...] = PROTOCOLS
     seed: int = 0
@@ -100,10 +103,47 @@ class Settings:
                    warmup=min(1, int(m["warmup"])) if quick else int(m["warmup"]),
                    calls_per_graph=int(m["calls_per_graph"]), cold_l2_factor=float(m["cold_l2_factor"]),
                    kernel_queue_cycles=int(m.get("kernel_queue_cycles", 0)),
+                   kernel_separator=_flag(m.get("kernel_separator", False), "measure.kernel_separator"),
                    eager_loop_calls=int(m.get("eager_loop_calls", cls.eager_loop_calls)),
                    protocols=tuple(protocols), seed=seed,
                    step_repeats=None if quick or step is None else int(step),
                    host_cpu=check_host_cpu(m.get("host_cpu", cls.host_cpu)))
+
+
+def _flag(value, name: str) -> bool:
+    require(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def separator_bytes(batch) -> int:
+    """The bytes a decode step of ``batch`` appends to its cache (each row's new K and V):
+    what the kernel protocol's separator copies. Worked number: B=64, Hkv=8, D=128, fp16 is
+    64 x 2 x 8 x 128 x 2 = 256 KiB."""
+    return int(batch.batch_size) * int(batch.spec.kv_bytes_per_token)
+
+
+@dataclass
+class CaseSeparator:
+    """A case's separator (Settings.kernel_separator): ``launch`` queues one copy kernel of
+    :func:`separator_bytes`, ``replay`` replays a graph of ``calls_per_graph`` of them alone."""
+
+    launch: Callable[[], None]
+    replay: Callable[[], None]
+
+
+def case_separator(case: Case, device, settings: Settings) -> CaseSeparator | None:
+    """The case's separator, or None when kernel rows are not timed or run back to back."""
+    if not settings.kernel_separator or "kernel" not in settings.protocols:
+        return None
+    launch = device.separator(separator_bytes(case.batch))
+    launch()  # first launch outside any capture
+    device.synchronize()
+
+    def separators():
+        for _ in range(settings.calls_per_graph):
+            launch()
+
+    return CaseSeparator(launch, device.capture(separators))
 
 
 def experiment_protocols(config: dict, experiment: str) -> tuple[str, ...]:
@@ -303,6 +343,7 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
         copies = device.make_copies(batch, n_copies, case.seed)
         q = device.queries(spec, batch.batch_size, case.seed)
         gather_index = device.index(list(range(batch.batch_size)))
+        separator = case_separator(case, device, settings)
     except Exception as exc:
         if device.is_oom(exc):
             device.empty_cache()
@@ -326,7 +367,7 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
                 device.empty_cache()
             rows += [status_row(variant, "failed", f"plan/first run: {one_line(exc)}", p) for p in settings.protocols]
             continue
-        _prepare_protocols(b, case, device, factory, settings, copies, q, gather_index)
+        _prepare_protocols(b, case, device, factory, settings, copies, q, gather_index, separator)
         bound.append(b)
 
     floor = _prepare_floor(case, device, settings, ctx) if bound else None
@@ -344,7 +385,8 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
                 if protocol in b.skip or rnd.repeat >= settings.repeats_of(protocol):
                     continue
                 try:
-                    fields = _measure(protocol, b, case, device, settings, cursor, copies, q, gather_index)
+                    fields = _measure(protocol, b, case, device, settings, cursor, copies, q, gather_index,
+                                      separator)
                 except Exception as exc:
                     if device.is_oom(exc):
                         device.empty_cache()
@@ -361,14 +403,17 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
         b.replays.clear()
     if floor is not None:
         rows += floor.rows(base, ctx.read_ceiling_gbps)
-    del copies, bound, floor
+    del copies, bound, floor, separator
     return rows
 
 
 def one_kernel_floor(case: Case, device, settings: Settings, **options) -> OneKernelFloor:
     """The one-kernel floor of ``case``'s K/V bytes, rotated and replayed as its kernel rows are
-    (Settings.cold_l2_factor, calls_per_graph, kernel_queue_cycles, max_copies); ``options`` go to
+    (Settings.cold_l2_factor, calls_per_graph, kernel_queue_cycles, max_copies), each launch after
+    the case's separator kernel when Settings.kernel_separator is on; ``options`` go to
     ceiling.OneKernelFloor (the tests pass a fake ``reader``)."""
+    if settings.kernel_separator and "separator" not in options:
+        options["separator"] = device.separator(separator_bytes(case.batch))
     return OneKernelFloor(device, case.batch.kv_bytes, cold_l2_factor=settings.cold_l2_factor,
                           calls_per_graph=settings.calls_per_graph, queue_cycles=settings.kernel_queue_cycles,
                           max_copies=settings.max_copies, **options)
@@ -420,8 +465,9 @@ def _prepare_floor(case: Case, device, settings: Settings, ctx: RunContext) -> _
 
 
 def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, settings: Settings, copies, q,
-                       gather_index) -> None:
-    """Graphs for the kernel protocol; warmed-up step/published instances. Failures go to b.skip."""
+                       gather_index, separator: CaseSeparator | None = None) -> None:
+    """Graphs for the kernel protocol (each call after ``separator.launch()`` when there is one);
+    warmed-up step/published instances. Failures go to b.skip."""
     batch = case.batch
     if "kernel" in settings.protocols:
         if not getattr(b.backend, "graph_safe", True):
@@ -434,6 +480,8 @@ def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, se
 
                     def captured(chosen=chosen):
                         for c in chosen:
+                            if separator is not None:
+                                separator.launch()
                             b.backend.run(q, copies.pair(c), b.plan, b.out)
 
                     b.replays.append(device.capture(captured))
@@ -465,10 +513,11 @@ def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, se
 
 
 def _measure(protocol: str, b: Bound, case: Case, device, settings: Settings, cursor: CopyCursor, copies, q,
-             gather_index) -> dict:
+             gather_index, separator: CaseSeparator | None = None) -> dict:
     batch = case.batch
     if protocol == "kernel":
-        return kernel_once(device, b.replays, cursor, settings.calls_per_graph, settings.kernel_queue_cycles)
+        return kernel_once(device, b.replays, cursor, settings.calls_per_graph, settings.kernel_queue_cycles,
+                           separators=None if separator is None else separator.replay)
     if protocol == "eager":
         return eager_once(device, lambda c: b.backend.run(q, copies.pair(c), b.plan, b.out), cursor,
                           settings.eager_loop_calls)
@@ -497,7 +546,8 @@ def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, 
                    time_us=fields["time_us"], wall_us=fields.get("wall_us", float("nan")),
                    host_us=fields.get("host_us", float("nan")),
                    host_loop_us=fields.get("host_loop_us", float("nan")),
-                   host_loop_max_us=fields.get("host_loop_max_us", float("nan")), layers=layers, per_layer_us=per_layer,
+                   host_loop_max_us=fields.get("host_loop_max_us", float("nan")),
+                   separator_us=fields.get("separator_us", float("nan")), layers=layers, per_layer_us=per_layer,
                    frac_of_ceiling=frac_of_ceiling(case.batch.kv_bytes, per_layer, ceiling), status="ok")
 
 

@@ -9,6 +9,13 @@ kernel     device time of run() alone: CUDA-graph replays of ``calls_per_graph``
            queued behind a spin of ``kernel_queue_cycles`` GPU cycles (device.queue_ahead) so the
            first event is stamped when the GPU starts the graph, not while the host is still
            submitting it (benchmarks/NOTES.md, "the kernel window"; 0 turns the spin off).
+           With ``kernel_separator`` on (the config's default) each captured call follows one
+           small copy kernel, the bytes of the step's K/V append, as attention follows the append
+           in a decode step: a call launched with programmatic dependent launch (FlashInfer's,
+           XQA's) may then start under that kernel's tail, as in a step, but not under the
+           previous attention call's, which a step never runs. A graph of ``calls_per_graph``
+           separators alone is replayed right before, the same way; time_us is the difference
+           per call and separator_us the separators' own time per call.
 eager      CUDA events around one Python run() call (plan reused): time_us is the event time,
            host_us the host (CPU) time of the call itself, before any synchronisation. Then
            ``loop_calls`` more calls back to back, as a serving loop makes them (no
@@ -33,18 +40,29 @@ from .rotation import CopyCursor
 from .statistics import per_call_us
 
 
-def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int,
-                queue_cycles: int = 0) -> dict:
-    """Replay the next graph (``replays[cursor.next_graph()]``) once between two events, both
-    queued behind a ``queue_cycles`` spin (none at 0), so that the window holds GPU time only."""
-    replay = replays[cursor.next_graph()]
+def timed_replay_ms(device, replay: Callable[[], None], queue_cycles: int = 0) -> float:
+    """Milliseconds of one ``replay()`` between two events, both queued behind a ``queue_cycles``
+    spin (none at 0), so that the window holds GPU time only."""
     start, end = device.event(), device.event()
     device.queue_ahead(queue_cycles)
     start.record()
     replay()
     end.record()
     device.synchronize()
-    return {"time_us": per_call_us(start.elapsed_ms(end), calls), "layers": 1}
+    return start.elapsed_ms(end)
+
+
+def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int,
+                queue_cycles: int = 0, separators: Callable[[], None] | None = None) -> dict:
+    """Replay the next graph (``replays[cursor.next_graph()]``) once, timed by
+    :func:`timed_replay_ms`. ``separators``: the replay of ``calls`` separator kernels alone
+    (module docstring), timed the same way right before; their time per call is subtracted."""
+    if separators is None:
+        return {"time_us": per_call_us(timed_replay_ms(device, replays[cursor.next_graph()], queue_cycles), calls),
+                "layers": 1}
+    separator_us = per_call_us(timed_replay_ms(device, separators, queue_cycles), calls)
+    both_us = per_call_us(timed_replay_ms(device, replays[cursor.next_graph()], queue_cycles), calls)
+    return {"time_us": both_us - separator_us, "separator_us": separator_us, "layers": 1}
 
 
 def eager_once(device, run_on: Callable[[int], None], cursor: CopyCursor, loop_calls: int = 0) -> dict:

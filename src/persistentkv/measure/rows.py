@@ -44,6 +44,7 @@ RAW_COLUMNS: dict[str, str] = {
     "host_loop_max_us": "float64",
     "host_cpu": "int64",
     "host_probe_us": "float64",
+    "separator_us": "float64",
     "layers": "int64",
     "per_layer_us": "float64",
     "read_ceiling_gbps": "float64",
@@ -73,7 +74,7 @@ VALIDATION_COLUMNS: dict[str, str] = {
 
 STATUSES = ("ok", "unavailable", "failed")
 
-_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "host_probe_us",
+_NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "host_probe_us", "separator_us",
                  "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
 
 
@@ -149,9 +150,11 @@ def floor_rows(result, base: dict, read_gbps: float) -> list[dict]:
     grid = result.grid
     route = f"read-{grid}x{THREADS}"
     rows = []
+    separators = result.separator_samples.get(grid, [])
     for repeat, us in enumerate(result.samples[grid]):
         rows.append(raw_row(**base, backend=FLOOR_BACKEND, route=route, protocol="kernel", repeat=repeat,
                             time_us=us, per_layer_us=us, layers=1, reason=result.summary(),
+                            separator_us=separators[repeat] if repeat < len(separators) else math.nan,
                             frac_of_ceiling=frac_of_ceiling(base["kv_bytes"], us, read_gbps)))
     return rows
 
