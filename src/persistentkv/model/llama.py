@@ -15,11 +15,17 @@ is one fused matrix ``[q | k | v]`` and the MLP's gate and up projections one ``
 stacked over layers (``qkv[l]`` is layer l's). Values are seeded normals scaled by
 ``1 / sqrt(fan_in)``, so activations stay O(1) through any depth; timing does not depend on them.
 
-``Kernels`` picks how the norms, the rotary embedding and the activation run: ``torch`` (the
-operations above), or ``flashinfer`` (``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``,
-``flashinfer.rope.apply_rope_with_cos_sin_cache`` on a float32 table computed as above,
-``flashinfer.activation.silu_and_mul``), the fused kernels a FlashInfer-based server runs.
-Projections are ``F.linear`` (cuBLAS) either way.
+``Kernels`` picks how the norms, the rotary embedding, the activation, the projections and the
+K/V append run: ``torch`` (the operations above), ``flashinfer`` (``flashinfer.norm.rmsnorm`` /
+``fused_add_rmsnorm``, ``flashinfer.rope.apply_rope_with_cos_sin_cache`` on a float32 table
+computed as above, ``flashinfer.activation.silu_and_mul``), the fused kernels a FlashInfer-based
+server runs, or ``pkv``: FlashInfer's norms and rotary plus our kernels for the decode step's
+small-T case (persistentkv.model.step_ops, kernels/step_ops.cu): a projection of T <= 4 rows is
+our gemv, the MLP's gate|up projection and SiLU-and-mul are one gemv_silu_mul, and a layer's two
+K/V appends one append_kv. Under ``torch`` and ``flashinfer`` the projections are ``F.linear``
+(cuBLAS) and the append two ``index_copy_``; ``pkv`` falls back to the same for T > 4 (a
+prefill) or any input its kernels refuse (step_ops.gemv_unsupported: dtype, K % 8, strides,
+alignment).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 from ..env import missing_module
 from ..errors import PKVError, require
+from . import step_ops
 from .shape import ModelShape
 
 
@@ -42,8 +49,9 @@ def resolve_device(device):
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
-#: Values of Kernels(name): "auto" takes flashinfer where it imports and the device is CUDA.
-KERNEL_CHOICES = ("auto", "torch", "flashinfer")
+#: Values of Kernels(name): "auto" takes flashinfer where it imports and the device is CUDA (never
+#: pkv: whether it becomes the default is for the measurements to say).
+KERNEL_CHOICES = ("auto", "torch", "flashinfer", "pkv")
 
 
 @dataclass
@@ -153,31 +161,34 @@ def apply_rotary(x, cos, sin):
 
 # -- the kernels of the non-attention part ------------------------------------------------------
 class Kernels:
-    """RMSNorm, residual add + RMSNorm, rotary embedding and SiLU-and-mul, by torch or FlashInfer.
+    """RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-mul, projections and the K/V
+    append, by torch, FlashInfer or FlashInfer plus our step kernels (``pkv``).
 
     ``add_rmsnorm(delta, residual, w)`` adds ``delta`` into the residual stream in place and
     returns its norm (FlashInfer's fused_add_rmsnorm, which writes the norm into ``delta``).
     ``rotary(qkv, positions)`` returns q [T, Hq, D] and k [T, Hkv, D], both contiguous.
+    ``linear(x, w)`` is ``F.linear(x, w)``; ``gate_up_silu(h, w)`` is
+    ``silu_mul(F.linear(h, w))``; ``append(k_flat, v_flat, slots, k, v)`` writes k and v into the
+    cache rows ``slots``. ``pkv`` runs them as step_ops kernels where those take the inputs.
     """
 
     def __init__(self, name: str, shape: ModelShape, device, max_position: int = 0):
-        import torch
-
         require(name in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
         device = resolve_device(device)
         if name == "auto":
             name = "flashinfer" if device.type == "cuda" and not missing_module("flashinfer") else "torch"
-        if name == "flashinfer":
-            require(device.type == "cuda", "kernels=flashinfer needs a CUDA device")
-            reasons = missing_module("flashinfer")
-            require(not reasons, f"kernels=flashinfer: {'; '.join(reasons)}")
+        if name in ("flashinfer", "pkv"):
+            require(device.type == "cuda", f"kernels={name} needs a CUDA device, got {device}")
+            reasons = missing_module("flashinfer") + (missing_module("cupy") if name == "pkv" else [])
+            require(not reasons, f"kernels={name}: {'; '.join(reasons)}")
         self.name = name
         self.shape = shape
         self.eps = float(shape.rms_norm_eps)
         self.inv_freq = inv_freq(shape.head_dim, shape.rope_theta, device)
+        self._flashinfer = name in ("flashinfer", "pkv")  # pkv: FlashInfer's norms and rotary
         self._table = None
         self._outgrown: list = []  # earlier tables: a captured graph may still read one
-        if name == "flashinfer":
+        if self._flashinfer:
             self._grow_table(max(1, max_position))
 
     def _grow_table(self, positions: int) -> None:
@@ -195,11 +206,11 @@ class Kernels:
 
     def reserve_positions(self, positions: int) -> None:
         """Make the rotary table cover ``positions`` (call outside a graph capture)."""
-        if self.name == "flashinfer":
+        if self._flashinfer:
             self._grow_table(positions)
 
     def rmsnorm(self, x, weight):
-        if self.name == "flashinfer":
+        if self._flashinfer:
             from flashinfer.norm import rmsnorm
 
             return rmsnorm(x, weight, self.eps)
@@ -211,7 +222,7 @@ class Kernels:
         return weight * h.to(dtype)
 
     def add_rmsnorm(self, delta, residual, weight):
-        if self.name == "flashinfer":
+        if self._flashinfer:
             from flashinfer.norm import fused_add_rmsnorm
 
             fused_add_rmsnorm(delta, residual, weight, self.eps)
@@ -223,7 +234,7 @@ class Kernels:
         s = self.shape
         T, D = qkv.shape[0], s.head_dim
         a, kv = s.num_heads * D, s.num_kv_heads * D
-        if self.name == "flashinfer":
+        if self._flashinfer:
             from flashinfer.rope import apply_rope_with_cos_sin_cache
 
             q, k = apply_rope_with_cos_sin_cache(positions, qkv[:, :a], qkv[:, a:a + kv], D, self._table, is_neox=True)
@@ -234,7 +245,7 @@ class Kernels:
         return q, k
 
     def silu_mul(self, gate_up):
-        if self.name == "flashinfer":
+        if self._flashinfer:
             from flashinfer.activation import silu_and_mul
 
             return silu_and_mul(gate_up)
@@ -242,6 +253,34 @@ class Kernels:
 
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def linear(self, x, w):
+        """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; pkv: step_ops.gemv at T <= 4."""
+        if self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS \
+                and not step_ops.gemv_unsupported(x, w):
+            return step_ops.launch_gemv(x, w)
+        import torch.nn.functional as F
+
+        return F.linear(x, w)
+
+    def gate_up_silu(self, h, w):
+        """``silu_mul(F.linear(h, w))`` for w = [gate | up] [2I, H]: h [T, H] -> [T, I]; pkv:
+        step_ops.gemv_silu_mul at T <= 4."""
+        if self.name == "pkv" and h.dim() == 2 and h.shape[0] <= step_ops.MAX_ROWS \
+                and not step_ops.gemv_unsupported(h, w, silu=True):
+            return step_ops.launch_gemv(h, w, silu=True)
+        import torch.nn.functional as F
+
+        return self.silu_mul(F.linear(h, w))
+
+    def append(self, k_flat, v_flat, slots, k, v) -> None:
+        """``k_flat[slots] = k``, ``v_flat[slots] = v`` (k, v [T, Hkv, D]; caches [S, Hkv, D];
+        slots int64 [T]); pkv: one step_ops.append_kv."""
+        if self.name == "pkv" and not step_ops.append_kv_unsupported(k_flat, v_flat, slots, k, v):
+            step_ops.launch_append_kv(k_flat, v_flat, slots, k, v)
+            return
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
 
 
 # -- sampling on the device ---------------------------------------------------------------------

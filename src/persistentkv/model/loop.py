@@ -175,21 +175,19 @@ class Model:
         torch.Tensor
             logits [T, V] in the model's dtype.
         """
-        import torch.nn.functional as F
-
         s, w, K = self.shape, self.weights, self.kernels
         T, D = tokens.shape[0], s.head_dim
         a, kv = s.num_heads * D, s.num_kv_heads * D
         x = w.embed[tokens]  # the residual stream (a copy: the adds below are in place)
         h = K.rmsnorm(x, w.attn_norm[0])
         for l in range(s.num_layers):
-            qkv = F.linear(h, w.qkv[l])
+            qkv = K.linear(h, w.qkv[l])
             q, k = K.rotary(qkv, positions)
             o = attend(l, q, k, qkv[:, a + kv:].view(T, s.num_kv_heads, D))
-            h = K.add_rmsnorm(F.linear(o.reshape(T, a), w.o[l]), x, w.mlp_norm[l])
-            down = F.linear(K.silu_mul(F.linear(h, w.gate_up[l])), w.down[l])
+            h = K.add_rmsnorm(K.linear(o.reshape(T, a), w.o[l]), x, w.mlp_norm[l])
+            down = K.linear(K.gate_up_silu(h, w.gate_up[l]), w.down[l])
             h = K.add_rmsnorm(down, x, w.attn_norm[l + 1] if l + 1 < s.num_layers else w.norm)
-        return F.linear(h, w.lm_head)
+        return K.linear(h, w.lm_head)
 
 
 def follow_mode(plan) -> str:
@@ -524,8 +522,7 @@ class DecodeLoop:
 
         def attend(l, q, k, v):
             k_flat, v_flat = self.kv.flat(l)
-            k_flat.index_copy_(0, slots, k)
-            v_flat.index_copy_(0, slots, v)
+            self.model.kernels.append(k_flat, v_flat, slots, k, v)
             self._run(q, l, self.out)
             return self.out
 
