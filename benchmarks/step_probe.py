@@ -1,17 +1,25 @@
 """Where the full decode step's time goes (development; GPU).
 
-    python benchmarks/step_probe.py [--model llama3_8b] [--cell 1x4096] [--rounds 15] [--out DIR]
+    python benchmarks/step_probe.py [--model llama3_8b] [--cell 1x4096] [--rounds 15]
+        [--parts linears,kernels,steps] [--kernels flashinfer,pkv] [--steps 8b:1x4096,...] [--out DIR]
 
-Two parts, one process, on the model shapes of config/config.yaml (seeded random weights,
-random K/V, as ``persistentkv measure-e2e`` builds them):
+Three parts, one process, on the model shapes of config/config.yaml (seeded random weights,
+random K/V, as ``persistentkv measure-e2e`` builds them); --kernels names the loop's kernel
+choices compared (persistentkv.model.Kernels):
 
   linears    each projection of the step (qkv, o, gate_up, down over the model's layers, and
-             lm_head) at B=1 as F.linear runs it, one CUDA graph of one call per layer's weights
-             (weights stream from HBM, as in the step), under torch's default BLAS library and
-             under cuBLASLt (torch.backends.cuda.preferred_blas_library): us per call and the
-             fraction of the weight bytes' read-ceiling time.
-  kernels    one step of --cell under torch.profiler: GPU time per kernel name, summed over
-             the step, beside the graph-replayed step.
+             lm_head; gate_up+silu: the MLP's first half with its activation) at B=1 as each
+             kernel choice runs it (Kernels.linear, Kernels.gate_up_silu), one CUDA graph of one
+             call per layer's weights (weights stream from HBM, as in the step), the choices'
+             graphs replayed in interleaved rounds: us per call and the fraction of the weight
+             bytes' read-ceiling time. (Up to b3dd932 it also timed cuBLASLt as torch's BLAS:
+             no better, 0.53-0.92; runs/step_probe_b3dd932.)
+  kernels    one step of --cell under torch.profiler per kernel choice: GPU time per kernel
+             name, summed over the step, beside the graph-replayed step.
+  steps      the whole graph-replayed step (pkv-workqueue attention) of each --steps cell
+             (model:BxN, model a config model key or 8b / 70b) under each kernel choice, one
+             cache and one set of rows shared by the choices' graphs, replayed in interleaved
+             rounds: step us, and its attention replayed alone.
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -75,54 +83,121 @@ def admit_all(loop, batch_size, context, reserve, vocab):
         loop.admit(rid, context - 1, int(tokens[rid]), reserve)
 
 
-def part_linears(model_name, rounds, ceiling, rows):
+def timed_us(replay) -> float:
     import torch
-    import torch.nn.functional as F
+
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3
+
+
+def captured(fn):
+    """fn() once eagerly, then a CUDA graph of it; returns the graph's replay."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def part_linears(model_name, rounds, ceiling, kernels, rows):
+    import torch
+
+    from persistentkv.model import Kernels
 
     shape, model, kv, _ = build(model_name, 1, 64)
     w = model.weights
     x = torch.randn((1, shape.hidden_size), device="cuda", dtype=w.embed.dtype)
     xi = torch.randn((1, shape.intermediate_size), device="cuda", dtype=w.embed.dtype)
     xa = torch.randn((1, shape.num_heads * shape.head_dim), device="cuda", dtype=w.embed.dtype)
-    mats = {"qkv": (w.qkv, x), "o": (w.o, xa), "gate_up": (w.gate_up, x), "down": (w.down, xi),
-            "lm_head": (w.lm_head[None], x)}
-    for lib in ("default", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "default")
-        for name, (stack, inp) in mats.items():
+    mats = {"qkv": (w.qkv, x, "linear"), "o": (w.o, xa, "linear"), "gate_up": (w.gate_up, x, "linear"),
+            "gate_up+silu": (w.gate_up, x, "gate_up_silu"), "down": (w.down, xi, "linear"),
+            "lm_head": (w.lm_head[None], x, "linear")}
+    for name, (stack, inp, op) in mats.items():
+        replays = {}
+        for variant in kernels:
+            fn = getattr(Kernels(variant, shape, "cuda", 64), op)
             outs = [None] * stack.shape[0]
-            for l in range(stack.shape[0]):
-                outs[l] = F.linear(inp, stack[l])
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+
+            def calls(fn=fn, outs=outs):
                 for l in range(stack.shape[0]):
-                    outs[l] = F.linear(inp, stack[l])
-            graph.replay()
-            torch.cuda.synchronize()
-            nbytes = stack[0].numel() * stack.element_size()
-            for r in range(rounds):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                torch.cuda.synchronize()
-                us = s.elapsed_time(e) * 1e3 / stack.shape[0]
-                rows.append(dict(part="linears", cell="1", variant=lib, name=name, repeat=r, us=us, bytes=nbytes,
+                    outs[l] = fn(inp, stack[l])
+
+            replays[variant] = captured(calls)
+        nbytes = stack[0].numel() * stack.element_size()
+        for r in range(rounds):
+            for variant in kernels[r % len(kernels):] + kernels[:r % len(kernels)]:
+                us = timed_us(replays[variant]) / stack.shape[0]
+                rows.append(dict(part="linears", cell="1", variant=variant, name=name, repeat=r, us=us, bytes=nbytes,
                                  read_gbps=ceiling))
-            med = np.median([r["us"] for r in rows if r["part"] == "linears" and r["variant"] == lib
+        for variant in kernels:
+            med = np.median([r["us"] for r in rows if r["part"] == "linears" and r["variant"] == variant
                              and r["name"] == name])
-            print(f"linear {name} [{tuple(stack.shape[1:])}] {lib}: {med:.1f} us per call, "
+            print(f"linear {name} [{tuple(stack.shape[1:])}] {variant}: {med:.1f} us per call, "
                   f"{nbytes / (med * 1e3) / ceiling:.3f} of the read ceiling")
-    torch.backends.cuda.preferred_blas_library("default")
+        del replays
+        torch.cuda.synchronize()
 
 
-def part_kernels(model_name, cell, rows):
+MODEL_KEYS = {"8b": "llama3_8b", "70b": "llama3_70b_tp8"}
+
+
+def part_steps(cells, rounds, kernels, rows):
+    """Each cell's graph-replayed step under each kernel choice (module docstring)."""
+    import torch
+
+    from persistentkv.model import DecodeLoop, Kernels
+
+    for model_key, (b, n) in cells:
+        model_name = MODEL_KEYS.get(model_key, model_key)
+        for other in [m for m in build.cache if m != model_name]:   # one model's weights at a time
+            del build.cache[other]
+        torch.cuda.empty_cache()
+        shape, model, kv, reserve = build(model_name, b, n)
+        loop = DecodeLoop(model, kv, "pkv-workqueue")
+        admit_all(loop, b, n, reserve, shape.vocab_size)
+        loop.next_tokens()
+        mark = loop.mark()
+        graphs = {}
+        for variant in kernels:   # one loop and cache; each choice's step captured into its own graph
+            model.kernels = Kernels(variant, shape, "cuda", reserve + 64)
+            loop.rewind(mark)
+            loop.capture("step")
+            graphs[variant] = loop._graphs.pop("step")
+        loop.rewind(mark)
+        loop.capture("attention")
+        graphs["attention"] = loop._graphs.pop("attention")
+        order = list(graphs)
+        label = f"{model_key}:{b}x{n}"
+        for r in range(rounds):
+            for variant in order[r % len(order):] + order[:r % len(order)]:
+                loop.rewind(mark)
+                rows.append(dict(part="steps", cell=label, variant=variant, name="step", repeat=r,
+                                 us=timed_us(graphs[variant].replay)))
+        meds = {v: np.median([x["us"] for x in rows if x["part"] == "steps" and x["cell"] == label
+                              and x["variant"] == v]) for v in order}
+        print(f"step {label}: " + ", ".join(f"{v} {us:.0f} us" for v, us in meds.items()))
+        del graphs, loop, kv, model
+        torch.cuda.empty_cache()
+
+
+def part_kernels(model_name, cell, variant, rows):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from persistentkv.model import DecodeLoop
+    from persistentkv.model import DecodeLoop, Kernels
 
     b, n = cell
     shape, model, kv, reserve = build(model_name, b, n)
+    model.kernels = Kernels(variant, shape, "cuda", reserve + 64)
     loop = DecodeLoop(model, kv, "pkv-workqueue")
     admit_all(loop, b, n, reserve, shape.vocab_size)
     loop.next_tokens()
@@ -141,7 +216,8 @@ def part_kernels(model_name, cell, rows):
         if us <= 0:
             continue
         total += us
-        rows.append(dict(part="kernels", cell=f"{b}x{n}", variant="eager", name=ev.key, repeat=int(ev.count), us=us))
+        rows.append(dict(part="kernels", cell=f"{b}x{n}", variant=f"eager-{variant}", name=ev.key,
+                         repeat=int(ev.count), us=us))
     loop.rewind(mark)
     loop.capture("step")
     times = []
@@ -153,9 +229,11 @@ def part_kernels(model_name, cell, rows):
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
-    rows.append(dict(part="kernels", cell=f"{b}x{n}", variant="graph", name="step", repeat=15, us=float(np.median(times))))
-    top = sorted((r for r in rows if r["part"] == "kernels" and r["variant"] == "eager"), key=lambda r: -r["us"])
-    print(f"kernels of one {b}x{n} step: GPU time {total:.0f} us summed over kernels, graph-replayed step "
+    rows.append(dict(part="kernels", cell=f"{b}x{n}", variant=f"graph-{variant}", name="step", repeat=15,
+                     us=float(np.median(times))))
+    top = sorted((r for r in rows if r["part"] == "kernels" and r["variant"] == f"eager-{variant}"),
+                 key=lambda r: -r["us"])
+    print(f"kernels of one {b}x{n} step ({variant}): GPU time {total:.0f} us summed over kernels, graph-replayed step "
           f"{np.median(times):.0f} us")
     for r in top[:25]:
         print(f"  {r['us']:9.1f} us  x{r['repeat']:<4d} {r['name'][:110]}")
@@ -167,10 +245,15 @@ def main() -> int:
     parser.add_argument("--cell", default="1x4096")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--parts", default="linears,kernels")
+    parser.add_argument("--kernels", default="flashinfer,pkv", help="kernel choices compared (comma list)")
+    parser.add_argument("--steps", default="8b:1x4096,8b:1x32768,8b:16x32768,70b:1x32768,70b:8x32768",
+                        help="the steps part's cells, model:BxN")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cell = tuple(int(x) for x in args.cell.split("x"))
     parts = args.parts.split(",")
+    kernels = args.kernels.split(",")
+    steps = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x"))) for c in args.steps.split(",")]
     from persistentkv.ceiling import ceiling_gbps, measure_ceilings
     from persistentkv.measure.device import TorchDevice
 
@@ -178,11 +261,15 @@ def main() -> int:
     print(f"read ceiling {ceiling:.0f} GB/s")
     stem = time.strftime("step_probe_%H%M%S")
     rows: list[dict] = []
-    if "kernels" in parts:
-        part_kernels(args.model, cell, rows)
-        write(rows, args.out, stem)
     if "linears" in parts:
-        part_linears(args.model, args.rounds, ceiling, rows)
+        part_linears(args.model, args.rounds, ceiling, kernels, rows)
+        write(rows, args.out, stem)
+    if "kernels" in parts:
+        for variant in kernels:
+            part_kernels(args.model, cell, variant, rows)
+            write(rows, args.out, stem)
+    if "steps" in parts:
+        part_steps(steps, args.rounds, kernels, rows)
         write(rows, args.out, stem)
     return 0
 

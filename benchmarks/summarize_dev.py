@@ -153,7 +153,7 @@ def print_e2e(path: Path, df: pd.DataFrame) -> None:
 
 def print_step_probe(path: Path, df: pd.DataFrame) -> None:
     """benchmarks/step_probe.py: the step's projections against their weight bytes' read time, its
-    kernels, and the PDL variants of the queue inside the step."""
+    kernels, the steps per kernel choice, and (runs up to b3dd932) the queue's PDL variants."""
     lin = df[df["part"] == "linears"]
     if len(lin):
         med = lin.groupby(["name", "variant"]).agg(us=("us", "median"), bytes=("bytes", "first"),
@@ -162,13 +162,23 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
         print(f"\n{path.stem} (step_probe.py: each projection at B=1 in a graph over its layers' weights, us per "
               f"call and its weight bytes' read-ceiling time / that)")
         print(med[["us", "of_read_ceiling"]].round(3).unstack("variant").to_string())
-    ker = df[(df["part"] == "kernels") & (df["variant"] == "eager")].sort_values("us", ascending=False)
-    if len(ker):
-        step = df[(df["part"] == "kernels") & (df["variant"] == "graph")]["us"]
-        print(f"kernels of one {ker['cell'].iloc[0]} step (GPU us summed per kernel name; {ker['us'].sum():.0f} in all, "
-              f"graph-replayed step {step.iloc[0]:.0f})")
+    kernels = df[df["part"] == "kernels"]
+    for variant in sorted({v.split("-", 1)[1] if "-" in v else "" for v in kernels["variant"] if v.startswith("eager")}):
+        eager, graph = ("eager", "graph") if not variant else (f"eager-{variant}", f"graph-{variant}")
+        ker = kernels[kernels["variant"] == eager].sort_values("us", ascending=False)
+        step = kernels[kernels["variant"] == graph]["us"]
+        print(f"kernels of one {ker['cell'].iloc[0]} step{f' ({variant})' if variant else ''} (GPU us summed per "
+              f"kernel name; {ker['us'].sum():.0f} in all, graph-replayed step {step.iloc[0]:.0f})")
         print(ker.head(14).assign(name=ker["name"].str.slice(0, 90))[["us", "repeat", "name"]]
               .rename(columns={"repeat": "count"}).round(1).to_string(index=False))
+    steps = df[df["part"] == "steps"]
+    if len(steps):
+        wide = steps.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
+        first = [c for c in wide.columns if c != "attention"][0]
+        ratio = wide.drop(columns="attention").div(wide[first], axis=0).drop(columns=first)
+        out = wide.groupby("cell").median().join(ratio.groupby("cell").median().add_suffix(f" / {first}"))
+        print(f"the graph-replayed step per kernel choice (median us; per-round ratio to {first}, median)")
+        print(out.round(4).to_string())
     pdl = df[(df["part"] == "pdl") & (df["name"] == "step")]
     if len(pdl):
         wide = pdl.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
