@@ -16,7 +16,7 @@
 // * Each lane issues UNROLL (-DPKV_GEMV_UNROLL, set by step_ops.py) chunk steps x 2 rows = 8 uint4
 //   loads before it uses any: 32 lanes x 8 x 16 B = 4 KiB in flight per warp. Little's law on an
 //   H200: 4.5 TB/s x ~1.5 us = 6.8 MB in flight over 132 SMs = 52 KiB per SM, i.e. >= 13 such
-//   warps per SM; step_ops.py aims at 16 warps per SM (64 KiB, 8.4 MB on the GPU), and
+//   warps per SM; step_ops.py splits K until there are 32 warps of work per SM (measured against 16), and
 //   __launch_bounds__(PKV_GEMV_THREADS = 256, PKV_GEMV_MIN_BLOCKS = 2) keeps <= 128 registers,
 //   so two 8-warp blocks (16 warps) stay resident (ptxas: 72 registers at T = 1, 124 at T = 4).
 // * W goes through ld.global.nc.L1::no_allocate: it is read once, and must not evict x from L1.
@@ -26,7 +26,7 @@
 //   bytes of shared memory per block (112 KiB at T = 4, K = 14336: one block per SM) and a
 //   block-wide barrier before the first W load.
 // * Split of K (split = 2, 4, 8 warps per pair) when there are too few pairs to fill the GPU
-//   (N = 1280: 640 pairs x 4 = 2560 warps, 19 per SM): each warp reduces its sum with shuffles,
+//   (N = 1280: 640 pairs x 8 = 5120 warps, 39 per SM): each warp reduces its sum with shuffles,
 //   the split warps meet in shared memory (one __syncthreads), and the pair's first warp adds
 //   the partials in a fixed order (deterministic: a graph replay equals the eager run). No split
 //   across blocks, so no second kernel and no atomics.

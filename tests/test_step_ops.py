@@ -58,7 +58,7 @@ def test_every_entry_point_compiles_without_spills(tmp_path, arch):
     for row in rows.values():
         print(f"{row['kernel']} {arch}: {row['registers']} registers, {row['static_shared_bytes']} B smem")
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0 and row["stack_bytes"] == 0, row
-    # the launch bound keeps MIN_BLOCKS_PER_SM full blocks resident: TARGET_WARPS_PER_SM warps per SM
+    # the launch bound keeps MIN_BLOCKS_PER_SM full blocks resident (16 warps per SM at 8-warp blocks)
     limit = 65536 // (WARP * BLOCK_WARPS * MIN_BLOCKS_PER_SM)
     assert all(r["registers"] <= limit for name, r in rows.items() if name.startswith("pkv_gemv")), limit
 
@@ -107,8 +107,9 @@ def test_the_launch_shape_covers_every_row_and_chunk_once(n, k, silu):
         assert k // 8 >= WARP * shape.split * UNROLL
 
 
-@pytest.mark.parametrize("n, k, split", [(1280, 8192, 4), (24, 4096, 4), (4096, 4096, 2), (4096, 14336, 2),
-                                         (4104, 4096, 2), (8192, 1024, 1), (6144, 4096, 1), (128256, 4096, 1)])
+@pytest.mark.parametrize("n, k, split", [(1280, 8192, 8), (24, 4096, 4), (4096, 4096, 4), (4096, 14336, 4),
+                                         (4104, 4096, 4), (8192, 1024, 1), (6144, 4096, 2), (128256, 4096, 1),
+                                         (7168, 8192, 2)])
 def test_small_n_splits_k(n, k, split):
     pairs = -(-n // 2)
     shape = gemv_shape(pairs, k, H200_SMS)
@@ -237,11 +238,20 @@ def test_kernels_pkv_refuses_a_cpu_device(no_cupy):
         Kernels("pkv", tiny_shape(), "cpu")
 
 
-def test_auto_kernels_never_pick_pkv():
+def test_auto_kernels_pick_pkv_on_cuda_where_flashinfer_and_cupy_import():
     from persistentkv.model import KERNEL_CHOICES, Kernels
+    from persistentkv.model.llama import auto_kernels
 
     assert "pkv" in KERNEL_CHOICES
     assert Kernels("auto", tiny_shape(), "cpu").name == "torch"
+
+    def missing(*absent):
+        return lambda name: [f"{name} is not installed"] if name in absent else []
+
+    assert auto_kernels("cuda", missing()) == "pkv"
+    assert auto_kernels("cuda", missing("cupy")) == "flashinfer"
+    assert auto_kernels("cuda", missing("flashinfer")) == "torch"
+    assert auto_kernels("cpu", missing()) == "torch"
 
 
 def test_torch_kernels_run_todays_operations():

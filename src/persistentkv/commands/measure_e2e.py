@@ -2,7 +2,7 @@
 
     persistentkv measure-e2e --config config/config.yaml --out results/nvidia-h200/raw/e2e.parquet \
         [--models llama3_8b,llama3_70b_tp8] [--cases 1x4096,64x4096] [--traces bimodal_b8,zipf_b8] \
-        [--backends pkv-workqueue,flashinfer-tc,...] [--kernels auto|torch|flashinfer[,...]] [--quick]
+        [--backends pkv-workqueue,flashinfer-tc,...] [--kernels auto|torch|flashinfer|pkv[,...]] [--quick]
 
 For every model of ``--models`` (config ``models:``; seeded random weights, the spec's dtype and
 page size), every (B, context) cell of its ``cases`` and every trace of ``--traces``, each backend
@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help="comma-separated subset (default: config measure.backends that are graph-safe on the GPU)")
     parser.add_argument("--kernels", default="auto",
-                        help="norm/rotary/activation kernels: auto, torch, flashinfer, or a comma list (one run each)")
+                        help="the non-attention kernels (persistentkv.model.Kernels): auto (pkv on CUDA where FlashInfer "
+                             "and CuPy import), torch, flashinfer, pkv, or a comma list (one run each)")
     parser.add_argument("--quick", action="store_true",
                         help="one cell per model, one trace of two timed steps, 3 rounds: a smoke run, not a result")
 

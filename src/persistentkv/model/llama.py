@@ -49,9 +49,19 @@ def resolve_device(device):
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
-#: Values of Kernels(name): "auto" takes flashinfer where it imports and the device is CUDA (never
-#: pkv: whether it becomes the default is for the measurements to say).
+#: Values of Kernels(name); "auto" is :func:`auto_kernels`.
 KERNEL_CHOICES = ("auto", "torch", "flashinfer", "pkv")
+
+
+def auto_kernels(device_type: str, missing=missing_module) -> str:
+    """What ``kernels="auto"`` runs: ``pkv`` on CUDA where FlashInfer and CuPy import, else
+    ``flashinfer`` on CUDA where it imports, else ``torch``. pkv is the default because it won in
+    every cell measured (benchmarks/runs/step_probe_739ebad, part ``steps``: the graph-replayed step
+    0.885x flashinfer's at Llama-3-8B B=1 x 4K, 0.889x at the 70B shard's B=1 x 32K, 0.993x at
+    B=16 x 32K, where only the append differs). ``missing(name)``: reasons a module does not import."""
+    if device_type != "cuda" or missing("flashinfer"):
+        return "torch"
+    return "flashinfer" if missing("cupy") else "pkv"
 
 
 @dataclass
@@ -176,7 +186,7 @@ class Kernels:
         require(name in KERNEL_CHOICES, f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
         device = resolve_device(device)
         if name == "auto":
-            name = "flashinfer" if device.type == "cuda" and not missing_module("flashinfer") else "torch"
+            name = auto_kernels(device.type)
         if name in ("flashinfer", "pkv"):
             require(device.type == "cuda", f"kernels={name} needs a CUDA device, got {device}")
             reasons = missing_module("flashinfer") + (missing_module("cupy") if name == "pkv" else [])

@@ -15,9 +15,10 @@ Design and napkin math (the kernel file's header has the device side):
   4.5 TB/s x ~1.5 us = 6.8 MB in flight, 52 KiB per SM over 132 SMs.
 * A warp owns a pair of rows (gemv: 2p and 2p+1; silu: gate p and up I+p) and each lane keeps
   :data:`UNROLL` 16-byte chunks of both rows in flight: 32 x 2 x 4 x 16 B = 4 KiB per warp, so
-  >= 13 warps per SM cover the latency. :data:`TARGET_WARPS_PER_SM` = 16 (64 KiB per SM, 8.4 MB
-  on the GPU) is what the kernels' launch bound (256 threads, 2 blocks per SM: <= 128
-  registers) keeps resident.
+  >= 13 warps per SM cover the latency. The kernels' launch bound (256 threads, 2 blocks per SM:
+  <= 128 registers) keeps at least 16 resident; :data:`TARGET_WARPS_PER_SM` = 32 warps per SM
+  of work is what the split aims at, measured against 16 (benchmarks/runs/gemv_tune_739ebad:
+  the B=1 step's projections 0.985x of 16's time on Llama-3-8B, 0.935x on the 70B shard).
 * When the pairs alone give fewer warps than that, ``split`` warps share a pair's K (reduced in
   shared memory inside the block): :func:`gemv_shape`. No split across blocks (no second kernel,
   no atomics), so every output is written once, in a fixed summation order.
@@ -54,9 +55,10 @@ BLOCK_WARPS = 8
 #: Blocks per SM the launch bound guarantees (-DPKV_GEMV_MIN_BLOCKS: <= 65536 / (256 x 2) = 128
 #: registers per thread; ptxas reports 72-124 on sm_90).
 MIN_BLOCKS_PER_SM = 2
-#: Warps per SM the split aims at: what the launch bound keeps resident, 16 x 4 KiB = 64 KiB per
-#: SM in flight against Little's 52 KiB.
-TARGET_WARPS_PER_SM = BLOCK_WARPS * MIN_BLOCKS_PER_SM
+#: Warps of work per SM the split aims at: twice what the launch bound keeps resident (16 x 4 KiB =
+#: 64 KiB per SM in flight against Little's 52 KiB), so the SMs stay full while blocks retire;
+#: measured against 16 in benchmarks/runs/gemv_tune_739ebad (module docstring).
+TARGET_WARPS_PER_SM = 32
 VECTOR_BYTES = 16
 #: Elements per 16-byte chunk of W and x (both 2-byte dtypes).
 CHUNK_ELEMENTS = 8
@@ -118,7 +120,7 @@ def gemv_shape(pairs: int, k: int, sm_count: int) -> GemvShape:
     """The launch shape of a gemv over ``pairs`` row pairs of ``k`` columns on ``sm_count`` SMs.
 
     1. ``split``: the smallest power of two (<= BLOCK_WARPS) giving pairs x split >=
-       TARGET_WARPS_PER_SM x sm_count warps (16 x 132 = 2112 on an H200), as long as each warp's
+       TARGET_WARPS_PER_SM x sm_count warps (32 x 132 = 4224 on an H200), as long as each warp's
        slice still gives every lane one whole unrolled step (k / 8 >= 32 x split x UNROLL: at most
        4 at K = 4096, 8 at K >= 8192, 1 at K = 1024).
     2. ``pairs_per_block``: BLOCK_WARPS / split (256-thread blocks), halved while the grid has fewer
@@ -129,20 +131,21 @@ def gemv_shape(pairs: int, k: int, sm_count: int) -> GemvShape:
     ======================  ======  =====  ==============  ======
     shape (N x K)           pairs   split  pairs/block     blocks
     ======================  ======  =====  ==============  ======
-    qkv 6144 x 4096         3072    1      8               384
-    o 4096 x 4096           2048    2      4               512
+    qkv 6144 x 4096         3072    2      4               768
+    o 4096 x 4096           2048    4      2               1024
     gate_up 2x14336 x 4096  14336   1      8               1792
-    down 4096 x 14336       2048    2      4               512
+    down 4096 x 14336       2048    4      2               1024
     lm_head 128256 x 4096   64128   1      8               8016
-    70B/8 qkv 1280 x 8192   640     4      2               320
+    70B/8 qkv 1280 x 8192   640     8      1               640
     70B/8 o 8192 x 1024     4096    1      8               512
-    70B/8 gate_up 2x3584    3584    1      8               448
+    70B/8 gate_up 2x3584    3584    2      4               896
+    70B/8 down 8192 x 3584  4096    2      4               1024
     24 x 4096               12      4      1               12
     ======================  ======  =====  ==============  ======
 
-    o_proj: 2048 pairs are 15.5 warps per SM, short of 16, so two warps share each row pair's K
-    (4096 warps, 31 per SM, each lane 8 chunks = two unrolled steps). The 70B shard's QKV (1280
-    rows) would be 4.8 warps per SM, 20 KiB in flight per SM; split 4 makes it 19 warps per SM.
+    o_proj: 2048 pairs are 15.5 warps per SM, short of 32, so four warps share each row pair's K
+    (8192 warps, each lane 4 chunks = one unrolled step). The 70B shard's QKV (1280
+    rows) would be 4.8 warps per SM, 20 KiB in flight per SM; split 8 makes it 39 warps of work per SM.
     """
     require(int(pairs) >= 1, f"a gemv needs at least one row, got {pairs} row pairs")
     require(int(k) >= CHUNK_ELEMENTS and int(k) % CHUNK_ELEMENTS == 0, f"K = {k} must be a positive multiple of 8")
