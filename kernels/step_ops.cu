@@ -1,10 +1,12 @@
-// The decode step's small-T ops: y = x W^T (gemv), silu(x Wg^T) * (x Wu^T) (gemv_silu_mul), and
+// The decode step's one-row ops: y = x W^T (gemv), silu(x Wg^T) * (x Wu^T) (gemv_silu_mul), and
 // the K/V append (append_kv). No decisions here: src/persistentkv/model/step_ops.py picks the
 // launch shape (gemv_shape) and checks every shape, dtype, stride and alignment before a launch.
 //
 // gemv: y[T, N] = x[T, K] @ W[N, K]^T, W row-major (F.linear's layout), fp16 or bf16, fp32 sums.
-// At T <= 4 this is a stream of W's bytes (x is T*K*2 bytes, at most 112 KiB): the kernel is
-// bound by how many bytes it keeps in flight, so everything is shaped around W's loads.
+// The code is a template over T, instantiated at T = 1 only (a B = 1 step): at T = 4 the B = 4
+// step ran slower than with cuBLAS (benchmarks/NOTES.md, "Tried and rejected"). At T = 1 this is
+// a stream of W's bytes (x is K*2 bytes, at most 28 KiB): the kernel is bound by how many bytes
+// it keeps in flight, so everything is shaped around W's loads.
 //
 // * Work unit: a warp owns a PAIR of rows (gemv: rows 2p and 2p+1; gemv_silu_mul: gate row p and
 //   up row I+p, so silu(g) * u is formed in registers and W's gate|up halves never round-trip).
@@ -18,13 +20,12 @@
 //   H200: 4.5 TB/s x ~1.5 us = 6.8 MB in flight over 132 SMs = 52 KiB per SM, i.e. >= 13 such
 //   warps per SM; step_ops.py splits K until there are 32 warps of work per SM (measured against 16), and
 //   __launch_bounds__(PKV_GEMV_THREADS = 256, PKV_GEMV_MIN_BLOCKS = 2) keeps <= 128 registers,
-//   so two 8-warp blocks (16 warps) stay resident (ptxas: 72 registers at T = 1, 124 at T = 4).
+//   so two 8-warp blocks (16 warps) stay resident (ptxas: 72 registers at T = 1).
 // * W goes through ld.global.nc.L1::no_allocate: it is read once, and must not evict x from L1.
 //   x is read with __ldg from L1/L2 rather than staged in shared memory: every warp of an SM
-//   reads the same chunks of x, so after the first warp they hit L1 (T loads of 16 B per chunk
-//   step, <= 4 x 17 B/clk/SM at T = 4 against L1's 128 B/clk), while staging would cost T*K*2
-//   bytes of shared memory per block (112 KiB at T = 4, K = 14336: one block per SM) and a
-//   block-wide barrier before the first W load.
+//   reads the same chunks of x, so after the first warp they hit L1 (one load of 16 B per chunk
+//   step against two of W), while staging would cost K*2 bytes of shared memory per block
+//   (28 KiB at K = 14336) and a block-wide barrier before the first W load.
 // * Split of K (split = 2, 4, 8 warps per pair) when there are too few pairs to fill the GPU
 //   (N = 1280: 640 pairs x 8 = 5120 warps, 39 per SM): each warp reduces its sum with shuffles,
 //   the split warps meet in shared memory (one __syncthreads), and the pair's first warp adds
@@ -37,7 +38,7 @@
 // outside [0, num_slots) is skipped (the host never reads the slots, so it cannot check them).
 //
 // Plain C types and inline PTX only (cvt for fp16/bf16), so NVRTC (CuPy RawModule) compiles it
-// without standard headers; the entry points are extern "C", one per (op, dtype, T).
+// without standard headers; the entry points are extern "C", one per (op, dtype).
 
 #if !defined(PKV_GEMV_UNROLL) || !defined(PKV_GEMV_THREADS) || !defined(PKV_GEMV_MIN_BLOCKS) || \
     !defined(PKV_APPEND_THREADS)
@@ -49,7 +50,8 @@ typedef unsigned int pkv_u32;
 typedef unsigned long long pkv_u64;
 
 #define PKV_MAX_WARPS 32  // 1024 threads: the most a block can hold, so any launch fits part[][]
-#define PKV_MAX_T 4
+#define PKV_MAX_T 4  // the partials' rows (part[][2 * PKV_MAX_T]) keep their T <= 4 size: the T = 1
+                     // entry points' SASS is then byte-identical to the build measured (84305bd)
 
 struct Fp16 {};
 struct Bf16 {};
@@ -220,21 +222,9 @@ __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const ui
   }
 
 PKV_GEMV_ENTRY(pkv_gemv_float16_t1, Fp16, 1, false)
-PKV_GEMV_ENTRY(pkv_gemv_float16_t2, Fp16, 2, false)
-PKV_GEMV_ENTRY(pkv_gemv_float16_t3, Fp16, 3, false)
-PKV_GEMV_ENTRY(pkv_gemv_float16_t4, Fp16, 4, false)
 PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t1, Bf16, 1, false)
-PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t2, Bf16, 2, false)
-PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t3, Bf16, 3, false)
-PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t4, Bf16, 4, false)
 PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t1, Fp16, 1, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t2, Fp16, 2, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t3, Fp16, 3, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t4, Fp16, 4, true)
 PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t1, Bf16, 1, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t2, Bf16, 2, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t3, Bf16, 3, true)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t4, Bf16, 4, true)
 
 // k, v: rows of row_chunks uint4 at strides k_stride, v_stride (in uint4); k_flat, v_flat: rows
 // at dst_stride. Thread i < rows * row_chunks copies chunk i of k, the next rows * row_chunks

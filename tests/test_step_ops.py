@@ -7,7 +7,8 @@ torch kernels' linear / gate_up_silu / append are today's operations, and kernel
 CPU device.
 
 GPU (requires_gpu): gemv and gemv_silu_mul against float64 within an elementwise bound
-(:func:`error_bound`) for T = 1..4, fp16 and bf16, the projections' shapes; append_kv
+(:func:`error_bound`) for T = 1 (the only T the kernels take), fp16 and bf16, the projections'
+shapes; append_kv
 bit-identical to index_copy_ on scattered slots; the three inside one CUDA graph equal to eager;
 the pkv kernels' Model.forward on the small GPU model against the torch kernels'.
 """
@@ -159,7 +160,7 @@ GEMV_REFUSALS = {
     "float32": (lambda: (half(1, 16, dtype=torch.float32), half(8, 16, dtype=torch.float32)),
                 "one dtype in float16, bfloat16, got float32"),
     "mixed_dtypes": (lambda: (half(1, 16), half(8, 16, dtype=torch.bfloat16)), "got float16 and bfloat16"),
-    "t_above_4": (lambda: (half(5, 16), half(8, 16)), "1 <= T <= 4 rows of x, got T = 5"),
+    "t_above_1": (lambda: (half(2, 16), half(8, 16)), "takes 1 row of x (T = 1), got T = 2"),
     "k_mismatch": (lambda: (half(1, 16), half(8, 24)), "x has K = 16 columns, w has 24"),
     "three_dim_x": (lambda: (half(1, 1, 16), half(8, 16)), "x [T, K] and w [N, K]"),
     "misaligned_x": (lambda: (misaligned(1, 16), half(8, 16)), "x is not 16-byte aligned"),
@@ -184,7 +185,7 @@ def test_gemv_silu_mul_refuses_an_odd_gate_up(no_cupy):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_valid_input_on_the_cpu_has_only_the_device_reason(dtype):
     for silu in (False, True):
-        reasons = step_ops.gemv_unsupported(half(4, 4096, dtype=dtype), half(1030, 4096, dtype=dtype), silu=silu)
+        reasons = step_ops.gemv_unsupported(half(1, 4096, dtype=dtype), half(1030, 4096, dtype=dtype), silu=silu)
         assert len(reasons) == 1 and "CUDA tensors only" in reasons[0], reasons
 
 
@@ -322,8 +323,8 @@ def seed_of(*parts) -> int:
 @requires_gpu
 @pytest.mark.parametrize("n, k", GEMV_SHAPES)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_gemv_matches_float64(rows, dtype, n, k):
+def test_gemv_matches_float64(dtype, n, k):
+    rows = 1
     x, w = gpu_inputs(rows, n, k, dtype, seed_of("gemv", rows, dtype, n, k))
     y = step_ops.gemv(x, w)
     torch.cuda.synchronize()
@@ -339,8 +340,8 @@ def test_gemv_matches_float64(rows, dtype, n, k):
 @requires_gpu
 @pytest.mark.parametrize("n2, k", GATE_UP_SHAPES)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_gemv_silu_mul_matches_float64(rows, dtype, n2, k):
+def test_gemv_silu_mul_matches_float64(dtype, n2, k):
+    rows = 1
     x, w = gpu_inputs(rows, n2, k, dtype, seed_of("silu", rows, dtype, n2, k))
     out = step_ops.gemv_silu_mul(x, w)
     torch.cuda.synchronize()
@@ -387,8 +388,8 @@ def test_the_three_kernels_replay_in_a_cuda_graph_as_eager(dtype):
     from gpu_support import run_step
 
     dt = getattr(torch, dtype)
-    x, w = gpu_inputs(3, 1280, 8192, dtype, seed_of("graph-gemv", dtype))         # split K
-    h, gate_up = gpu_inputs(2, 2 * 3584, 8192, dtype, seed_of("graph-silu", dtype))
+    x, w = gpu_inputs(1, 1280, 8192, dtype, seed_of("graph-gemv", dtype))         # split K
+    h, gate_up = gpu_inputs(1, 2 * 3584, 8192, dtype, seed_of("graph-silu", dtype))
     cache, slots, k, v = gpu_append_case(4, dt, seed_of("graph-append", dtype))
     cache.fill_(float("nan"))
     eager_y, eager_a = step_ops.gemv(x, w), step_ops.gemv_silu_mul(h, gate_up)
@@ -420,13 +421,13 @@ def test_kernels_pkv_fall_back_where_the_kernels_refuse():
         K = Kernels("pkv", tiny_shape(), "cuda")
     except PKVError as exc:
         pytest.skip(str(exc))
-    x, w = gpu_inputs(8, 256, 512, "float16", 1)  # T = 8 > 4: cuBLAS
+    x, w = gpu_inputs(2, 256, 512, "float16", 1)  # T = 2 > 1: cuBLAS
     assert torch.equal(K.linear(x, w), F.linear(x, w))
-    x4 = x[:4]
-    assert torch.equal(K.linear(x4, w), step_ops.gemv(x4, w))
-    assert torch.equal(K.linear(x4.float(), w.float()), F.linear(x4.float(), w.float()))  # float32: cuBLAS
+    x1 = x[:1]
+    assert torch.equal(K.linear(x1, w), step_ops.gemv(x1, w))
+    assert torch.equal(K.linear(x1.float(), w.float()), F.linear(x1.float(), w.float()))  # float32: cuBLAS
     with pytest.raises(PKVError, match="w is not contiguous"):
-        step_ops.gemv(x4, w.t().contiguous().t())
+        step_ops.gemv(x1, w.t().contiguous().t())
 
 
 @pytest.mark.gpu

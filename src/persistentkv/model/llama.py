@@ -20,10 +20,10 @@ K/V append run: ``torch`` (the operations above), ``flashinfer`` (``flashinfer.n
 ``fused_add_rmsnorm``, ``flashinfer.rope.apply_rope_with_cos_sin_cache`` on a float32 table
 computed as above, ``flashinfer.activation.silu_and_mul``), the fused kernels a FlashInfer-based
 server runs, or ``pkv``: FlashInfer's norms and rotary plus our kernels for the decode step's
-small-T case (persistentkv.model.step_ops, kernels/step_ops.cu): a projection of T <= 4 rows is
+one-row case (persistentkv.model.step_ops, kernels/step_ops.cu): a projection of T = 1 row is
 our gemv, the MLP's gate|up projection and SiLU-and-mul are one gemv_silu_mul, and a layer's two
 K/V appends one append_kv. Under ``torch`` and ``flashinfer`` the projections are ``F.linear``
-(cuBLAS) and the append two ``index_copy_``; ``pkv`` falls back to the same for T > 4 (a
+(cuBLAS) and the append two ``index_copy_``; ``pkv`` falls back to the same for T > 1 (a
 prefill) or any input its kernels refuse (step_ops.gemv_unsupported: dtype, K % 8, strides,
 alignment).
 """
@@ -265,7 +265,7 @@ class Kernels:
         return F.silu(gate) * up
 
     def linear(self, x, w):
-        """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; pkv: step_ops.gemv at T <= 4."""
+        """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; pkv: step_ops.gemv at T = 1."""
         if self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS \
                 and not step_ops.gemv_unsupported(x, w):
             return step_ops.launch_gemv(x, w)
@@ -275,7 +275,7 @@ class Kernels:
 
     def gate_up_silu(self, h, w):
         """``silu_mul(F.linear(h, w))`` for w = [gate | up] [2I, H]: h [T, H] -> [T, I]; pkv:
-        step_ops.gemv_silu_mul at T <= 4."""
+        step_ops.gemv_silu_mul at T = 1."""
         if self.name == "pkv" and h.dim() == 2 and h.shape[0] <= step_ops.MAX_ROWS \
                 and not step_ops.gemv_unsupported(h, w, silu=True):
             return step_ops.launch_gemv(h, w, silu=True)

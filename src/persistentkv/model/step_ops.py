@@ -1,6 +1,6 @@
-"""The decode step's small-T projections and append as our own kernels (kernels/step_ops.cu).
+"""The decode step's one-row projections and its K/V append as our own kernels (kernels/step_ops.cu).
 
-    y = gemv(x, w)                              # F.linear(x, w) for x [T <= 4, K]
+    y = gemv(x, w)                              # F.linear(x, w) for x [1, K]
     a = gemv_silu_mul(h, gate_up)               # silu(h gate^T) * (h up^T), one kernel
     append_kv(k_flat, v_flat, slots, k, v)      # both index_copy_ calls of a layer, one kernel
 
@@ -10,8 +10,8 @@ and the step runs a separate SiLU-and-mul (113 us) and two index_copy_ per layer
 
 Design and napkin math (the kernel file's header has the device side):
 
-* A projection at T <= 4 is a stream of W's bytes (Llama-3-8B: 15.0 GB per step, x is at most
-  T x K x 2 = 112 KiB), so the kernel is shaped by bytes in flight. Little's law on an H200:
+* A projection of one row (T = 1, a B = 1 decode step) is a stream of W's bytes (Llama-3-8B:
+  15.0 GB per step, x is K x 2 bytes, at most 28 KiB), so the kernel is shaped by bytes in flight. Little's law on an H200:
   4.5 TB/s x ~1.5 us = 6.8 MB in flight, 52 KiB per SM over 132 SMs.
 * A warp owns a pair of rows (gemv: 2p and 2p+1; silu: gate p and up I+p) and each lane keeps
   :data:`UNROLL` 16-byte chunks of both rows in flight: 32 x 2 x 4 x 16 B = 4 KiB per warp, so
@@ -45,8 +45,10 @@ from ..errors import PKVError, require
 KERNEL_FILE = "step_ops.cu"
 #: dtypes of the gemv entry points (``pkv_gemv_<dtype>_t<T>``).
 DTYPES = ("float16", "bfloat16")
-#: Largest T of a gemv: one entry point per T in 1..MAX_ROWS (the accumulators are registers).
-MAX_ROWS = 4
+#: Rows of x a gemv takes: one. The kernel is a template over T, but T = 4 (the B = 4 step) lost
+#: to cuBLAS in measure-e2e (benchmarks/NOTES.md, "Tried and rejected"; T = 2, 3 were never run
+#: by any configured target), so only T = 1 is instantiated and larger T goes to F.linear.
+MAX_ROWS = 1
 #: Chunk steps a lane keeps in flight per row (-DPKV_GEMV_UNROLL): 2 rows x 4 x 16 B = 128 B per
 #: lane, 4 KiB per warp.
 UNROLL = 4
@@ -196,7 +198,7 @@ def gemv_unsupported(x, w, silu: bool = False) -> list[str]:
     Parameters
     ----------
     x : torch.Tensor
-        [T, K], 1 <= T <= MAX_ROWS, float16 or bfloat16, contiguous, 16-byte aligned, on CUDA.
+        [1, K] (T = MAX_ROWS), float16 or bfloat16, contiguous, 16-byte aligned, on CUDA.
     w : torch.Tensor
         [N, K] (``silu``: [2I, K], gate rows then up rows) of x's dtype, contiguous, aligned, on
         x's device; K % 8 == 0.
@@ -220,7 +222,7 @@ def gemv_unsupported(x, w, silu: bool = False) -> list[str]:
         return reasons + [f"{what} takes x [T, K] and w [N, K], got {list(x.shape)} and {list(w.shape)}"]
     (rows, k), (n, kw) = x.shape, w.shape
     if not 1 <= rows <= MAX_ROWS:
-        reasons.append(f"{what} takes 1 <= T <= {MAX_ROWS} rows of x, got T = {rows}")
+        reasons.append(f"{what} takes {MAX_ROWS} row of x (T = {MAX_ROWS}), got T = {rows}")
     if k != kw:
         reasons.append(f"{what}: x has K = {k} columns, w has {kw}")
     if k % CHUNK_ELEMENTS or k == 0:
@@ -383,7 +385,7 @@ def gemv(x, w):
     Parameters
     ----------
     x : torch.Tensor
-        [T, K], 1 <= T <= 4, float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
+        [1, K], float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
     w : torch.Tensor
         [N, K] of x's dtype (F.linear's layout), contiguous, aligned, K % 8 == 0.
 
@@ -410,7 +412,7 @@ def gemv_silu_mul(x, w):
     Parameters
     ----------
     x : torch.Tensor
-        [T, K], 1 <= T <= 4, float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
+        [1, K], float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
     w : torch.Tensor
         [2I, K] of x's dtype: gate rows 0 .. I-1, up rows I .. 2I-1; contiguous, aligned, K % 8 == 0.
 
