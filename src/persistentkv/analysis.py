@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import PKVError, require
-from .names import BASELINES, COMPOSITE_REFERENCES
+from .names import COMPOSITE_REFERENCES
 
 #: Columns that identify one cell: the same inputs for every backend inside it.
 CELL = ["experiment", "trace", "seed", "protocol", "num_qo_heads", "num_kv_heads", "head_dim",

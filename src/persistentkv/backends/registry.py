@@ -21,7 +21,6 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import PKVError
-from ..names import CPU_ONLY
 from ..spec import AttentionSpec
 
 

@@ -12,7 +12,7 @@ import math
 
 from ..ceiling import THREADS, ceiling_gbps
 from ..errors import PKVError, require
-from ..names import CEILING_BACKENDS, CPU_ONLY, FLOOR_BACKEND, PROTOCOLS
+from ..names import CPU_ONLY, FLOOR_BACKEND
 from .statistics import frac_of_ceiling
 
 #: column -> pandas dtype, in the order of docs/DATA.md.
