@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -262,7 +264,10 @@ def test_a_configuration_that_does_not_fit_is_refused_in_one_line():
         check_fits(need, free_bytes=140 * 2**30, what="llama3_8b at B=64 x 32768")
     message = str(info.value)
     assert "\n" not in message and message.startswith("llama3_8b at B=64 x 32768 needs 272.")
-    assert "KV cache 256.0" in message
+    assert "KV cache 256.0" in message and "weights 15." in message
+    resident = dataclasses.replace(need, weights=0)     # a cell of measure-e2e: the weights are loaded
+    with pytest.raises(PKVError, match=r"\(the weights already on the device, KV cache 256\.0"):
+        check_fits(resident, free_bytes=140 * 2**30, what="llama3_8b at B=64 x 32768")
     check_fits(footprint(eight, "float16", 4 * 32768 // 16, 16, batch_size=4, backends=4), 140 * 2**30, "fits")
     pool = PagePool(4, 16)
     pool.reserve(0, 40)

@@ -177,7 +177,8 @@ def check_fits(need: Footprint, free_bytes: int, what: str) -> None:
     usable = FIT_FRACTION * free_bytes
     if need.total > usable:
         gib = 2.0 ** 30
-        raise PKVError(f"{what} needs {need.total / gib:.1f} GiB (weights {need.weights / gib:.1f}, KV cache "
+        weights = f"weights {need.weights / gib:.1f}" if need.weights else "the weights already on the device"
+        raise PKVError(f"{what} needs {need.total / gib:.1f} GiB ({weights}, KV cache "
                        f"{need.kv_cache / gib:.1f}, workspaces {need.workspaces / gib:.1f}) but "
                        f"{usable / gib:.1f} GiB of the device's {free_bytes / gib:.1f} GiB free is usable; "
                        f"use a smaller batch or context")
