@@ -188,13 +188,28 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
         print(out.round(4).to_string())
 
 
+def print_gemv_tune(path: Path, df: pd.DataFrame) -> None:
+    """benchmarks/tune_gemv.py: the step gemv's launch configurations, us per call (medians), and
+    each configuration's sum over one step's projections against the first (shipped at the run)."""
+    med = df.groupby(["name", "config"])["us"].median().unstack("config")
+    print(f"\n{path.stem} (tune_gemv.py: B=1 projections per launch configuration u<unroll>_bw<block warps>_"
+          f"mb<min blocks>_tw<target warps per SM>, median us per call)")
+    print(med.round(2).to_string())
+    layers = pd.Series([32 if n.startswith("8b") else 80 for n in med.index], index=med.index)
+    first = df["config"].iloc[0]
+    for model in ("8b", "70b"):
+        part = med[med.index.str.startswith(model)].mul(layers[layers.index.str.startswith(model)], axis=0).sum()
+        print(f"  {model} step's projections, us (/ {first}): "
+              + ", ".join(f"{c} {v:.0f} ({v / part[first]:.3f})" for c, v in part.items()))
+
+
 #: file-name prefix -> its table, tried in this order (bench_stream_ before the variant benches')
 PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", print_variants),
             ("ceiling_sizes_", print_ceiling_sizes), ("trace_cta_", print_trace),
             ("adaptive_overhead_", print_step_pieces), ("plan_pieces_", print_plan_pieces),
             ("replay_latency_", print_replay_latency), ("host_overhead_", print_host_overhead),
             ("host_percpu_", print_host_percpu), ("e2e_", print_e2e),
-            ("step_probe_", print_step_probe))
+            ("step_probe_", print_step_probe), ("gemv_tune_", print_gemv_tune))
 
 
 def printer_for(path: Path):
