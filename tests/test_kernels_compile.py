@@ -12,7 +12,8 @@ import pytest
 from persistentkv.cli import main
 from persistentkv.engine import DecodeEngine, engine_unsupported
 from persistentkv.errors import PKVError
-from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path, parse_ptxas
+from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path, parse_ptxas, step_ops_cubin_name
+from persistentkv.model import step_ops
 from persistentkv.launch import compile_options, kernels_dir, min_chunk_tiles_for, stage_tokens
 from persistentkv.plan import TILE_TOKENS
 from persistentkv.spec import AttentionSpec
@@ -49,14 +50,18 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     kernels = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["warps"]) for r in report["kernels"]}
     expected = {(k, a, d, h, w) for k in ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
                 for a in ("sm_80", "sm_90") for d, h, w in MODULES}
-    assert kernels == expected
+    step = {(k, a, next((d for d in step_ops.DTYPES if f"_{d}_" in k), ""), 0, step_ops.BLOCK_WARPS)
+            for k in step_ops.ENTRY_POINTS for a in ("sm_80", "sm_90")}   # the decode step's own kernels
+    assert kernels == expected | step
+    assert {d for _, _, d, _, _ in step} == {"float16", "bfloat16", ""}  # pkv_append_kv takes any dtype
     assert set(MODULES) == {(d, h, 4) for d in ("float16", "bfloat16") for h in (64, 128, 256)} | \
         {(d, h, 8) for d in ("float16", "bfloat16") for h in (64, 128)}
     for row in report["kernels"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row
         assert row["registers"] <= 255, row
     assert {p.name for p in (tmp_path / "cubins").glob("*.cubin")} == \
-        {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ("sm_80", "sm_90")}
+        {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ("sm_80", "sm_90")} | \
+        {step_ops_cubin_name(a) for a in ("sm_80", "sm_90")}
 
 
 def test_cubin_names_keep_the_default_and_suffix_w8():
