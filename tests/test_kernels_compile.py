@@ -12,7 +12,7 @@ import pytest
 from persistentkv.cli import main
 from persistentkv.engine import DecodeEngine, engine_unsupported
 from persistentkv.errors import PKVError
-from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path, parse_ptxas, step_ops_cubin_name
+from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path, parse_ptxas
 from persistentkv.model import step_ops
 from persistentkv.launch import compile_options, kernels_dir, min_chunk_tiles_for, stage_tokens
 from persistentkv.plan import TILE_TOKENS
@@ -61,7 +61,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
         assert row["registers"] <= 255, row
     assert {p.name for p in (tmp_path / "cubins").glob("*.cubin")} == \
         {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ("sm_80", "sm_90")} | \
-        {step_ops_cubin_name(a) for a in ("sm_80", "sm_90")}
+        {step_ops.cubin_name(a) for a in ("sm_80", "sm_90")}
 
 
 def test_cubin_names_keep_the_default_and_suffix_w8():

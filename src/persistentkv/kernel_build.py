@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from functools import lru_cache
 from itertools import product
 from pathlib import Path
 
@@ -56,41 +57,37 @@ def cubin_name(dtype: str, head_dim: int, warps: int, arch: str) -> str:
     return f"pkv_{dtype}_d{head_dim}_{arch}{'' if warps == 4 else f'_w{warps}'}.cubin"
 
 
-def step_ops_cubin_name(arch: str) -> str:
-    """The decode step's own kernels (kernels/step_ops.cu, persistentkv.model.step_ops): one module."""
-    return f"pkv_step_ops_{arch}.cubin"
+@lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def compile_module(arch: str, source: Path, cubin: Path, options: list[str], what: str) -> list[dict]:
+    """nvcc ``source`` to ``cubin`` for ``arch`` with ``options``; one row per kernel (ptxas'
+    report, with nvcc's version, the flags and the cubin's name). ``what`` names the module in an
+    error. The engine's modules (:func:`compile_all`) and the decode step's own kernels
+    (persistentkv.model.step_ops.compile_report) go through it."""
+    nvcc = nvcc_path()
+    require(nvcc is not None, "nvcc not found on PATH")
+    cubin.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [nvcc, "-cubin", f"-arch={check_arch(arch)}", "-O3", "-Xptxas", "-v", "-o", str(cubin), *options, str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {arch} {what}:\n{proc.stderr[-4000:]}")
+    version = nvcc_version(nvcc)
+    rows = parse_ptxas(proc.stderr)
+    for row in rows:
+        row.update(nvcc=version, flags=" ".join(options), cubin=cubin.name)
+    return rows
 
 
 def compile_all(archs: list[str], out_dir: Path) -> list[dict]:
-    """Compile every (dtype, head_dim, warps) module of MODULES, and the decode step's own kernels
-    (kernels/step_ops.cu, one module: head_dim 0, warps = its gemv blocks' warps, dtype from each
-    entry point's name), for every arch to cubins under ``out_dir``; one row per kernel."""
-    from .model import step_ops
-
-    nvcc = nvcc_path()
-    require(nvcc is not None, "nvcc not found on PATH")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def compile_one(arch: str, source: Path, cubin: Path, options: list[str], what: str) -> list[dict]:
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o", str(cubin), *options, str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {arch} {what}:\n{proc.stderr[-4000:]}")
-        rows = parse_ptxas(proc.stderr)
-        for row in rows:
-            row.update(nvcc=version, flags=" ".join(options), cubin=cubin.name)
-        return rows
-
+    """Compile every (dtype, head_dim, warps) module of MODULES for every arch to cubins under
+    ``out_dir``; one row per kernel, with the module's ``warps``."""
     rows = []
-    for arch in [check_arch(a) for a in archs]:
-        for dtype, head_dim, warps in MODULES:
-            options = list(compile_options(AttentionSpec(1, 1, head_dim, 16, dtype), warps))
-            for row in compile_one(arch, kernels_dir() / KERNEL_FILE, out_dir / cubin_name(dtype, head_dim, warps, arch),
-                                   options, f"{dtype} D={head_dim} warps={warps}"):
-                rows.append({**row, "dtype": dtype, "head_dim": head_dim, "warps": warps})
-        for row in compile_one(arch, kernels_dir() / step_ops.KERNEL_FILE, out_dir / step_ops_cubin_name(arch),
-                               list(step_ops.compile_options()), step_ops.KERNEL_FILE):
-            dtype = next((d for d in step_ops.DTYPES if f"_{d}_" in row["kernel"]), "")
-            rows.append({**row, "dtype": dtype, "head_dim": 0, "warps": step_ops.BLOCK_WARPS})
+    for arch, (dtype, head_dim, warps) in product([check_arch(a) for a in archs], MODULES):
+        options = list(compile_options(AttentionSpec(1, 1, head_dim, 16, dtype), warps))
+        for row in compile_module(arch, kernels_dir() / KERNEL_FILE, out_dir / cubin_name(dtype, head_dim, warps, arch),
+                                  options, f"{dtype} D={head_dim} warps={warps}"):
+            rows.append({**row, "dtype": dtype, "head_dim": head_dim, "warps": warps})
     return rows

@@ -1,4 +1,5 @@
-"""persistentkv compile-kernels: compile kernels/ for named architectures (no GPU needed)."""
+"""persistentkv compile-kernels: compile kernels/ for named architectures (no GPU needed): the engine's
+attention modules (persistentkv.kernel_build) and the decode step's own kernels (persistentkv.model.step_ops)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def native_arch() -> str | None:
 
 def run(args) -> int:
     from ..kernel_build import compile_all, nvcc_path  # the engine's module (NumPy, CuPy probes): loaded to compile
+    from ..model import step_ops
 
     archs = []
     for arch in args.arch or ["native"]:
@@ -41,7 +43,7 @@ def run(args) -> int:
         atomic_write_json(args.out, {"status": "skipped", "reason": "nvcc not found on PATH", "archs": archs, "kernels": []})
         print(f"compile-kernels: nvcc not found; wrote {args.out} saying so")
         return 0
-    rows = compile_all(archs, Path(args.cubin_dir))
+    rows = compile_all(archs, Path(args.cubin_dir)) + step_ops.compile_report(archs, Path(args.cubin_dir))
     atomic_write_json(args.out, {"status": "ok", "archs": archs, "kernels": rows})
     worst = max(rows, key=lambda r: r.get("spill_store_bytes", 0))
     print(f"compile-kernels: {len(rows)} kernel instances for {', '.join(archs)}; "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -91,6 +92,27 @@ def kernel_source() -> str:
     path = kernels_dir() / KERNEL_FILE
     require(path.is_file(), f"{path} is missing (the step's kernels live in the repository's kernels/)")
     return path.read_text()
+
+
+def cubin_name(arch: str) -> str:
+    """The ahead-of-time build's cubin of this module (rule kernels, persistentkv compile-kernels)."""
+    return f"pkv_step_ops_{arch}.cubin"
+
+
+def compile_report(archs: list[str], out_dir: Path) -> list[dict]:
+    """kernels/step_ops.cu compiled with nvcc for every arch to ``out_dir`` (no GPU needed), as the
+    compile report's rows (persistentkv.kernel_build.compile_module): ``head_dim`` 0, ``warps`` a
+    gemv block's (BLOCK_WARPS), ``dtype`` from each entry point's name ("" for pkv_append_kv,
+    which takes any)."""
+    from ..kernel_build import compile_module
+
+    rows = []
+    for arch in archs:
+        for row in compile_module(arch, kernels_dir() / KERNEL_FILE, Path(out_dir) / cubin_name(arch),
+                                  list(compile_options()), KERNEL_FILE):
+            dtype = next((d for d in DTYPES if f"_{d}_" in row["kernel"]), "")
+            rows.append({**row, "dtype": dtype, "head_dim": 0, "warps": BLOCK_WARPS})
+    return rows
 
 
 # -- the launch shape (pure) ----------------------------------------------------------------------
