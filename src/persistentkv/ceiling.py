@@ -449,13 +449,7 @@ class OneKernelFloor:
         self.rounds += 1
 
     def _per_launch_us(self, replay) -> float:
-        start, end = self.device.event(), self.device.event()
-        self.device.queue_ahead(self.queue_cycles)
-        start.record()
-        replay()
-        end.record()
-        self.device.synchronize()
-        return start.elapsed_ms(end) * 1e3 / self.launches
+        return timed_replay_ms(self.device, replay, self.queue_cycles) * 1e3 / self.launches
 
     def result(self) -> FloorResult:
         return FloorResult(self.nbytes, self.n_vec, self.copies, self.launches,
@@ -467,6 +461,19 @@ class OneKernelFloor:
         self.replays.clear()
         self.separators = None
         self.reader = None
+
+
+def timed_replay_ms(device, replay, queue_cycles: int = 0) -> float:
+    """Milliseconds of one ``replay()`` between two events, both queued behind a ``queue_cycles``
+    spin (none at 0), so that the window holds GPU time only: the floor's graphs and the kernel
+    rows (persistentkv.measure.protocols.kernel_once) are timed by it."""
+    start, end = device.event(), device.event()
+    device.queue_ahead(queue_cycles)
+    start.record()
+    replay()
+    end.record()
+    device.synchronize()
+    return start.elapsed_ms(end)
 
 
 def measure_floor(device, nbytes: int, repeats: int = 5, warmup: int = 2, **options) -> FloorResult:

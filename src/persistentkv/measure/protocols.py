@@ -36,20 +36,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..ceiling import timed_replay_ms
 from .rotation import CopyCursor
 from .statistics import per_call_us
-
-
-def timed_replay_ms(device, replay: Callable[[], None], queue_cycles: int = 0) -> float:
-    """Milliseconds of one ``replay()`` between two events, both queued behind a ``queue_cycles``
-    spin (none at 0), so that the window holds GPU time only."""
-    start, end = device.event(), device.event()
-    device.queue_ahead(queue_cycles)
-    start.record()
-    replay()
-    end.record()
-    device.synchronize()
-    return start.elapsed_ms(end)
 
 
 def kernel_once(device, replays: list[Callable[[], None]], cursor: CopyCursor, calls: int,
