@@ -315,6 +315,13 @@ def gpu_inputs(rows: int, n: int, k: int, dtype: str, seed: int):
     return x, w
 
 
+def assert_within(got, ref, bound, label: str) -> None:
+    """Every element of ``got`` within its ``bound`` of the float64 ``ref`` (the worst ratio printed)."""
+    err = (got.double() - ref).abs()
+    print(f"{label}: max error / bound {float((err / bound).max()):.3f}")
+    assert bool((err <= bound).all()), f"{int((err > bound).sum())} elements beyond the bound"
+
+
 def seed_of(*parts) -> int:
     return int(np.frombuffer(repr(parts).encode(), np.uint8).astype(np.int64).sum() * 7919 % 2**31)
 
@@ -331,9 +338,7 @@ def test_gemv_matches_float64(dtype, n, k):
     assert y.shape == (rows, n) and y.dtype == x.dtype
     ref = x.double() @ w.double().T
     bound = error_bound(ref, x.double().abs() @ w.double().abs().T, k, dtype)
-    err = (y.double() - ref).abs()
-    print(f"gemv T={rows} {dtype} {n}x{k}: max error / bound {float((err / bound).max()):.3f}")
-    assert bool((err <= bound).all()), f"{int((err > bound).sum())} elements beyond the bound"
+    assert_within(y, ref, bound, f"gemv T={rows} {dtype} {n}x{k}")
 
 
 @pytest.mark.gpu
@@ -350,9 +355,7 @@ def test_gemv_silu_mul_matches_float64(dtype, n2, k):
     xd, wd = x.double(), w.double()
     g, u = xd @ wd[:i].T, xd @ wd[i:].T
     ref, bound = silu_bound(g, u, xd.abs() @ wd[:i].abs().T, xd.abs() @ wd[i:].abs().T, k, dtype)
-    err = (out.double() - ref).abs()
-    print(f"gemv_silu_mul T={rows} {dtype} {n2}x{k}: max error / bound {float((err / bound).max()):.3f}")
-    assert bool((err <= bound).all()), f"{int((err > bound).sum())} elements beyond the bound"
+    assert_within(out, ref, bound, f"gemv_silu_mul T={rows} {dtype} {n2}x{k}")
 
 
 def gpu_append_case(rows: int, dtype, seed: int, slots_total: int = 1000, hkv: int = 8, d: int = 128):
