@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from step_probe import captured, timed_us  # noqa: E402
 
 #: (unroll, block_warps, min_blocks_per_sm, target_warps_per_sm); the first is what ships
 CONFIGS = ((4, 8, 2, 16), (8, 8, 2, 16), (4, 8, 2, 32), (8, 8, 2, 32), (4, 4, 4, 16), (8, 4, 4, 32), (2, 8, 2, 32))
@@ -74,26 +76,16 @@ def main() -> int:
                 for c in range(w.shape[0]):
                     outs[c] = step_ops.launch_gemv(x, w[c], silu=silu)
 
-            calls()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                calls()
-            graphs[config, name] = (graph, w.shape[0], w[0].numel() * 2)
+            graphs[config, name] = (captured(calls), w.shape[0], w[0].numel() * 2)
         print(f"config {config}: compiled, checked, captured", flush=True)
     rows = []
     for r in range(args.rounds):
         order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
         for name in MATRICES:
             for config in order:
-                graph, calls, nbytes = graphs[config, name]
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                torch.cuda.synchronize()
+                replay, calls, nbytes = graphs[config, name]
                 rows.append(dict(config="u%d_bw%d_mb%d_tw%d" % config, name=name, repeat=r,
-                                 us=s.elapsed_time(e) * 1e3 / calls, bytes=nbytes))
+                                 us=timed_us(replay) / calls, bytes=nbytes))
     frame = pd.DataFrame(rows)
     path = Path(args.out) / time.strftime("gemv_tune_%H%M%S.parquet")
     frame.to_parquet(path, index=False)
