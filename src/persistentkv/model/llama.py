@@ -266,8 +266,7 @@ class Kernels:
 
     def linear(self, x, w):
         """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; pkv: step_ops.gemv at T = 1."""
-        if self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS \
-                and not step_ops.gemv_unsupported(x, w):
+        if self._takes_gemv(x, w, silu=False):
             return step_ops.launch_gemv(x, w)
         import torch.nn.functional as F
 
@@ -276,12 +275,17 @@ class Kernels:
     def gate_up_silu(self, h, w):
         """``silu_mul(F.linear(h, w))`` for w = [gate | up] [2I, H]: h [T, H] -> [T, I]; pkv:
         step_ops.gemv_silu_mul at T = 1."""
-        if self.name == "pkv" and h.dim() == 2 and h.shape[0] <= step_ops.MAX_ROWS \
-                and not step_ops.gemv_unsupported(h, w, silu=True):
+        if self._takes_gemv(h, w, silu=True):
             return step_ops.launch_gemv(h, w, silu=True)
         import torch.nn.functional as F
 
         return self.silu_mul(F.linear(h, w))
+
+    def _takes_gemv(self, x, w, silu: bool) -> bool:
+        """pkv, and step_ops' gemv takes x and w (the row count tested first: a prefill's T > 1
+        goes to cuBLAS without the full check)."""
+        return (self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS
+                and not step_ops.gemv_unsupported(x, w, silu=silu))
 
     def append(self, k_flat, v_flat, slots, k, v) -> None:
         """``k_flat[slots] = k``, ``v_flat[slots] = v`` (k, v [T, Hkv, D]; caches [S, Hkv, D];
