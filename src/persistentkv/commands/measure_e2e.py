@@ -13,13 +13,20 @@ values, not a prefill) and one shared set of weights. Each loop captures two CUD
   SwiGLU, then the final norm, LM head and greedy sampling; the plan's refresh inside it for the
   backends that follow lengths on the device (DecodeLoop's ``device`` mode: pkv-workqueue
   re-plans on the GPU inside the graph);
-* the attention alone: the same refresh and one ``run()`` per layer over the same layers' caches,
-  on a fixed q: what the step spends in attention, measured in the same run.
+* the rest: the same step without attention (each layer's append kept, the plan's device refresh
+  left out: it is the backend's), the step's non-attention time measured directly (``rest_us``);
+* the attention alone: the same refresh, then per layer that layer's append (of fixed k, v) and
+  one ``run()`` over its cache on a fixed q, so every call follows the kernel it follows in the
+  step (a launch with programmatic dependent launch may start under the append's tail, as in the
+  step, never under the previous attention call's); and the appends alone, replayed right before
+  it and subtracted (``append_us``): ``attention_us`` is what the step spends in attention,
+  measured in the same run. Up to 998e0fc the attention graph ran the layers' calls back to back.
 
 Rounds interleave the backends (A B A B ...): in each round every loop is rewound to the cell's
-state (its positions and tokens restored on the device, outside the timed window), its step graph
-replayed between two CUDA events (``step_us``), rewound again and its attention graph replayed
-(``attention_us``); ``non_attention_us`` is their difference within the round. The floor of a step
+state (its positions and tokens restored on the device, outside the timed window) before each of
+its graphs, which replay between two CUDA events each: the step (``step_us``), the rest, the
+appends, the attention; ``non_attention_us`` is step_us - attention_us within the round, and
+step_us - rest_us what attention costs inside the step. The floor of a step
 is its bytes, weights read once (every layer, the LM head, B embedding rows) plus the K/V of every
 row and layer, at the run's read ceiling (persistentkv.ceiling, measured before and after the
 cases; the higher counts).
@@ -54,7 +61,8 @@ E2E_COLUMNS: dict[str, str] = {
     "trace": "string", "seed": "int64", "step": "int64", "batch_size": "int64", "context": "int64",
     "total_tokens": "int64", "dtype": "string", "page_size": "int64", "backend": "string",
     "kernels": "string", "follow": "string", "repeat": "int64", "step_us": "float64", "attention_us": "float64",
-    "non_attention_us": "float64", "tokens_per_s": "float64", "weight_bytes": "int64", "kv_bytes": "int64",
+    "non_attention_us": "float64", "rest_us": "float64", "append_us": "float64", "tokens_per_s": "float64",
+    "weight_bytes": "int64", "kv_bytes": "int64",
     "floor_us": "float64", "weight_floor_us": "float64", "kv_floor_us": "float64", "read_ceiling_gbps": "float64",
     "mem_estimate_bytes": "int64", "mem_peak_bytes": "int64", "recaptures": "int64", "status": "string",
     "reason": "string",
@@ -132,8 +140,8 @@ class Setting:
                    weight_bytes=self.shape.step_weight_bytes(self.dtype, batch_size),
                    kv_bytes=int(lengths.sum()) * self.shape.kv_bytes_per_token(self.dtype), follow="",
                    repeat=-1, mem_peak_bytes=0, recaptures=0, reason="", status="ok")
-        for name in ("step_us", "attention_us", "non_attention_us", "tokens_per_s", "floor_us", "weight_floor_us",
-                     "kv_floor_us", "read_ceiling_gbps"):
+        for name in ("step_us", "attention_us", "non_attention_us", "rest_us", "append_us", "tokens_per_s", "floor_us",
+                     "weight_floor_us", "kv_floor_us", "read_ceiling_gbps"):
             row[name] = math.nan
         row.update(fields)
         return row
@@ -162,37 +170,42 @@ def _one_line(exc: BaseException) -> str:
     return one_line(exc)
 
 
-def _time_rounds(loops, rounds: int, warmup: int, marks) -> dict[str, list[tuple[float, float]]]:
-    """(step_us, attention_us) per round for each loop, rounds interleaved across loops."""
+#: The graphs of a round, in the order each loop replays them: the appends right before the
+#: attention they are subtracted from.
+ROUND = ("step", "rest", "appends", "attention")
+
+
+def _time_rounds(loops, rounds: int, warmup: int, marks) -> dict[str, list[dict[str, float]]]:
+    """{graph: us} of every ROUND graph per round for each loop, rounds interleaved across loops."""
     import torch
 
     times = {name: [] for name in loops}
     for r in range(warmup + rounds):
         events = {}
         for name, loop in loops.items():
-            pair = []
-            for what in ("step", "attention"):
+            timed = {}
+            for what in ROUND:
                 loop.rewind(marks[name])
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 loop.replay(what)
                 end.record()
-                pair.append((start, end))
-            events[name] = pair
+                timed[what] = (start, end)
+            events[name] = timed
         torch.cuda.synchronize()
         if r >= warmup:
-            for name, pair in events.items():
-                times[name].append(tuple(s.elapsed_time(e) * 1e3 for s, e in pair))
+            for name, timed in events.items():
+                times[name].append({what: s.elapsed_time(e) * 1e3 for what, (s, e) in timed.items()})
     return times
 
 
 def _capture(loops) -> dict[str, str]:
-    """Capture each loop's step and attention graphs where they are not ready; a loop whose
-    capture fails leaves ``loops`` and is returned with the reason."""
+    """Capture each loop's ROUND graphs where they are not ready; a loop whose capture fails
+    leaves ``loops`` and is returned with the reason."""
     failed = {}
     for name, loop in list(loops.items()):
         try:
-            for what in ("step", "attention"):
+            for what in ROUND:
                 if not loop.graph_ready(what):
                     loop.capture(what)
         except Exception as exc:
@@ -204,10 +217,12 @@ def _capture(loops) -> dict[str, str]:
 def _timed_rows(setting, loops, times, batch_size, lengths, step, peak) -> list[dict]:
     rows = []
     for name, loop in loops.items():
-        for repeat, (step_us, attn_us) in enumerate(times[name]):
-            rows.append(setting.row(name, batch_size, lengths, step, repeat=repeat, step_us=step_us,
-                                    attention_us=attn_us, non_attention_us=step_us - attn_us,
-                                    tokens_per_s=batch_size / (step_us * 1e-6),
+        for repeat, us in enumerate(times[name]):
+            attn_us = us["attention"] - us["appends"]
+            rows.append(setting.row(name, batch_size, lengths, step, repeat=repeat, step_us=us["step"],
+                                    attention_us=attn_us, non_attention_us=us["step"] - attn_us,
+                                    rest_us=us["rest"], append_us=us["appends"],
+                                    tokens_per_s=batch_size / (us["step"] * 1e-6),
                                     follow=loop.mode, mem_peak_bytes=int(peak),
                                     recaptures=int(loop.recaptures)))
     return rows
@@ -539,7 +554,8 @@ def _ceiling_rows(run_id: str, samples, failures: dict, read: float) -> list[dic
                 context=0, total_tokens=0, dtype="", page_size=0, kernels="", follow="", weight_bytes=0,
                 mem_estimate_bytes=0, mem_peak_bytes=0, recaptures=0, read_ceiling_gbps=read, reason="",
                 status="ok")
-    for name in ("attention_us", "non_attention_us", "tokens_per_s", "floor_us", "weight_floor_us", "kv_floor_us"):
+    for name in ("attention_us", "non_attention_us", "rest_us", "append_us", "tokens_per_s", "floor_us",
+                 "weight_floor_us", "kv_floor_us"):
         base[name] = math.nan
     rows = [{**base, "trace": s.backend, "backend": s.backend, "repeat": s.repeat, "kv_bytes": s.bytes_moved,
              "step_us": s.time_us} for s in samples]

@@ -48,6 +48,11 @@ from .llama import Kernels, Sampling, Weights, resolve_device, sample
 from .shape import Footprint, ModelShape, check_fits
 
 FOLLOW_MODES = ("device", "host", "replan")
+#: What DecodeLoop.capture captures: ``step``, the whole step; ``rest``, the step without its
+#: attention (each layer's append kept, the plan's device refresh left out); ``attention``, the
+#: step's attention alone, each layer's call after that layer's append (on fixed inputs), the
+#: refresh first; ``appends``, those appends alone (what measure-e2e subtracts from ``attention``).
+GRAPHS = ("step", "rest", "attention", "appends")
 
 
 class PagePool:
@@ -521,17 +526,28 @@ class DecodeLoop:
         else:
             self.backend.run(q, (k, v), self.plan, out)
 
-    def _body(self) -> None:
+    def _slots(self):
+        """Each row's cache row for its position: the last page's slot (index math on the device)."""
+        P, pos = self.kv.page_size, self.positions
+        return self.table.gather(1, (pos // P)[:, None]).squeeze(1) * P + pos % P
+
+    def _body(self, attention: bool = True) -> None:
+        """The step; ``attention`` False: the step without attention (the rest graph), the plan's
+        device refresh left out with it (it is the backend's), each layer's append kept."""
         import torch
 
-        self._refresh()
-        P, pos = self.kv.page_size, self.positions
-        slots = self.table.gather(1, (pos // P)[:, None]).squeeze(1) * P + pos % P
+        if attention:
+            self._refresh()
+        else:
+            self.lengths.copy_(self.positions + 1)
+        pos = self.positions
+        slots = self._slots()
 
         def attend(l, q, k, v):
             k_flat, v_flat = self.kv.flat(l)
             self.model.kernels.append(k_flat, v_flat, slots, k, v)
-            self._run(q, l, self.out)
+            if attention:
+                self._run(q, l, self.out)
             return self.out
 
         logits = self.model.forward(self.tokens, pos, attend)
@@ -540,19 +556,33 @@ class DecodeLoop:
         self.tokens.copy_(sample(self.logits, s.top_k, s.seed, self.keys, pos, s.temperature))
         torch.add(pos, 1, out=pos)
 
-    def _attention_body(self) -> None:
-        """The step's attention alone: the plan's refresh and one run per layer, on a fixed q."""
+    def _probe(self):
+        """Fixed q [B, Hq, D] and k, v [B, Hkv, D] (seeded) for the attention-alone graphs."""
         import torch
 
         if self.probe is None:
             s = self.model.shape
             gen = torch.Generator(device=self.kv.device)
             gen.manual_seed(0)
-            self.probe = torch.randn((len(self.rows), s.num_heads, s.head_dim), generator=gen,
-                                     device=self.kv.device, dtype=self.model.dtype)
-        self._refresh()
+            B = len(self.rows)
+            self.probe = tuple(torch.randn((B, h, s.head_dim), generator=gen, device=self.kv.device,
+                                           dtype=self.model.dtype)
+                               for h in (s.num_heads, s.num_kv_heads, s.num_kv_heads))
+        return self.probe
+
+    def _attention_body(self, attention: bool = True) -> None:
+        """The step's attention alone, each layer's call after that layer's append as in the step
+        (on a fixed q, k, v), the plan's refresh first; ``attention`` False: the appends alone (the
+        separator graph, timed and subtracted by measure-e2e)."""
+        q, k, v = self._probe()
+        if attention:
+            self._refresh()
+        slots = self._slots()
         for l in range(self.model.shape.num_layers):
-            self._run(self.probe, l, self.out)
+            k_flat, v_flat = self.kv.flat(l)
+            self.model.kernels.append(k_flat, v_flat, slots, k, v)
+            if attention:
+                self._run(q, l, self.out)
 
     def step(self):
         """One eager decode step: tokens and positions advance on the device and the host.
@@ -574,15 +604,16 @@ class DecodeLoop:
 
     # -- CUDA graphs --------------------------------------------------------------------------
     def capture(self, what: str = "step") -> None:
-        """Capture ``what`` (``step``: the whole step; ``attention``: its attention alone) in a
-        CUDA graph, after one eager warm-up whose effects are rewound."""
+        """Capture ``what`` (:data:`GRAPHS`) in a CUDA graph, after one eager warm-up whose effects
+        are rewound."""
         import torch
 
-        require(what in ("step", "attention"), f"capture what must be step or attention, got {what!r}")
+        require(what in GRAPHS, f"capture what must be one of {', '.join(GRAPHS)}, got {what!r}")
         require(self.kv.device.type == "cuda", "CUDA graphs need the loop on a CUDA device")
         require(getattr(self.backend, "graph_safe", False),
                 f"backend {self.backend.name} is not graph-safe (graph_safe is not True): it runs eagerly only")
-        body = self._body if what == "step" else self._attention_body
+        body = {"step": self._body, "rest": lambda: self._body(attention=False),
+                "attention": self._attention_body, "appends": lambda: self._attention_body(attention=False)}[what]
         marked = self.mark()
         stream = torch.cuda.Stream(self.kv.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))
@@ -603,7 +634,7 @@ class DecodeLoop:
         if what not in self._graphs:
             self.capture(what)
         self._graphs[what].replay()
-        if what == "step":
+        if what in ("step", "rest"):
             self.positions_host += 1
 
     def graph_ready(self, what: str = "step") -> bool:

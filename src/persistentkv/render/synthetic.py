@@ -407,12 +407,16 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
                     attn = _e2e_attention_us(backend, lengths, shape) * shared * float(np.exp(rng.normal(0, 0.004)))
                     step_us = attn + rest * shared * float(np.exp(rng.normal(0, 0.004)))
                     rows.append({**cell, "backend": backend, "repeat": r, "step_us": step_us, "attention_us": attn,
-                                 "non_attention_us": step_us - attn, "tokens_per_s": B / (step_us * 1e-6),
+                                 "non_attention_us": step_us - attn,
+                                 "rest_us": rest * shared * float(np.exp(rng.normal(0, 0.004))),
+                                 "append_us": 1.5 * shape.num_layers * shared,
+                                 "tokens_per_s": B / (step_us * 1e-6),
                                  "follow": "device" if backend.startswith("pkv") else "host",
                                  "status": "ok", "reason": ""})
             for backend, reason in E2E_UNAVAILABLE.items():
                 rows.append({**cell, "backend": backend, "repeat": -1, "step_us": np.nan, "attention_us": np.nan,
-                             "non_attention_us": np.nan, "tokens_per_s": np.nan, "follow": "",
+                             "non_attention_us": np.nan, "rest_us": np.nan, "append_us": np.nan,
+                             "tokens_per_s": np.nan, "follow": "",
                              "status": "unavailable", "reason": reason})
     name, B, context, reason = E2E_REFUSED
     shape = ModelShape(name=name, **E2E_MODELS[name])
@@ -421,8 +425,8 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
                      "context": context, "total_tokens": B * context, "backend": backend, "repeat": -1,
                      "weight_bytes": shape.step_weight_bytes("float16", B),
                      "kv_bytes": B * context * shape.kv_bytes_per_token("float16"), "step_us": np.nan,
-                     "attention_us": np.nan, "non_attention_us": np.nan, "tokens_per_s": np.nan,
-                     "follow": "", "mem_peak_bytes": 0, "status": "refused", "reason": reason})
+                     "attention_us": np.nan, "non_attention_us": np.nan, "rest_us": np.nan, "append_us": np.nan,
+                     "tokens_per_s": np.nan, "follow": "", "mem_peak_bytes": 0, "status": "refused", "reason": reason})
     nbytes = 16 << 30
     rows += [{**base, "model": "", "tensor_parallel": 1, "trace": "read-ceiling", "step": 0, "batch_size": 0,
               "context": 0, "total_tokens": 0, "backend": "read-ceiling", "repeat": r, "kv_bytes": nbytes,
