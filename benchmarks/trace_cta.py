@@ -1,7 +1,7 @@
 """Where a step's time goes: a per-CTA timeline of our routes under CUDA-graph replay.
 
     python benchmarks/trace_cta.py [--cases 1x4096,4x8192] [--warps 4,8] [--routes workqueue,split]
-                                   [--calls 10] [--repeats 9] [--out DIR]
+                                   [--calls 10] [--repeats 9] [--heads 32:8] [--out DIR]
 
 Builds the decode module with PKV_TRACE=1 (DecodeEngine(spec, trace=True); the engine's own
 modules never trace): thread 0 of every decode CTA stamps %globaltimer (ns, one clock for the GPU)
@@ -61,6 +61,8 @@ def parse_args(argv=None):
                         "default workqueue)")
     parser.add_argument("--cases", default=CASES, help=f"as bench_engine.py's (default {CASES})")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds of the untraced graphs (default 9)")
+    parser.add_argument("--heads", default="32:8", help="query heads and kv heads, HQ:HKV (default 32:8; 4:1 is a "
+                        "TP=8 shard of Llama-3-8B)")
     args = parser.parse_args(argv)
     try:
         args.warps = [int(w) for w in args.warps.split(",") if w.strip()]
@@ -72,6 +74,9 @@ def parse_args(argv=None):
     if not args.routes or any(r not in ENGINE_ROUTES for r in args.routes):
         parser.error(f"--routes takes some of {', '.join(ENGINE_ROUTES)}")
     parse_cases(args.cases)  # a bad case fails before any GPU work
+    from bench_engine import parse_heads
+
+    args.spec = parse_heads(args.heads)
     return args
 
 
@@ -159,11 +164,9 @@ def main(argv=None) -> int:
 
     from persistentkv.cache import make_batch
     from persistentkv.engine import DecodeEngine, engine_for
-    from persistentkv.spec import AttentionSpec
-
     args = parse_args(argv)
     t_start = time.time()
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    spec = args.spec
     ceiling = read_ceiling_gbps()
     print(f"{torch.cuda.get_device_name(0)}: read ceiling {ceiling:.0f} GB/s", flush=True)
     engines = {}
