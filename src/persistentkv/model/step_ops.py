@@ -439,7 +439,7 @@ def _launch_pdl(device, name: str, grid: int, threads: int, args: tuple) -> None
     attr.value[0] = 1
     stream = torch.cuda.current_stream(device).cuda_stream
     config = _LaunchConfig(int(grid), 1, 1, int(threads), 1, 1, 0, stream, ctypes.pointer(attr), 1)
-    status = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
+    status = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None)
     if status != 0:
         raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch of {name}) returned CUresult {status}")
 
