@@ -41,7 +41,7 @@
 // without standard headers; the entry points are extern "C", one per (op, dtype).
 
 #if !defined(PKV_GEMV_UNROLL) || !defined(PKV_GEMV_THREADS) || !defined(PKV_GEMV_MIN_BLOCKS) || \
-    !defined(PKV_APPEND_THREADS) || !defined(PKV_GEMV_PDL)
+    !defined(PKV_APPEND_THREADS)
 #error "the PKV_GEMV_* and PKV_APPEND_THREADS defines come from persistentkv.model.step_ops.compile_options"
 #endif
 
@@ -105,12 +105,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // One unrolled step of a lane: U chunks (c, c + stride, ...) of both rows, all 2U loads issued
 // before any is used. GUARD: the tail step, where chunks past the row's end are skipped.
-// NORM (T = 1): x is the residual stream and g the norm's weight; the lane also sums x^2 (ss)
-// and multiplies x by g, so the caller scales the sums by rsqrt(mean(x^2) + eps) at the end.
-template <class Dt, int T, int U, bool GUARD, bool NORM>
-__device__ __forceinline__ void pair_step(const uint4* __restrict__ x, const uint4* __restrict__ g,
-                                          const uint4* __restrict__ w0, const uint4* __restrict__ w1, int c,
-                                          int stride, int chunks, float* acc0, float* acc1, float& ss) {
+template <class Dt, int T, int U, bool GUARD>
+__device__ __forceinline__ void pair_step(const uint4* __restrict__ x, const uint4* __restrict__ w0,
+                                          const uint4* __restrict__ w1, int c, int stride, int chunks,
+                                          float* acc0, float* acc1) {
   uint4 a[U], b[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -131,15 +129,6 @@ __device__ __forceinline__ void pair_step(const uint4* __restrict__ x, const uin
       for (int t = 0; t < T; ++t) {
         float fx[8];
         unpack8<Dt>(__ldg(x + static_cast<pkv_u64>(t) * static_cast<pkv_u64>(chunks) + cu), fx);
-        if (NORM) {
-          float fg[8];
-          unpack8<Dt>(__ldg(g + cu), fg);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            ss = fmaf(fx[e], fx[e], ss);
-            fx[e] *= fg[e];
-          }
-        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           acc0[t] = fmaf(fa[e], fx[e], acc0[t]);
@@ -150,27 +139,13 @@ __device__ __forceinline__ void pair_step(const uint4* __restrict__ x, const uin
   }
 }
 
-__device__ __forceinline__ float widen(Fp16, pkv_u16 v) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-  return f;
-}
-
-__device__ __forceinline__ float widen(Bf16, pkv_u16 v) { return __uint_as_float(static_cast<pkv_u32>(v) << 16); }
-
 // One pair of rows per warp (module header). n: output columns (gemv: N; silu: I, W has 2I rows);
 // chunks: K / 8; split: warps per pair (blockDim.x / 32 is a multiple of it).
-// NORM: y = (W (x * g)) * rsqrt(mean(x^2) + eps), the RMSNorm of x folded into the projection
-// (x: the residual stream, g: the norm's weight). ADD: y is the residual stream, updated in place
-// as y = round(y + round(W x)), the rounding of torch's residual + F.linear(x, W).
-template <class Dt, int T, bool SILU, bool NORM, bool ADD>
+template <class Dt, int T, bool SILU>
 __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const uint4* __restrict__ w,
-                                           pkv_u16* __restrict__ y, int n, int chunks, int split,
-                                           const uint4* __restrict__ g, float eps) {
+                                           pkv_u16* __restrict__ y, int n, int chunks, int split) {
   constexpr int U = PKV_GEMV_UNROLL;
   static_assert(T >= 1 && T <= PKV_MAX_T, "1 <= T <= PKV_MAX_T rows of x");
-  static_assert(!(NORM || ADD) || T == 1, "the fused norm and residual add take one row");
-  static_assert(!(SILU && ADD), "gemv_silu_mul writes the activation, not the residual stream");
   __shared__ float part[PKV_MAX_WARPS][2 * PKV_MAX_T];
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31u);
   const int pairs_per_block = static_cast<int>(blockDim.x >> 5) / split;
@@ -181,44 +156,26 @@ __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const ui
   const int row0 = SILU ? p : 2 * p;
   const bool has_row1 = SILU || row0 + 1 < n;
   const int row1 = SILU ? n + p : (has_row1 ? row0 + 1 : row0);
-  const uint4* w0 = w + static_cast<pkv_u64>(row0) * static_cast<pkv_u64>(chunks);
-  const uint4* w1 = w + static_cast<pkv_u64>(row1) * static_cast<pkv_u64>(chunks);
-  const int stride = 32 * split;
-  int c = lane + 32 * s;
 
-#if PKV_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Programmatic dependent launch: the next kernel may be scheduled now (as this grid's blocks
-  // retire), and W's first step goes to L2 while the previous kernel finishes; x, g and y are
-  // touched only after it has completed (griddepcontrol.wait).
-  asm volatile("griddepcontrol.launch_dependents;");
-  if (active) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (c + u * stride < chunks) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c + u * stride));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c + u * stride));
-      }
-    }
-  }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-
-  float acc0[T], acc1[T], ss = 0.0f;
+  float acc0[T], acc1[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = 0.0f;
 
   if (active) {
+    const uint4* w0 = w + static_cast<pkv_u64>(row0) * static_cast<pkv_u64>(chunks);
+    const uint4* w1 = w + static_cast<pkv_u64>(row1) * static_cast<pkv_u64>(chunks);
+    const int stride = 32 * split;
+    int c = lane + 32 * s;
     for (; c + (U - 1) * stride < chunks; c += U * stride) {
-      pair_step<Dt, T, U, false, NORM>(x, g, w0, w1, c, stride, chunks, acc0, acc1, ss);
+      pair_step<Dt, T, U, false>(x, w0, w1, c, stride, chunks, acc0, acc1);
     }
-    if (c < chunks) pair_step<Dt, T, U, true, NORM>(x, g, w0, w1, c, stride, chunks, acc0, acc1, ss);
+    if (c < chunks) pair_step<Dt, T, U, true>(x, w0, w1, c, stride, chunks, acc0, acc1);
   }
 #pragma unroll
   for (int t = 0; t < T; ++t) {
     acc0[t] = warp_sum(acc0[t]);
     acc1[t] = warp_sum(acc1[t]);
   }
-  if (NORM) ss = warp_sum(ss);
   if (split > 1) {  // uniform over the block: every thread reaches the barrier
     if (lane == 0) {
 #pragma unroll
@@ -226,7 +183,6 @@ __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const ui
         part[warp][t] = acc0[t];
         part[warp][T + t] = acc1[t];
       }
-      if (NORM) part[warp][2 * T] = ss;
     }
     __syncthreads();
     if (s == 0 && lane == 0) {
@@ -235,32 +191,22 @@ __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const ui
         acc0[t] = part[warp][t];
         acc1[t] = part[warp][T + t];
       }
-      if (NORM) ss = part[warp][2 * T];
       for (int j = 1; j < split; ++j) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
           acc0[t] += part[warp + j][t];
           acc1[t] += part[warp + j][T + t];
         }
-        if (NORM) ss += part[warp + j][2 * T];
       }
     }
   }
   if (!active || s != 0 || lane != 0) return;
-  if (NORM) {  // every warp of a pair saw all of x between them: ss is sum(x^2) over K
-    const float r = rsqrtf(ss / static_cast<float>(chunks * 8) + eps);
-    acc0[0] *= r;
-    acc1[0] *= r;
-  }
 #pragma unroll
   for (int t = 0; t < T; ++t) {
     pkv_u16* yt = y + static_cast<pkv_u64>(t) * static_cast<pkv_u64>(n);
     if (SILU) {
-      const float gv = acc0[t];
-      yt[p] = round_to(Dt(), gv / (1.0f + expf(-gv)) * acc1[t]);  // silu(g) * u, one rounding
-    } else if (ADD) {
-      yt[row0] = round_to(Dt(), widen(Dt(), yt[row0]) + widen(Dt(), round_to(Dt(), acc0[t])));
-      if (has_row1) yt[row1] = round_to(Dt(), widen(Dt(), yt[row1]) + widen(Dt(), round_to(Dt(), acc1[t])));
+      const float g = acc0[t];
+      yt[p] = round_to(Dt(), g / (1.0f + expf(-g)) * acc1[t]);  // silu(g) * u, one rounding
     } else {
       yt[row0] = round_to(Dt(), acc0[t]);
       if (has_row1) yt[row1] = round_to(Dt(), acc1[t]);
@@ -268,24 +214,17 @@ __device__ __forceinline__ void gemv_pairs(const uint4* __restrict__ x, const ui
   }
 }
 
-// Every gemv entry point takes the same arguments (g and eps are read by the _norm ones only).
-#define PKV_GEMV_ENTRY(NAME, DT, T, SILU, NORM, ADD)                                              \
+#define PKV_GEMV_ENTRY(NAME, DT, T, SILU)                                                          \
   extern "C" __global__ void __launch_bounds__(PKV_GEMV_THREADS, PKV_GEMV_MIN_BLOCKS)              \
   NAME(const uint4* __restrict__ x, const uint4* __restrict__ w, pkv_u16* __restrict__ y, int n,   \
-       int chunks, int split, const uint4* __restrict__ g, float eps) {                            \
-    gemv_pairs<DT, T, SILU, NORM, ADD>(x, w, y, n, chunks, split, g, eps);                         \
+       int chunks, int split) {                                                                    \
+    gemv_pairs<DT, T, SILU>(x, w, y, n, chunks, split);                                            \
   }
 
-PKV_GEMV_ENTRY(pkv_gemv_float16_t1, Fp16, 1, false, false, false)
-PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t1, Bf16, 1, false, false, false)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t1, Fp16, 1, true, false, false)
-PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t1, Bf16, 1, true, false, false)
-PKV_GEMV_ENTRY(pkv_gemv_norm_float16_t1, Fp16, 1, false, true, false)
-PKV_GEMV_ENTRY(pkv_gemv_norm_bfloat16_t1, Bf16, 1, false, true, false)
-PKV_GEMV_ENTRY(pkv_gemv_norm_silu_mul_float16_t1, Fp16, 1, true, true, false)
-PKV_GEMV_ENTRY(pkv_gemv_norm_silu_mul_bfloat16_t1, Bf16, 1, true, true, false)
-PKV_GEMV_ENTRY(pkv_gemv_add_float16_t1, Fp16, 1, false, false, true)
-PKV_GEMV_ENTRY(pkv_gemv_add_bfloat16_t1, Bf16, 1, false, false, true)
+PKV_GEMV_ENTRY(pkv_gemv_float16_t1, Fp16, 1, false)
+PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t1, Bf16, 1, false)
+PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t1, Fp16, 1, true)
+PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t1, Bf16, 1, true)
 
 // k, v: rows of row_chunks uint4 at strides k_stride, v_stride (in uint4); k_flat, v_flat: rows
 // at dst_stride. Thread i < rows * row_chunks copies chunk i of k, the next rows * row_chunks

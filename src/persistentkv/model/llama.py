@@ -196,8 +196,6 @@ class Kernels:
         self.eps = float(shape.rms_norm_eps)
         self.inv_freq = inv_freq(shape.head_dim, shape.rope_theta, device)
         self._flashinfer = name in ("flashinfer", "pkv")  # pkv: FlashInfer's norms and rotary
-        self.fuse = name == "pkv"  # Model.forward's fused body at T = 1 (:meth:`fuses`)
-        self.pdl = False  # development (benchmarks/step_probe.py): the gemvs with dependent launch
         self._table = None
         self._outgrown: list = []  # earlier tables: a captured graph may still read one
         if self._flashinfer:
@@ -268,8 +266,8 @@ class Kernels:
 
     def linear(self, x, w):
         """``F.linear(x, w)``: x [T, K], w [N, K] -> [T, N]; pkv: step_ops.gemv at T = 1."""
-        if self._takes_gemv(x, w):
-            return step_ops.launch_gemv(x, w, pdl=self.pdl)
+        if self._takes_gemv(x, w, silu=False):
+            return step_ops.launch_gemv(x, w)
         import torch.nn.functional as F
 
         return F.linear(x, w)
@@ -278,42 +276,16 @@ class Kernels:
         """``silu_mul(F.linear(h, w))`` for w = [gate | up] [2I, H]: h [T, H] -> [T, I]; pkv:
         step_ops.gemv_silu_mul at T = 1."""
         if self._takes_gemv(h, w, silu=True):
-            return step_ops.launch_gemv(h, w, silu=True, pdl=self.pdl)
+            return step_ops.launch_gemv(h, w, silu=True)
         import torch.nn.functional as F
 
         return self.silu_mul(F.linear(h, w))
 
-    # The residual stream's ops with the norms folded in (Model.forward runs them where
-    # :meth:`fuses` says so): each is the plain composition where the gemv does not take it.
-    def fuses(self, x) -> bool:
-        """Whether Model.forward runs its fused body for the residual stream ``x`` [T, H]: pkv
-        with ``fuse`` set, at T = 1 (the norms inside the gemvs instead of FlashInfer's kernels)."""
-        return self.fuse and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS
-
-    def norm_linear(self, x, norm, w):
-        """``F.linear(rmsnorm(x, norm), w)``; pkv: one gemv with the norm folded in."""
-        if self._takes_gemv(x, w, norm=norm):
-            return step_ops.launch_gemv(x, w, norm=norm, eps=self.eps, pdl=self.pdl)
-        return self.linear(self.rmsnorm(x, norm), w)
-
-    def norm_gate_up_silu(self, x, norm, w):
-        """``gate_up_silu(rmsnorm(x, norm), w)``; pkv: one gemv_silu_mul with the norm folded in."""
-        if self._takes_gemv(x, w, silu=True, norm=norm):
-            return step_ops.launch_gemv(x, w, silu=True, norm=norm, eps=self.eps, pdl=self.pdl)
-        return self.gate_up_silu(self.rmsnorm(x, norm), w)
-
-    def linear_add(self, x, w, residual) -> None:
-        """``residual += F.linear(x, w)`` in place; pkv: one gemv that adds into the residual."""
-        if self._takes_gemv(x, w, residual=residual):
-            step_ops.launch_gemv(x, w, residual=residual, pdl=self.pdl)
-        else:
-            residual.add_(self.linear(x, w))
-
-    def _takes_gemv(self, x, w, silu: bool = False, norm=None, residual=None) -> bool:
-        """pkv, and step_ops' gemv takes these tensors (the row count tested first: a prefill's
-        T > 1 goes to cuBLAS without the full check)."""
+    def _takes_gemv(self, x, w, silu: bool) -> bool:
+        """pkv, and step_ops' gemv takes x and w (the row count tested first: a prefill's T > 1
+        goes to cuBLAS without the full check)."""
         return (self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS
-                and not step_ops.gemv_unsupported(x, w, silu=silu, norm=norm, residual=residual))
+                and not step_ops.gemv_unsupported(x, w, silu=silu))
 
     def append(self, k_flat, v_flat, slots, k, v) -> None:
         """``k_flat[slots] = k``, ``v_flat[slots] = v`` (k, v [T, Hkv, D]; caches [S, Hkv, D];

@@ -184,14 +184,6 @@ class Model:
         T, D = tokens.shape[0], s.head_dim
         a, kv = s.num_heads * D, s.num_kv_heads * D
         x = w.embed[tokens]  # the residual stream (a copy: the adds below are in place)
-        if K.fuses(x):  # each norm inside the projection after it, each residual add inside the one before
-            for l in range(s.num_layers):
-                qkv = K.norm_linear(x, w.attn_norm[l], w.qkv[l])
-                q, k = K.rotary(qkv, positions)
-                o = attend(l, q, k, qkv[:, a + kv:].view(T, s.num_kv_heads, D))
-                K.linear_add(o.reshape(T, a), w.o[l], x)
-                K.linear_add(K.norm_gate_up_silu(x, w.mlp_norm[l], w.gate_up[l]), w.down[l], x)
-            return K.norm_linear(x, w.norm, w.lm_head)
         h = K.rmsnorm(x, w.attn_norm[0])
         for l in range(s.num_layers):
             qkv = K.linear(h, w.qkv[l])

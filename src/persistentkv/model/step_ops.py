@@ -34,7 +34,6 @@ CuPy is imported only when a kernel launches, after every check.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -73,28 +72,19 @@ APPEND_BLOCKS_PER_SM = 8
 _INT32_MAX = 2**31 - 1
 
 
-def compile_options(pdl: bool = False) -> tuple[str, ...]:
-    """The options kernels/step_ops.cu compiles with (CuPy here, nvcc in the tests); ``pdl``: the
-    gemvs' programmatic-dependent-launch prologue (-DPKV_GEMV_PDL=1)."""
+def compile_options() -> tuple[str, ...]:
+    """The options kernels/step_ops.cu compiles with (CuPy here, nvcc in the tests)."""
     return ("--std=c++17", f"-DPKV_GEMV_UNROLL={UNROLL}", f"-DPKV_GEMV_THREADS={WARP * BLOCK_WARPS}",
-            f"-DPKV_GEMV_MIN_BLOCKS={MIN_BLOCKS_PER_SM}", f"-DPKV_APPEND_THREADS={APPEND_THREADS}",
-            f"-DPKV_GEMV_PDL={int(bool(pdl))}")
+            f"-DPKV_GEMV_MIN_BLOCKS={MIN_BLOCKS_PER_SM}", f"-DPKV_APPEND_THREADS={APPEND_THREADS}")
 
 
-#: The gemv's fused variants: (silu, norm, add) of each entry point's name part.
-GEMV_OPS = {"": (False, False, False), "_silu_mul": (True, False, False), "_norm": (False, True, False),
-            "_norm_silu_mul": (True, True, False), "_add": (False, False, True)}
-
-
-def gemv_entry(dtype: str, rows: int, silu: bool, norm: bool = False, add: bool = False) -> str:
-    """The entry point of one (op, dtype, T): ``pkv_gemv[_norm][_silu_mul|_add]_<dtype>_t<T>``."""
-    op = next((name for name, flags in GEMV_OPS.items() if flags == (silu, norm, add)), None)
-    require(op is not None, f"no gemv entry point fuses silu={silu}, norm={norm}, add={add}")
-    return f"pkv_gemv{op}_{dtype}_t{rows}"
+def gemv_entry(dtype: str, rows: int, silu: bool) -> str:
+    """The entry point of one (op, dtype, T): ``pkv_gemv[_silu_mul]_<dtype>_t<T>``."""
+    return f"pkv_gemv{'_silu_mul' if silu else ''}_{dtype}_t{rows}"
 
 
 #: Every extern "C" entry point of kernels/step_ops.cu.
-ENTRY_POINTS = tuple(gemv_entry(d, t, *flags) for flags in GEMV_OPS.values() for d in DTYPES
+ENTRY_POINTS = tuple(gemv_entry(d, t, s) for s in (False, True) for d in DTYPES
                      for t in range(1, MAX_ROWS + 1)) + ("pkv_append_kv",)
 
 
@@ -224,9 +214,8 @@ def _aligned_reasons(what: str, tensors: dict) -> list[str]:
             for name, t in tensors.items() if t.data_ptr() % VECTOR_BYTES]
 
 
-def gemv_unsupported(x, w, silu: bool = False, norm=None, residual=None) -> list[str]:
-    """Why :func:`gemv` (``silu``: :func:`gemv_silu_mul`; ``norm``: with the RMSNorm of x folded in;
-    ``residual``: added into the residual stream) cannot take these tensors; [] when it can.
+def gemv_unsupported(x, w, silu: bool = False) -> list[str]:
+    """Why :func:`gemv` (``silu``: :func:`gemv_silu_mul`) cannot take ``x`` and ``w``; [] when it can.
 
     Parameters
     ----------
@@ -235,10 +224,6 @@ def gemv_unsupported(x, w, silu: bool = False, norm=None, residual=None) -> list
     w : torch.Tensor
         [N, K] (``silu``: [2I, K], gate rows then up rows) of x's dtype, contiguous, aligned, on
         x's device; K % 8 == 0.
-    norm : torch.Tensor or None
-        [K], the norm's weight, of x's dtype, contiguous, aligned.
-    residual : torch.Tensor or None
-        [1, N] of x's dtype, contiguous, aligned, not overlapping x (not with ``silu``).
 
     Returns
     -------
@@ -248,10 +233,9 @@ def gemv_unsupported(x, w, silu: bool = False, norm=None, residual=None) -> list
     import torch
 
     what = "gemv_silu_mul" if silu else "gemv"
-    extra = {name: t for name, t in (("norm", norm), ("residual", residual)) if t is not None}
-    if not all(isinstance(t, torch.Tensor) for t in (x, w, *extra.values())):
-        return [f"{what} takes torch tensors, got {', '.join(type(t).__name__ for t in (x, w, *extra.values()))}"]
-    tensors = {"x": x, "w": w, **extra}
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return [f"{what} takes torch tensors, got {type(x).__name__} and {type(w).__name__}"]
+    tensors = {"x": x, "w": w}
     reasons = _device_reasons(what, tensors)
     if x.dtype != w.dtype or x.dtype not in _torch_dtypes():
         reasons.append(f"{what} takes x and w of one dtype in {', '.join(DTYPES)}, got {_dtype_name(x)} and "
@@ -269,26 +253,10 @@ def gemv_unsupported(x, w, silu: bool = False, norm=None, residual=None) -> list
         reasons.append(f"{what}: w has {n} rows; {'gate|up needs an even, positive count' if silu else 'none'}")
     if n > _INT32_MAX or k > _INT32_MAX:
         reasons.append(f"{what}: N = {n} or K = {k} exceeds int32")
-    if norm is not None and (tuple(norm.shape) != (k,) or norm.dtype != x.dtype):
-        reasons.append(f"{what}: the norm's weight must be [{k}] {_dtype_name(x)}, got {list(norm.shape)} "
-                       f"{_dtype_name(norm)}")
-    if residual is not None:
-        if silu:
-            reasons.append("gemv_silu_mul writes the activation; it does not add into a residual")
-        if tuple(residual.shape) != (rows, n) or residual.dtype != x.dtype:
-            reasons.append(f"{what}: the residual must be [{rows}, {n}] {_dtype_name(x)}, got {list(residual.shape)} "
-                           f"{_dtype_name(residual)}")
-        elif _overlap(residual, x):
-            reasons.append(f"{what}: the residual overlaps x (it is updated in place while x is read)")
     for name, t in tensors.items():
         if not t.is_contiguous():
             reasons.append(f"{what}: {name} is not contiguous (strides {list(t.stride())})")
     return reasons + _aligned_reasons(what, tensors)
-
-
-def _overlap(a, b) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 @lru_cache(maxsize=None)
@@ -367,13 +335,12 @@ def _sm_count(device_index: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _module(device_index: int, pdl: bool = False):
-    """The compiled kernels/step_ops.cu on one device (every entry point; CuPy caches the binary);
-    ``pdl``: the build with the gemvs' dependent-launch prologue."""
+def _module(device_index: int):
+    """The compiled kernels/step_ops.cu on one device (every entry point; CuPy caches the binary)."""
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(), options=compile_options(pdl))
+        module = cupy.RawModule(code=kernel_source(), options=compile_options())
         try:
             module.compile()
         except Exception as exc:
@@ -384,11 +351,11 @@ def _module(device_index: int, pdl: bool = False):
 
 
 @lru_cache(maxsize=None)
-def _function(device_index: int, name: str, pdl: bool = False):
+def _function(device_index: int, name: str):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        return _module(device_index, pdl).get_function(name)
+        return _module(device_index).get_function(name)
 
 
 def _launch(device, name: str, grid: int, threads: int, args: tuple) -> None:
@@ -401,68 +368,22 @@ def _launch(device, name: str, grid: int, threads: int, args: tuple) -> None:
         function((int(grid),), (int(threads),), args)
 
 
-# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx)
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32 * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-@lru_cache(maxsize=None)
-def _launch_kernel_ex():
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError) as exc:
-        raise PKVError("programmatic dependent launch needs libcuda's cuLaunchKernelEx (CUDA 12 drivers)") from exc
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _launch_pdl(device, name: str, grid: int, threads: int, args: tuple) -> None:
-    """``name`` from the PDL build, launched with programmatic stream serialization on torch's
-    current stream: it may start while the kernel before it finishes (sm_90+)."""
-    import torch
-
-    function = _function(device.index, name, True)
-    values = [ctypes.c_uint64(int(a)) if isinstance(a, np.uint64) else ctypes.c_int32(int(a))
-              if isinstance(a, np.int32) else ctypes.c_float(float(a)) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    stream = torch.cuda.current_stream(device).cuda_stream
-    config = _LaunchConfig(int(grid), 1, 1, int(threads), 1, 1, 0, stream, ctypes.pointer(attr), 1)
-    status = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None)
-    if status != 0:
-        raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch of {name}) returned CUresult {status}")
-
-
 def _pointer(t) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def launch_gemv(x, w, silu: bool = False, norm=None, eps: float = 0.0, residual=None, pdl: bool = False):
-    """:func:`gemv` (``silu``: :func:`gemv_silu_mul`; ``norm``/``eps``: x's RMSNorm folded in;
-    ``residual``: W x added into it in place, and returned) without its checks, for a caller that
-    has :func:`gemv_unsupported` empty in hand (llama.Kernels: one check per projection).
-    ``pdl``: launched with programmatic dependent launch (development: benchmarks/step_probe.py)."""
+def launch_gemv(x, w, silu: bool = False):
+    """:func:`gemv` (``silu``: :func:`gemv_silu_mul`) without its checks, for a caller that has
+    :func:`gemv_unsupported` empty in hand (Kernels.linear: one check per projection)."""
     import torch
 
     rows, k = x.shape
     n = w.shape[0] // 2 if silu else w.shape[0]
-    out = residual if residual is not None else torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     shape = gemv_shape(n if silu else (n + 1) // 2, k, _sm_count(x.device.index))
-    name = gemv_entry(_dtype_name(x), rows, silu, norm is not None, residual is not None)
-    args = (_pointer(x), _pointer(w), _pointer(out), np.int32(n), np.int32(k // CHUNK_ELEMENTS),
-            np.int32(shape.split), _pointer(norm) if norm is not None else np.uint64(0), np.float32(eps))
-    (_launch_pdl if pdl else _launch)(x.device, name, shape.blocks, shape.threads, args)
+    _launch(x.device, gemv_entry(_dtype_name(x), rows, silu), shape.blocks, shape.threads,
+            (_pointer(x), _pointer(w), _pointer(out), np.int32(n), np.int32(k // CHUNK_ELEMENTS),
+             np.int32(shape.split)))
     return out
 
 
@@ -480,12 +401,8 @@ def launch_append_kv(k_flat, v_flat, slots, k, v) -> None:
              np.int64(k_flat.stride(0) // chunk), np.int64(k_flat.shape[0])))
 
 
-def gemv(x, w, norm=None, eps: float = 0.0, residual=None):
-    """``F.linear(x, w)`` for one row: y = x @ w^T, fp32 sums, one rounding.
-
-    With ``norm``, ``F.linear(rmsnorm(x, norm, eps), w)`` with the norm folded in: y = (w (x * norm))
-    * rsqrt(mean(x^2) + eps), in fp32 (no rounding of the normed x in between). With ``residual``,
-    ``residual += F.linear(x, w)`` in place (y rounded, then the sum rounded, as torch rounds).
+def gemv(x, w):
+    """``F.linear(x, w)`` for a few rows: y = x @ w^T, fp32 sums, one rounding.
 
     Parameters
     ----------
@@ -493,34 +410,26 @@ def gemv(x, w, norm=None, eps: float = 0.0, residual=None):
         [1, K], float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
     w : torch.Tensor
         [N, K] of x's dtype (F.linear's layout), contiguous, aligned, K % 8 == 0.
-    norm : torch.Tensor, optional
-        [K], the RMSNorm weight applied to x first.
-    eps : float
-        The RMSNorm epsilon.
-    residual : torch.Tensor, optional
-        [1, N], updated in place; must not overlap x.
 
     Returns
     -------
     torch.Tensor
-        [1, N] in x's dtype (a new torch allocation, or ``residual``), written on torch's current
-        stream.
+        [T, N] in x's dtype (a new torch allocation), written on torch's current stream.
 
     Raises
     ------
     PKVError
-        Naming every constraint the tensors break (:func:`gemv_unsupported`); checked before CuPy
-        is imported. Callers fall back to F.linear.
+        Naming every constraint x or w breaks (:func:`gemv_unsupported`); checked before CuPy is
+        imported. Callers fall back to F.linear.
     """
-    _require(gemv_unsupported(x, w, norm=norm, residual=residual))
-    return launch_gemv(x, w, norm=norm, eps=eps, residual=residual)
+    _require(gemv_unsupported(x, w))
+    return launch_gemv(x, w)
 
 
-def gemv_silu_mul(x, w, norm=None, eps: float = 0.0):
+def gemv_silu_mul(x, w):
     """``silu(x @ gate^T) * (x @ up^T)`` for w = [gate | up] (llama.py's fused gate_up).
 
     The warp that sums gate row j also sums up row I + j; silu(g) * u in fp32, one rounding.
-    ``norm``: the RMSNorm of x folded in, as :func:`gemv`.
 
     Parameters
     ----------
@@ -528,22 +437,19 @@ def gemv_silu_mul(x, w, norm=None, eps: float = 0.0):
         [1, K], float16 or bfloat16, contiguous, 16-byte aligned, CUDA.
     w : torch.Tensor
         [2I, K] of x's dtype: gate rows 0 .. I-1, up rows I .. 2I-1; contiguous, aligned, K % 8 == 0.
-    norm : torch.Tensor, optional
-        [K], the RMSNorm weight applied to x first.
-    eps : float
 
     Returns
     -------
     torch.Tensor
-        [1, I] in x's dtype.
+        [T, I] in x's dtype.
 
     Raises
     ------
     PKVError
         As :func:`gemv` (and for an odd row count of w).
     """
-    _require(gemv_unsupported(x, w, silu=True, norm=norm))
-    return launch_gemv(x, w, silu=True, norm=norm, eps=eps)
+    _require(gemv_unsupported(x, w, silu=True))
+    return launch_gemv(x, w, silu=True)
 
 
 def append_kv(k_flat, v_flat, slots, k, v) -> None:
