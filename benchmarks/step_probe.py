@@ -21,9 +21,8 @@ choices compared (persistentkv.model.Kernels):
              cache and one set of rows shared by the choices' graphs, replayed in interleaved
              rounds: step us, the step without attention (rest-<choice>), and its
              attention alone after each layer's append (attention; appends: those alone).
-             Choices: Kernels names, and pkv's development arms pkv-unfused (FlashInfer's
-             norm kernels, as up to this build) and pkv-pdl (the gemvs launched with
-             programmatic dependent launch).
+             Up to 2aa0889 it also ran pkv's arms pkv-unfused and pkv-pdl (the norms folded into
+             the gemvs, and the gemvs with dependent launch; runs/step_probe_2aa0889).
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -112,46 +111,27 @@ def captured(fn):
     return graph.replay
 
 
-def make_kernels(variant, shape, positions):
-    """A kernels choice by name: a persistentkv.model.Kernels name, or pkv's development arms
-    ``pkv-unfused`` (the norms as FlashInfer's kernels, the residual adds inside them) and
-    ``pkv-pdl`` (the gemvs launched with programmatic dependent launch)."""
-    from persistentkv.model import Kernels
-
-    name, _, arm = variant.partition("-")
-    kernels = Kernels(name, shape, "cuda", positions)
-    if arm:
-        if arm not in ("unfused", "pdl"):
-            raise SystemExit(f"unknown kernels variant {variant!r}: pkv-unfused or pkv-pdl")
-        kernels.fuse, kernels.pdl = arm != "unfused", arm == "pdl"
-    return kernels
-
-
 def part_linears(model_name, rounds, ceiling, kernels, rows):
     import torch
+
+    from persistentkv.model import Kernels
 
     shape, model, kv, _ = build(model_name, 1, 64)
     w = model.weights
     x = torch.randn((1, shape.hidden_size), device="cuda", dtype=w.embed.dtype)
     xi = torch.randn((1, shape.intermediate_size), device="cuda", dtype=w.embed.dtype)
     xa = torch.randn((1, shape.num_heads * shape.head_dim), device="cuda", dtype=w.embed.dtype)
-    res = torch.zeros((1, shape.hidden_size), device="cuda", dtype=w.embed.dtype)
-    g = w.attn_norm[0]
     # name: (weights stacked over layers, the call on one layer's weights)
     mats = {"qkv": (w.qkv, lambda K, m: K.linear(x, m)),
-            "qkv+norm": (w.qkv, lambda K, m: K.norm_linear(x, g, m)),
             "o": (w.o, lambda K, m: K.linear(xa, m)),
-            "o+add": (w.o, lambda K, m: K.linear_add(xa, m, res)),
             "gate_up": (w.gate_up, lambda K, m: K.linear(x, m)),
             "gate_up+silu": (w.gate_up, lambda K, m: K.gate_up_silu(x, m)),
-            "gate_up+norm+silu": (w.gate_up, lambda K, m: K.norm_gate_up_silu(x, g, m)),
             "down": (w.down, lambda K, m: K.linear(xi, m)),
-            "down+add": (w.down, lambda K, m: K.linear_add(xi, m, res)),
             "lm_head": (w.lm_head[None], lambda K, m: K.linear(x, m))}
     for name, (stack, op) in mats.items():
         replays = {}
         for variant in kernels:
-            K = make_kernels(variant, shape, 64)
+            K = Kernels(variant, shape, "cuda", 64)
             outs = [None] * stack.shape[0]
 
             def calls(K=K, op=op, outs=outs):
@@ -183,7 +163,7 @@ def part_steps(cells, rounds, kernels, rows):
     (``attention``) and those appends alone (``appends``), as measure-e2e times them."""
     import torch
 
-    from persistentkv.model import DecodeLoop
+    from persistentkv.model import DecodeLoop, Kernels
 
     for model_key, (b, n) in cells:
         model_name = MODEL_KEYS.get(model_key, model_key)
@@ -197,7 +177,7 @@ def part_steps(cells, rounds, kernels, rows):
         mark = loop.mark()
         graphs = {}
         for variant in kernels:   # one loop and cache; each choice's graphs captured into their own
-            model.kernels = make_kernels(variant, shape, reserve + 64)
+            model.kernels = Kernels(variant, shape, "cuda", reserve + 64)
             for what, label in (("step", variant), ("rest", f"rest-{variant}")):
                 loop.rewind(mark)
                 loop.capture(what)
@@ -224,11 +204,11 @@ def part_kernels(model_name, cell, variant, rows):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from persistentkv.model import DecodeLoop
+    from persistentkv.model import DecodeLoop, Kernels
 
     b, n = cell
     shape, model, kv, reserve = build(model_name, b, n)
-    model.kernels = make_kernels(variant, shape, reserve + 64)
+    model.kernels = Kernels(variant, shape, "cuda", reserve + 64)
     loop = DecodeLoop(model, kv, "pkv-workqueue")
     admit_all(loop, b, n, reserve, shape.vocab_size)
     loop.next_tokens()
