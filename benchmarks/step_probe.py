@@ -23,6 +23,11 @@ choices compared (persistentkv.model.Kernels):
              attention alone after each layer's append (attention; appends: those alone).
              Up to 2aa0889 it also ran pkv's arms pkv-unfused and pkv-pdl (the norms folded into
              the gemvs, and the gemvs with dependent launch; runs/step_probe_2aa0889).
+  evict      per --steps cell and --backends backend: attention alone as measure-e2e times it,
+             the same with a 256 MB read between each layer's append and its call (each minus
+             its graph without the calls), and the step minus the step without attention: does
+             the step's weight stream, evicting the attention's other reads from L2, explain
+             what attention costs in a step beyond its time alone?
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -200,6 +205,73 @@ def part_steps(cells, rounds, kernels, rows):
         torch.cuda.empty_cache()
 
 
+def part_evict(cells, rounds, backends, rows, evict_mb=256):
+    """Is attention slower in a step because the step's weights evict what it reads besides K/V
+    from L2 (plan, page ids, counters)? Per cell and backend, the attention-alone graph as
+    measure-e2e times it (per layer: append, attention) and the same with a read of ``evict_mb``
+    MB of other memory between the append and the call (``+evict``), each minus its own graph
+    without the calls; and the step minus the step without attention (``in-step``)."""
+    import torch
+
+    from persistentkv.model import DecodeLoop
+
+    flush = torch.empty(evict_mb << 20 >> 1, dtype=torch.float16, device="cuda").normal_()
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    for model_key, (b, n) in cells:
+        model_name = MODEL_KEYS.get(model_key, model_key)
+        for other in [m for m in build.cache if m != model_name]:
+            del build.cache[other]
+        torch.cuda.empty_cache()
+        shape, model, kv, reserve = build(model_name, b, n)
+        label = f"{model_key}:{b}x{n}"
+        for backend in backends:
+            loop = DecodeLoop(model, kv, backend)
+            admit_all(loop, b, n, reserve, shape.vocab_size)
+            loop.next_tokens()
+            mark = loop.mark()
+
+            def body(attention, evict, loop=loop):
+                q, k, v = loop._probe()
+                if attention:
+                    loop._refresh()
+                slots = loop._slots()
+                for l in range(shape.num_layers):
+                    k_flat, v_flat = loop.kv.flat(l)
+                    loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+                    if evict:
+                        torch.sum(flush, dtype=torch.float32, out=sink)
+                    if attention:
+                        loop._run(q, l, loop.out)
+
+            graphs = {}
+            for what in ("step", "rest"):
+                loop.rewind(mark)
+                loop.capture(what)
+                graphs[what] = loop._graphs.pop(what)
+            for attention in (True, False):
+                for evict in (False, True):
+                    loop.rewind(mark)
+                    graphs[(attention, evict)] = captured(lambda a=attention, e=evict: body(a, e))
+            order = list(graphs)
+            for r in range(rounds):
+                us = {}
+                for what in order[r % len(order):] + order[:r % len(order)]:
+                    loop.rewind(mark)
+                    us[what] = timed_us(graphs[what].replay if what in ("step", "rest") else graphs[what])
+                for name, value in (("alone", us[(True, False)] - us[(False, False)]),
+                                    ("alone+evict", us[(True, True)] - us[(False, True)]),
+                                    ("in-step", us["step"] - us["rest"])):
+                    rows.append(dict(part="evict", cell=label, variant=backend, name=name, repeat=r, us=value))
+            meds = {nm: np.median([x["us"] for x in rows if x["part"] == "evict" and x["cell"] == label
+                                   and x["variant"] == backend and x["name"] == nm])
+                    for nm in ("alone", "alone+evict", "in-step")}
+            print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
+            del graphs, loop
+            torch.cuda.empty_cache()
+        del kv, model
+        torch.cuda.empty_cache()
+
+
 def part_kernels(model_name, cell, variant, rows):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -259,6 +331,8 @@ def main() -> int:
     parser.add_argument("--kernels", default="flashinfer,pkv", help="kernel choices compared (comma list)")
     parser.add_argument("--steps", default="8b:1x4096,8b:1x32768,8b:16x32768,70b:1x32768,70b:8x32768",
                         help="the steps part's cells, model:BxN")
+    parser.add_argument("--backends", default="pkv-workqueue,flashinfer-tc,vllm-fa3",
+                        help="the evict part's attention backends (comma list)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cell = tuple(int(x) for x in args.cell.split("x"))
@@ -281,6 +355,9 @@ def main() -> int:
             write(rows, args.out, stem)
     if "steps" in parts:
         part_steps(steps, args.rounds, kernels, rows)
+        write(rows, args.out, stem)
+    if "evict" in parts:
+        part_evict(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
     return 0
 
