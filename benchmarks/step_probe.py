@@ -216,7 +216,7 @@ def part_evict(cells, rounds, backends, rows, evict_mb=256):
     from persistentkv.model import DecodeLoop
 
     flush = torch.empty(evict_mb << 20 >> 1, dtype=torch.float16, device="cuda").normal_()
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    sink = torch.empty(1024, dtype=torch.float32, device="cuda")
     for model_key, (b, n) in cells:
         model_name = MODEL_KEYS.get(model_key, model_key)
         for other in [m for m in build.cache if m != model_name]:
@@ -239,7 +239,7 @@ def part_evict(cells, rounds, backends, rows, evict_mb=256):
                     k_flat, v_flat = loop.kv.flat(l)
                     loop.model.kernels.append(k_flat, v_flat, slots, k, v)
                     if evict:
-                        torch.sum(flush, dtype=torch.float32, out=sink)
+                        torch.sum(flush.view(-1, 1024), dim=0, dtype=torch.float32, out=sink)
                     if attention:
                         loop._run(q, l, loop.out)
 
