@@ -154,3 +154,15 @@ def test_a_new_run_marks_the_file_partial_before_it_writes_a_row(tmp_path, fake_
     assert set(payload) != old_run
     (record,) = payload.values()
     assert record["complete"] is False and record["configurations"] == {"done": 0, "total": 3}
+
+
+def test_every_backend_leads_a_round_in_turn():
+    """The loops' order rotates each round (up to 7de5b0c the first loop led every round, and its
+    first graph carried the host's launch of it): over len(names) rounds each backend leads once
+    and every round holds each backend once."""
+    names = ["pkv-workqueue", "flashinfer-tc", "vllm-fa3"]
+    orders = [e2e.round_order(names, r) for r in range(6)]
+    assert [o[0] for o in orders[:3]] == names and orders[3] == orders[0]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert e2e.round_order({"a": 1, "b": 2}, 1) == ["b", "a"] and e2e.round_order([], 3) == []
+

@@ -22,7 +22,9 @@ values, not a prefill) and one shared set of weights. Each loop captures two CUD
   it and subtracted (``append_us``): ``attention_us`` is what the step spends in attention,
   measured in the same run. Up to 998e0fc the attention graph ran the layers' calls back to back.
 
-Rounds interleave the backends (A B A B ...): in each round every loop is rewound to the cell's
+Rounds interleave the backends (A B C, B C A, ...: the order rotates each round, and each round
+starts behind a ~1 ms spin so that its first graph is not timed with the host's launch of it;
+neither was so up to 7de5b0c): in each round every loop is rewound to the cell's
 state (its positions and tokens restored on the device, outside the timed window) before each of
 its graphs, which replay between two CUDA events each: the step (``step_us``), the rest, the
 appends, the attention; ``non_attention_us`` is step_us - attention_us within the round, and
@@ -175,14 +177,32 @@ def _one_line(exc: BaseException) -> str:
 ROUND = ("step", "rest", "appends", "attention")
 
 
-def _time_rounds(loops, rounds: int, warmup: int, marks) -> dict[str, list[dict[str, float]]]:
-    """{graph: us} of every ROUND graph per round for each loop, rounds interleaved across loops."""
+#: GPU cycles of the spin queued before each round (~1 ms at the H200's 1.98 GHz): the round's
+#: first graph then starts behind it, not after the host's launch of it. Up to 7de5b0c nothing
+#: was queued, so the first loop of every round (always pkv-workqueue) had the host's launch of
+#: its step graph inside its window: ~150 us of its step_us (benchmarks/NOTES.md).
+ROUND_QUEUE_CYCLES = 2_000_000
+
+
+def round_order(names, r: int) -> list:
+    """The loops' order in round ``r``: rotated by one each round, so no backend is always first."""
+    names = list(names)
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def _time_rounds(loops, rounds: int, warmup: int, marks, queue_ahead=None) -> dict[str, list[dict[str, float]]]:
+    """{graph: us} of every ROUND graph per round for each loop, rounds interleaved across loops
+    (:func:`round_order`), each round queued behind ``queue_ahead(ROUND_QUEUE_CYCLES)``."""
     import torch
 
     times = {name: [] for name in loops}
     for r in range(warmup + rounds):
         events = {}
-        for name, loop in loops.items():
+        if queue_ahead is not None:
+            queue_ahead(ROUND_QUEUE_CYCLES)
+        for name in round_order(loops, r):
+            loop = loops[name]
             timed = {}
             for what in ROUND:
                 loop.rewind(marks[name])
@@ -273,7 +293,7 @@ def _time_step(ctx, setting, loops, batch_size: int, lengths, step: int) -> list
     failed = _capture(loops)
     rows = _refused_rows(setting, failed, batch_size, lengths, step, failed, "failed")
     marks = {name: loop.mark() for name, loop in loops.items()}
-    times = _time_rounds(loops, ctx.rounds, ctx.warmup, marks)
+    times = _time_rounds(loops, ctx.rounds, ctx.warmup, marks, ctx.device.queue_ahead)
     return rows + _timed_rows(setting, loops, times, batch_size, lengths, step, torch.cuda.max_memory_allocated())
 
 
