@@ -156,3 +156,23 @@ def test_a_partial_run_says_how_far_it_got_and_what_stopped_it():
     labels = [f"cell {i}" for i in range(8)]
     assert _first(labels) == "cell 0, cell 1, cell 2, cell 3, cell 4 and 3 more"
     assert _first(labels[:2]) == "cell 0, cell 1"
+
+
+def test_attention_in_the_step_beyond_attention_alone_is_reported_per_backend():
+    """step - rest - attention per cell (median over rounds), then median / lowest / highest over
+    cells; rows without rest_us (runs before it was measured) give nothing and no sentence."""
+    rows = []
+    for context, extra in ((4096, 150.0), (32768, 90.0), (131072, 250.0)):
+        part = cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}, context=context)
+        for row in part:   # the step without attention: ours hides `extra` us, the baseline's none
+            row["rest_us"] = row["step_us"] - row["attention_us"] - (extra if row["backend"] == "pkv-workqueue" else 0)
+        rows += part
+    got = {r["backend"]: r for r in verdicts(rows)["in_step"]}
+    assert got["pkv-workqueue"]["cells"] == 3
+    assert got["pkv-workqueue"]["median_us"] == pytest.approx(150.0)
+    assert (got["pkv-workqueue"]["min_us"], got["pkv-workqueue"]["max_us"]) == (pytest.approx(90.0), pytest.approx(250.0))
+    assert got["flashinfer-tc"]["median_us"] == pytest.approx(0.0, abs=1e-9)
+    said = " ".join(verdicts(rows)["sentences"])
+    assert "pkv-workqueue 150 us [90, 250]; flashinfer-tc 0 us [0, 0]" in said
+    without = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}))
+    assert without["in_step"] == [] and "beyond attention alone" not in " ".join(without["sentences"])

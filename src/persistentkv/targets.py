@@ -523,7 +523,7 @@ def e2e_verdicts(results: Results) -> dict:
     frame = results.e2e
     out = {"backend": ENGINE_BACKEND, "reference": "baseline-best", "step_floor": E2E_STEP_FLOOR,
            "rest_floor": E2E_REST_FLOOR, "measured": False, "complete": None, "run_ids": [], "cells": [],
-           "without_pair": [], "step": {}, "gain": {}, "rest": [], "not_run": [], "stopped": []}
+           "without_pair": [], "step": {}, "gain": {}, "rest": [], "in_step": [], "not_run": [], "stopped": []}
     if frame.empty or not set(E2E_CELL + ["backend", "repeat", "step_us", "status"]) <= set(frame.columns):
         out["sentences"] = [_e2e_missing(results.hw)]
         return out
@@ -559,7 +559,29 @@ def e2e_verdicts(results: Results) -> dict:
         short = [c["label"] for c in cells if not c["reaches_prediction"]]
         out["gain"] = {"cells": len(cells), "reached": len(cells) - len(short), "short": short, "holds": not short}
     out["rest"] = e2e_rest(ok)
+    out["in_step"] = e2e_in_step(ok)
     out["sentences"] = _e2e_sentences(out, results.hw)
+    return out
+
+
+def e2e_in_step(ok: pd.DataFrame) -> list[dict]:
+    """Per backend, what its attention costs inside the step beyond its time alone: per cell the
+    median over rounds of step_us - rest_us - attention_us (rest_us: the step without attention,
+    measured since 5623fc5; runs without it give nothing), then the median, lowest and highest over
+    the cells. Not a verdict: it says whether attention alone stands for attention in the step."""
+    if "rest_us" not in ok.columns:
+        return []
+    rest = pd.to_numeric(ok["rest_us"], errors="coerce")
+    part = ok[rest.notna()].assign(excess=pd.to_numeric(ok["step_us"], errors="coerce") - rest
+                                   - pd.to_numeric(ok["attention_us"], errors="coerce"))
+    if part.empty:
+        return []
+    per_cell = part.groupby(["backend"] + E2E_CELL, sort=True)["excess"].median().reset_index()
+    out = []
+    for backend, cells in per_cell.groupby("backend", sort=True):
+        values = cells["excess"].to_numpy(float)
+        out.append({"backend": str(backend), "cells": int(values.size), "median_us": float(np.median(values)),
+                    "min_us": float(values.min()), "max_us": float(values.max())})
     return out
 
 
@@ -687,6 +709,13 @@ def _e2e_sentences(entry: dict, hw: str) -> list[str]:
     else:
         said.append(f"No cell on {hw} has both {entry['backend']} and a baseline timed: the step floor and the "
                     f"gain are not measured.")
+    in_step = {r["backend"]: r for r in entry.get("in_step") or []}
+    if in_step:
+        said.append("Attention inside the step (the step minus the step without attention) beyond attention alone, "
+                    "per step, median over cells [lowest, highest]: "
+                    + "; ".join(f"{b} {r['median_us']:.0f} us [{r['min_us']:.0f}, {r['max_us']:.0f}]"
+                                for b, r in sorted(in_step.items(), key=lambda kv: (kv[0] != entry["backend"], kv[0])))
+                    + ".")
     for r in entry["rest"]:
         said.append(f"Outside attention at B=1, {r['model']}/{r['kernels']} reaches "
                     f"{analysis.fmt_ratio(r['frac'], r['lo'], r['hi'])} of its weight-read floor (target "
