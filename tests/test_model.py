@@ -382,3 +382,26 @@ def test_a_replan_drops_the_graphs_that_read_the_old_plan(weights):
     loop._graphs = dict(sentinel)
     loop.follow([1], [39], {1: 64}, lambda rid: 0)  # row 0 leaves: rebuilt, graphs dropped
     assert not loop.graph_ready("step") and loop.recaptures == 2
+
+
+def test_attention_alone_appends_into_the_next_slot_and_leaves_the_step_unchanged(weights):
+    """DecodeLoop.attention() (measure-e2e's attention-alone graph, eagerly): each layer's append
+    writes the fixed k, v into every row's next slot, positions stay, and the next step, whose own
+    append overwrites those slots first, gives the logits it gives without it."""
+    plain, probed = tiny_loop("torch-sdpa", weights), tiny_loop("torch-sdpa", weights)
+    with torch.no_grad():
+        for loop in (plain, probed):
+            for rid, p in enumerate(prompts()):
+                loop.prefill(rid, p, reserve=p.size + 4)
+            loop.next_tokens()  # the rows' device state (positions) is built here
+        before = probed.positions.clone()
+        probed.attention()
+        assert torch.equal(probed.positions, before)
+        _, k, v = probed.probe
+        P = probed.kv.page_size
+        for row, pos in enumerate(before.tolist()):
+            slot = int(probed.table[row, pos // P]) * P + pos % P
+            for l in range(TINY.num_layers):
+                k_flat, v_flat = probed.kv.flat(l)
+                assert torch.equal(k_flat[slot], k[row]) and torch.equal(v_flat[slot], v[row])
+        assert torch.equal(probed.step(), plain.step())

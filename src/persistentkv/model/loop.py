@@ -590,7 +590,9 @@ class DecodeLoop:
         return self.logits
 
     def attention(self) -> None:
-        """One eager run of the step's attention alone (positions do not advance)."""
+        """One eager run of the step's attention alone (positions do not advance): each layer's
+        append writes fixed k, v into the rows' next slot (which the next step's append
+        overwrites before anything reads it), then attention reads positions + 1 tokens."""
         self._prepare()
         self._attention_body()
 
