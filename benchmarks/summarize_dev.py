@@ -154,13 +154,14 @@ def print_e2e(path: Path, df: pd.DataFrame) -> None:
 def print_step_probe(path: Path, df: pd.DataFrame) -> None:
     """benchmarks/step_probe.py: the step's projections against their weight bytes' read time, its
     kernels, the steps per kernel choice, and (runs up to b3dd932) the queue's PDL variants."""
+    print(f"\n{path.stem} (step_probe.py, parts {', '.join(sorted(df['part'].unique()))})")
     lin = df[df["part"] == "linears"]
     if len(lin):
         med = lin.groupby(["name", "variant"]).agg(us=("us", "median"), bytes=("bytes", "first"),
                                                    read_gbps=("read_gbps", "first"))
         med["of_read_ceiling"] = med["bytes"] / (med["us"] * 1e3) / med["read_gbps"]
-        print(f"\n{path.stem} (step_probe.py: each projection at B=1 in a graph over its layers' weights, us per "
-              f"call and its weight bytes' read-ceiling time / that)")
+        print("each projection at B=1 in a graph over its layers' weights, us per call and its weight bytes' "
+              "read-ceiling time / that")
         print(med[["us", "of_read_ceiling"]].round(3).unstack("variant").to_string())
     kernels = df[df["part"] == "kernels"]
     for variant in sorted({v.split("-", 1)[1] if "-" in v else "" for v in kernels["variant"] if v.startswith("eager")}):
@@ -174,11 +175,18 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
     steps = df[df["part"] == "steps"]
     if len(steps):
         wide = steps.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
-        first = [c for c in wide.columns if c != "attention"][0]
-        ratio = wide.drop(columns="attention").div(wide[first], axis=0).drop(columns=first)
+        choices = [c for c in steps["variant"].unique()   # the kernel choices' steps, in the run's order
+                   if c not in ("attention", "appends") and not c.startswith("rest-")]
+        first = choices[0]
+        ratio = wide[choices].div(wide[first], axis=0).drop(columns=first)
         out = wide.groupby("cell").median().join(ratio.groupby("cell").median().add_suffix(f" / {first}"))
         print(f"the graph-replayed step per kernel choice (median us; per-round ratio to {first}, median)")
         print(out.round(4).to_string())
+    evict = df[df["part"] == "evict"]
+    if len(evict):
+        print("attention per step: alone (after each layer's append), alone with a 256 MB read between the append "
+              "and the call, and inside the step (step - step without attention); median us")
+        print(evict.groupby(["cell", "variant", "name"])["us"].median().unstack("name").round(1).to_string())
     pdl = df[(df["part"] == "pdl") & (df["name"] == "step")]
     if len(pdl):
         wide = pdl.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
