@@ -176,3 +176,16 @@ def test_attention_in_the_step_beyond_attention_alone_is_reported_per_backend():
     assert "pkv-workqueue 150 us [90, 250]; flashinfer-tc 0 us [0, 0]" in said
     without = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}))
     assert without["in_step"] == [] and "beyond attention alone" not in " ".join(without["sentences"])
+
+
+def test_the_rest_is_also_read_against_the_measured_one_kernel_floors():
+    rows = cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}, batch_size=1,
+                     weight_floor_us=600.0)
+    (plain,) = verdicts(rows)["rest"]
+    assert "kernel_frac" not in plain and "one plain kernel" not in " ".join(verdicts(rows)["sentences"])
+    for row in rows:
+        row["weight_kernel_floor_us"] = 720.0
+    (rest,) = verdicts(rows)["rest"]
+    assert rest["frac"] == pytest.approx(600.0 / 800.0)          # median rest: 800 (ours) and 800 (theirs)
+    assert rest["kernel_frac"] == pytest.approx(720.0 / 800.0) and rest["kernel_lo"] <= rest["kernel_frac"]
+    assert "one plain kernel, measured in the same run: 0.900" in " ".join(verdicts(rows)["sentences"])

@@ -54,6 +54,8 @@ def fake_gpu(monkeypatch):
     phases = iter([samples(BEFORE_GBPS), samples(AFTER_GBPS)])
     monkeypatch.setattr(persistentkv.measure.device, "TorchDevice", lambda *_: FakeDevice())
     monkeypatch.setattr(persistentkv.ceiling, "measure_ceilings", lambda *a, **k: (next(phases), {}))
+    monkeypatch.setattr(persistentkv.ceiling, "measure_floor",   # a matrix's one-kernel floor: 2 us + bytes at 4 TB/s
+                        lambda device, nbytes, **k: argparse.Namespace(median_us=2.0 + nbytes / 4e6))
     monkeypatch.setattr(persistentkv.model, "random_weights", lambda *a, **k: object())
 
     class FakeModel:
@@ -68,7 +70,8 @@ def fake_gpu(monkeypatch):
         calls["cells"].append((batch_size, context))
         if calls["stop_at"] == len(calls["cells"]):
             raise Stop("time limit")
-        setting = e2e.Setting(ctx.run_id, shape, ctx.dtype, ctx.page_size, "cases", ctx.seed, model.kernels.name, 0)
+        setting = e2e.Setting(ctx.run_id, shape, ctx.dtype, ctx.page_size, "cases", ctx.seed, model.kernels.name, 0,
+                              ctx.kernel_floors[shape.name])
         return [setting.row(name, batch_size, [context] * batch_size, 0, repeat=0, step_us=1000.0 * batch_size,
                             attention_us=100.0, non_attention_us=1000.0 * batch_size - 100.0)
                 for name in names]
@@ -106,6 +109,12 @@ def test_a_run_stopped_mid_way_keeps_the_configurations_it_finished(tmp_path, fa
     row = timed.iloc[0]
     assert row["weight_floor_us"] == pytest.approx(row["weight_bytes"] / (BEFORE_GBPS * 1e3))
     assert row["floor_us"] == pytest.approx(row["weight_floor_us"] + row["kv_floor_us"])
+    # every weight matrix's one-kernel floor, times the step's reads of it (ModelShape.step_matrices)
+    from persistentkv.model import model_shape
+
+    shape = model_shape(configuration.load_config(str(CONFIG)), "llama3_8b")
+    want = sum(count * (2.0 + nbytes / 4e6) for nbytes, count in shape.step_matrices("float16").values())
+    assert timed["weight_kernel_floor_us"].to_numpy() == pytest.approx(want)
     assert list(frame.columns) == list(e2e.E2E_COLUMNS)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
@@ -148,6 +157,8 @@ def test_a_new_run_marks_the_file_partial_before_it_writes_a_row(tmp_path, fake_
 
     phases = iter([samples(BEFORE_GBPS), samples(AFTER_GBPS)])
     monkeypatch.setattr(persistentkv.ceiling, "measure_ceilings", lambda *a, **k: (next(phases), {}))
+    monkeypatch.setattr(persistentkv.ceiling, "measure_floor",   # a matrix's one-kernel floor: 2 us + bytes at 4 TB/s
+                        lambda device, nbytes, **k: argparse.Namespace(median_us=2.0 + nbytes / 4e6))
     with pytest.raises(Stop):
         e2e.measure(args(out))
     payload = json.loads(out.with_suffix(".json").read_text())

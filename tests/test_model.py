@@ -243,6 +243,11 @@ def test_config_models():
                                                                             500000.0)
     assert round(eight.step_weight_bytes("float16", 1) / 1e9, 1) == 15.0
     assert eight.kv_bytes_per_token("float16") == 128 * 1024
+    for model in (eight, model_shape(CONFIG, "llama3_70b_tp8")):   # the matrices + norms + embedding rows
+        matrices = sum(nbytes * count for nbytes, count in model.step_matrices("float16").values())
+        norms = (2 * model.num_layers + 1) * model.hidden_size * 2
+        assert matrices + norms + model.hidden_size * 2 == model.step_weight_bytes("float16", 1)
+    assert eight.step_matrices("float16")["o"] == (4096 * 4096 * 2, 32)
     shard = model_shape(CONFIG, "llama3_70b_tp8")
     assert (shard.num_heads, shard.num_kv_heads, shard.tensor_parallel, shard.num_layers) == (8, 1, 8, 80)
     assert "all-reduce" in shard.note

@@ -31,7 +31,9 @@ appends, the attention; ``non_attention_us`` is step_us - attention_us within th
 step_us - rest_us what attention costs inside the step. The floor of a step
 is its bytes, weights read once (every layer, the LM head, B embedding rows) plus the K/V of every
 row and layer, at the run's read ceiling (persistentkv.ceiling, measured before and after the
-cases; the higher counts).
+cases; the higher counts). Beside it, the measured yardstick of the step's weight reads
+(``weight_kernel_floor_us``): each weight matrix's one-kernel floor (a plain read of its bytes in
+one kernel, cold L2, graph-replayed), measured before the cases, times the step's reads of it.
 
 Traces: the loop follows the trace's rows (arrivals and departures), every ``measure.step_stride``
 th step is timed; a change of rows re-plans and re-captures, and ``recaptures`` counts them.
@@ -66,6 +68,7 @@ E2E_COLUMNS: dict[str, str] = {
     "non_attention_us": "float64", "rest_us": "float64", "append_us": "float64", "tokens_per_s": "float64",
     "weight_bytes": "int64", "kv_bytes": "int64",
     "floor_us": "float64", "weight_floor_us": "float64", "kv_floor_us": "float64", "read_ceiling_gbps": "float64",
+    "weight_kernel_floor_us": "float64",
     "mem_estimate_bytes": "int64", "mem_peak_bytes": "int64", "recaptures": "int64", "status": "string",
     "reason": "string",
 }
@@ -128,10 +131,12 @@ def default_backends(config: dict) -> list[str]:
 class Setting:
     """What the rows of one (model, cell or trace) share."""
 
-    def __init__(self, run_id, shape, dtype, page_size, trace, seed, kernels, mem_estimate):
+    def __init__(self, run_id, shape, dtype, page_size, trace, seed, kernels, mem_estimate,
+                 weight_kernel_floor_us: float = math.nan):
         self.fields = dict(run_id=run_id, experiment=EXPERIMENT, model=shape.name,
                            tensor_parallel=shape.tensor_parallel, trace=trace, seed=int(seed), dtype=dtype,
-                           page_size=int(page_size), kernels=kernels, mem_estimate_bytes=int(mem_estimate))
+                           page_size=int(page_size), kernels=kernels, mem_estimate_bytes=int(mem_estimate),
+                           weight_kernel_floor_us=float(weight_kernel_floor_us))
         self.shape, self.dtype = shape, dtype
 
     def row(self, backend: str, batch_size: int, lengths, step: int, **fields) -> dict:
@@ -265,7 +270,7 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
     need = replace(need, weights=0)  # the weights are already on the device
     label = f"{shape.name} at B={batch_size} x {context}"
     setting = Setting(ctx.run_id, shape, dtype, P, "cases", ctx.seed, model.kernels.name,
-                      need.total + shape.weight_bytes(dtype))
+                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan))
     lengths = [context] * batch_size
     try:
         check_fits(need, ctx.device.free_bytes(), label)
@@ -315,7 +320,7 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     need = footprint(shape, dtype, live, P, widest, backends=len(names))
     need = replace(need, weights=0)
     setting = Setting(ctx.run_id, shape, dtype, P, trace.name, trace.seed, model.kernels.name,
-                      need.total + shape.weight_bytes(dtype))
+                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan))
     try:
         check_fits(need, ctx.device.free_bytes(), f"{shape.name} on trace {trace.name}")
     except PKVError as exc:
@@ -418,6 +423,7 @@ def measure(args: argparse.Namespace) -> int:
         plans.append((shape, cells, built))
     units = {shape.name: len(cells) + sum(len(timed_steps(t, ctx.stride, quick)) for t in built)
              for shape, cells, built in plans}
+    ctx.kernel_floors = weight_kernel_floors(device, [shape for shape, _, _ in plans], dtype, quick, print)
     saver = PartialWriter(args.out, run_id, collect(config, [seed], started, device),
                           configurations=len(kernels) * sum(len(cells) + len(built) for _, cells, built in plans),
                           before=before, failed_before=failed_before)
@@ -432,6 +438,28 @@ def measure(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({len(frame)} rows) and {sidecar}")
     print(summary_table(frame))
     return 0
+
+
+def weight_kernel_floors(device, shapes, dtype: str, quick: bool, log) -> dict[str, float]:
+    """{model: us}: the one-kernel floor of each weight matrix a step reads (ModelShape.step_matrices;
+    persistentkv.ceiling.measure_floor: a plain read of its bytes in one kernel, cold L2,
+    graph-replayed, best grid), times how many the step reads, summed: the step's weight reads
+    at the measured yardstick rather than at the asymptotic read ceiling (weight_floor_us).
+    Measured before any weights are on the device; a matrix size shared by two models is timed
+    once."""
+    from ..ceiling import measure_floor
+
+    timed: dict[int, float] = {}
+    out = {}
+    for shape in shapes:
+        total = 0.0
+        for name, (nbytes, count) in shape.step_matrices(dtype).items():
+            if nbytes not in timed:
+                timed[nbytes] = measure_floor(device, nbytes, repeats=3 if quick else 5).median_us
+            total += count * timed[nbytes]
+        out[shape.name] = total
+        log(f"{shape.name}: its weight matrices' one-kernel floors sum to {total:.0f} us per step")
+    return out
 
 
 def _measure_all(ctx, plans, units, kernels, names, saver, rows) -> None:
@@ -454,7 +482,8 @@ def _measure_all(ctx, plans, units, kernels, names, saver, rows) -> None:
             except PKVError as exc:
                 progress.write(f"refused: {exc}")
                 for variant in kernels:
-                    setting = Setting(run_id, shape, dtype, P, "cases", seed, variant, weights_need.total)
+                    setting = Setting(run_id, shape, dtype, P, "cases", seed, variant, weights_need.total,
+                                      ctx.kernel_floors.get(shape.name, math.nan))
                     for b, n in cells:
                         rows += _refused_rows(setting, names, b, [n] * b, 0, {x: str(exc) for x in names}, "refused")
                 saver.save(rows, done=len(kernels) * (len(cells) + len(built)))

@@ -85,6 +85,15 @@ class ModelShape:
         read = self.num_layers * self.layer_params() + self.hidden_size + self.vocab_size * self.hidden_size
         return (read + batch_size * self.hidden_size) * DTYPE_BYTES[dtype]
 
+    def step_matrices(self, dtype: str) -> dict[str, tuple[int, int]]:
+        """The weight matrices a decode step reads, name -> (bytes of one, how many per step):
+        each layer's qkv, o, gate_up and down, and the LM head. With the norms' weights and the
+        embedding rows they make up :meth:`step_weight_bytes`."""
+        H, A, I, L, b = (self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size,
+                         self.num_layers, DTYPE_BYTES[dtype])
+        return {"qkv": (self.qkv_size * H * b, L), "o": (H * A * b, L), "gate_up": (2 * I * H * b, L),
+                "down": (H * I * b, L), "lm_head": (self.vocab_size * H * b, 1)}
+
     def kv_bytes_per_token(self, dtype: str) -> int:
         """K and V of one cached token over every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]

@@ -397,6 +397,7 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
             cell = {**base, "model": name, "tensor_parallel": shape.tensor_parallel, "trace": trace, "step": step,
                     "batch_size": B, "context": int(lengths.max()), "total_tokens": int(lengths.sum()),
                     "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "weight_floor_us": weight_floor,
+                    "weight_kernel_floor_us": weight_floor / 0.9 + 2.0 * (4 * shape.num_layers + 1),
                     "kv_floor_us": kv_floor, "floor_us": weight_floor + kv_floor,
                     "mem_peak_bytes": shape.weight_bytes("float16") + 3 * kv_bytes}
             for r in range(repeats):
