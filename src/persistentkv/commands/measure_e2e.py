@@ -196,7 +196,7 @@ def round_order(names, r: int) -> list:
     return names[k:] + names[:k]
 
 
-def _time_rounds(loops, rounds: int, warmup: int, marks, queue_ahead=None) -> dict[str, list[dict[str, float]]]:
+def _time_rounds(loops, rounds: int, warmup: int, marks, queue_ahead) -> dict[str, list[dict[str, float]]]:
     """{graph: us} of every ROUND graph per round for each loop, rounds interleaved across loops
     (:func:`round_order`), each round queued behind ``queue_ahead(ROUND_QUEUE_CYCLES)``."""
     import torch
@@ -204,8 +204,7 @@ def _time_rounds(loops, rounds: int, warmup: int, marks, queue_ahead=None) -> di
     times = {name: [] for name in loops}
     for r in range(warmup + rounds):
         events = {}
-        if queue_ahead is not None:
-            queue_ahead(ROUND_QUEUE_CYCLES)
+        queue_ahead(ROUND_QUEUE_CYCLES)
         for name in round_order(loops, r):
             loop = loops[name]
             timed = {}

@@ -505,10 +505,11 @@ class DecodeLoop:
         self.positions_host = host.copy()
 
     # -- the step -----------------------------------------------------------------------------
-    def _refresh(self) -> None:
-        """lengths = positions + 1, into the plan when it follows them on the device."""
+    def _refresh(self, plan: bool = True) -> None:
+        """lengths = positions + 1, into the plan when it follows them on the device (``plan``
+        False: the lengths only, as the step without attention needs them)."""
         self.lengths.copy_(self.positions + 1)
-        if self.mode == "device":
+        if plan and self.mode == "device":
             write_lengths(self.plan, self.lengths)
 
     def _run(self, q, layer: int, out) -> None:
@@ -528,10 +529,7 @@ class DecodeLoop:
         device refresh left out with it (it is the backend's), each layer's append kept."""
         import torch
 
-        if attention:
-            self._refresh()
-        else:
-            self.lengths.copy_(self.positions + 1)
+        self._refresh(plan=attention)
         pos = self.positions
         slots = self._slots()
 
