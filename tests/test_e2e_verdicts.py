@@ -178,14 +178,24 @@ def test_attention_in_the_step_beyond_attention_alone_is_reported_per_backend():
     assert without["in_step"] == [] and "beyond attention alone" not in " ".join(without["sentences"])
 
 
-def test_the_rest_is_also_read_against_the_measured_one_kernel_floors():
+def test_the_rest_is_judged_against_the_measured_one_kernel_floors_where_the_rows_have_them():
+    """Rows without weight_kernel_floor_us (runs before it) are judged at the read ceiling; rows with
+    it are judged against it, and the ceiling's fraction is still said."""
     rows = cell_rows({"pkv-workqueue": (1000.0, 200.0), "flashinfer-tc": (1100.0, 300.0)}, batch_size=1,
                      weight_floor_us=600.0)
     (plain,) = verdicts(rows)["rest"]
-    assert "kernel_frac" not in plain and "one plain kernel" not in " ".join(verdicts(rows)["sentences"])
+    assert "kernel_frac" not in plain and plain["yardstick"] == "read ceiling"
+    assert plain["frac"] == pytest.approx(600.0 / 800.0) and not plain["holds"]   # 0.75 < 0.80
+    assert "no one-kernel floors in these rows): does not hold" in " ".join(verdicts(rows)["sentences"])
     for row in rows:
         row["weight_kernel_floor_us"] = 720.0
     (rest,) = verdicts(rows)["rest"]
     assert rest["frac"] == pytest.approx(600.0 / 800.0)          # median rest: 800 (ours) and 800 (theirs)
     assert rest["kernel_frac"] == pytest.approx(720.0 / 800.0) and rest["kernel_lo"] <= rest["kernel_frac"]
-    assert "one plain kernel, measured in the same run: 0.900" in " ".join(verdicts(rows)["sentences"])
+    assert rest["yardstick"] == "one-kernel floor" and rest["holds"]             # 0.90 >= 0.80
+    said = " ".join(verdicts(rows)["sentences"])
+    assert "one plain kernel, measured in the same run (target 0.8): holds; 0.750" in said
+    for row in rows:
+        row["weight_kernel_floor_us"] = 560.0
+    (short,) = verdicts(rows)["rest"]
+    assert short["kernel_frac"] == pytest.approx(0.70) and not short["holds"] and not short["interval_clears"]
