@@ -1,6 +1,5 @@
-"""choose.choose_warps and choose.choose_queue, the rules that pick a pkv-workqueue step's module
-(4 or 8 warps) and queue, and the queue imbalance they rest on: worked numbers and the rules
-themselves on random rows."""
+"""choose.choose_warps, the one rule that picks a pkv-workqueue step's module (4 or 8 warps),
+and the queue imbalance it rests on: worked numbers and the rule itself on random rows."""
 
 from __future__ import annotations
 
@@ -87,49 +86,3 @@ def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
         assert picked == {4, 8}  # the cases exercise both answers
 
 
-
-
-def test_choose_queue_worked_numbers():
-    """The dev bench's cells (NOTES.md, "Short items on 4 warps"): where the 4-warp module over 132
-    items beat the 8-warp queue, choose_queue says (4, 132); where it lost, (8, None)."""
-    from persistentkv.choose import SHORT_ITEM_TOKENS, choose_queue
-
-    assert SHORT_ITEM_TOKENS == 256
-    faster = [(8, [1024]), (8, [4096]), (8, [64] * 16), (8, [256] * 16), (8, [1024] * 4),
-              (1, [8192]), (1, [32768]), (1, [512] * 16), (1, [2048] * 16), (1, [8192] * 4),
-              (2, [4096]), (2, [16384]), (2, [256] * 16), (2, [1024] * 16)]
-    slower = [(8, [16384]), (8, [32768]), (8, [8192] * 4), (8, [4096] * 16), (1, [131072]),
-              (1, [8192] * 16), (1, [32768] * 4), (2, [65536]), (2, [8192] * 8)]
-    for heads, rows in faster:
-        assert choose_queue(rows, 128, num_kv_heads=heads) == (4, 132), (heads, rows)
-        assert choose_queue(np.array(rows * 5), 128, num_kv_heads=heads)[0] in (4, 8)   # the array path runs
-    for heads, rows in slower:
-        assert choose_queue(rows, 128, num_kv_heads=heads) == (8, None), (heads, rows)
-    assert choose_queue([1024] * 64, 128) == (4, None)        # choose_warps's 4: its own queue
-    assert choose_queue([4096], 256) == (4, None)             # no 8-warp module at D=256
-    assert choose_queue([4096], 128, queue8=(66, 4)) == (8, None)   # fewer 8-warp items: 512 tokens each
-    assert choose_queue([4096], 128, queue8=(200, 4)) == (4, 200)   # the 8-warp queue's own count
-
-
-@pytest.mark.parametrize("rows", [1, 2, 16, 65])
-def test_choose_queue_is_choose_warps_but_for_short_8_warp_items(rows):
-    """choose_queue = choose_warps's module and its own queue, except 8 warps whose balanced queue's
-    longest item (plan.balanced_chunk_tiles, capped by the longest row) is at most
-    SHORT_ITEM_TOKENS: then 4 warps over the 8-warp queue's target; on both the list and array paths."""
-    from persistentkv.choose import SHORT_ITEM_TOKENS, choose_queue, choose_warps
-    from persistentkv.plan import TILE_TOKENS, balanced_chunk_tiles, num_tiles
-
-    rng = np.random.default_rng(100 + rows)
-    seen = set()
-    for trial in range(80):
-        top = [1 << 10, 1 << 13, 1 << 15, 1 << 18][trial % 4]
-        seq = rng.integers(1, top + 1, size=rows).astype(np.int32)
-        heads = [1, 2, 8][trial % 3]
-        warps = choose_warps(seq, 128, num_kv_heads=heads)
-        tiles = num_tiles(seq)
-        longest = min(balanced_chunk_tiles(tiles, heads, 132, 4), int(tiles.max())) * TILE_TOKENS
-        expect = (4, 132) if warps == 8 and longest <= SHORT_ITEM_TOKENS else (warps, None)
-        assert choose_queue(seq, 128, num_kv_heads=heads) == expect
-        assert choose_queue(seq.tolist(), 128, num_kv_heads=heads) == expect
-        seen.add(expect)
-    assert (4, 132) in seen and (8, None) in seen or rows > 16

@@ -169,7 +169,7 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
         spec = AttentionSpec()
         num_sms = 132
         capability = (9, 0)
-        target_items, min_chunk_tiles = 264, 2  # the queues the choice weighs (choose.choose_queue)
+        target_items, min_chunk_tiles = 264, 2  # the queue the warps choice weighs (choose.choose_warps)
 
         def plan(self, batch, route, **options):
             inspect.signature(engine_module.DecodeEngine.plan).bind(self, batch, route, **options)
@@ -182,9 +182,7 @@ def test_pkv_backends_pass_their_options_to_engine_plan(monkeypatch):
     PKVWorkqueue().plan(batch)
     PKVBuckets(num_splits=8).plan(batch)
     PKVSplit(num_splits=20).plan(batch)
-    # the default's rows are short (choose.choose_queue): the 4-warp engine over the 8-warp queue's
-    # item count, here the fake's 264
-    assert calls == [("workqueue", {"target_items": 100, "min_chunk_tiles": 2}), ("workqueue", {"target_items": 264}),
+    assert calls == [("workqueue", {"target_items": 100, "min_chunk_tiles": 2}), ("workqueue", {}),
                      ("buckets", {"num_splits": 8}), ("split", {"num_splits": 20})]
 
 
@@ -242,15 +240,6 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
     assert calls == [(8, "workqueue", {}), (8, "run"),
                      (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2}), (4, "run"),
                      (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2}), (4, "run")]
-    calls.clear()
-    # short 8-warp items (B=1 x 4K: 256 tokens each): the 4-warp engine over the 8-warp queue's
-    # 132 items, unless target_items was given (then the backend's own options, as above)
-    short = make_batch(spec, [4096])
-    for chosen in (PKVWorkqueue(), PKVWorkqueue(min_chunk_tiles=3), backend):
-        chosen.plan(short)
-    assert calls == [(4, "workqueue", {"target_items": 132}),
-                     (4, "workqueue", {"min_chunk_tiles": 3, "target_items": 132}),
-                     (4, "workqueue", {"target_items": 264, "min_chunk_tiles": 2})]
     calls.clear()
     refuse8.append(True)
     fallback = PKVWorkqueue()

@@ -1,9 +1,8 @@
-"""Which module runs a pkv-workqueue step, and over which queue: 4 or 8 warps per CTA, chosen per step.
+"""Which module runs a pkv-workqueue step: 4 or 8 warps per CTA, chosen per step.
 
 The one place a step's kernel shape is chosen (besides the policy, which picks the backend): a
 pure function of the step's row lengths and the two modules' queues, with the H200 measurements
-that set its thresholds (choose_warps, then choose_queue for the steps of short items). The
-planner (plan.py) then shapes the step for the chosen module.
+that set its thresholds. The planner (plan.py) then shapes the step for the chosen module.
 """
 
 from __future__ import annotations
@@ -45,15 +44,6 @@ WARPS8_MAX_IMBALANCE = 1.05
 #: many short rows"): 8-warp time / 4-warp time 1.125 at B=64 x 1K, 1.13 at B=32 x 1K, 1.06 at
 #: B=64 x 2K, 1.02 at B=64 x 4K; one wave (B=16 x 2K, 128 groups) 0.97: 8 warps stay there.
 WARPS4_MULTIWAVE_MAX_TOKENS = 4096
-#: choose_queue: where choose_warps picks 8 warps but the 8-warp queue's longest item is at most
-#: this many tokens (two of its 128-token stages), the 4-warp module runs the step over the 8-warp
-#: queue's item count instead (one 4-warp CTA per SM, 64-token stages, its own 2-tile minimum
-#: chunk), which cuts such short work finer. H200 dev bench at 1fb6731 (benchmarks/runs/
-#: bench_engine_waves_small_h{4_1,8_2,32_8}_1fb6731.parquet, Hkv 1, 2 and 8, 31 rounds; NOTES.md
-#: "Short items on 4 warps"), time over the 8-warp queue's, paired per round: 0.903-0.944 at
-#: 4.2 MB (8-warp items of 64-128 tokens), 0.967-0.990 at 16.8 MB (256 tokens), 1.013-1.044 from
-#: 67 MB (1024 tokens and more).
-SHORT_ITEM_TOKENS = 256
 
 
 def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tuple[int, int] = (264, 2),
@@ -105,34 +95,3 @@ def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max
     imbalance4 = queue_imbalance(counts, num_kv_heads, *queue4)
     imbalance8 = queue_imbalance(counts, num_kv_heads, *queue8)
     return 4 if imbalance8 > max_imbalance * imbalance4 else 8
-
-
-def choose_queue(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tuple[int, int] = (264, 2),
-                 queue8: tuple[int, int] = (132, 4), max_imbalance: float = WARPS8_MAX_IMBALANCE
-                 ) -> tuple[int, int | None]:
-    """(warps, target_items) for a pkv-workqueue step: choose_warps's module over its own queue
-    (target_items None: ``queue4`` at 4 warps, ``queue8`` at 8), except where choose_warps picks 8
-    warps and the 8-warp queue's longest item (its chunk, or the longest row when that is
-    shorter) is at most SHORT_ITEM_TOKENS: then (4, queue8's target_items).
-    Worked numbers (H200 queues (264, 2) and (132, 4)): Hkv=8 B=1 x 1K (8-warp items of 128
-    tokens) -> (4, 132); B=1 x 4K (256) -> (4, 132); B=1 x 16K (1024) -> (8, None); B=16 x 64
-    (one 64-token item a group) -> (4, 132); B=64 x 1K -> (4, None) (choose_warps's many waves);
-    Hkv=1 B=1 x 32K (256) -> (4, 132), x 128K (1024) -> (8, None)."""
-    warps = choose_warps(seq_lens, head_dim, num_kv_heads=num_kv_heads, queue4=queue4, queue8=queue8,
-                         max_imbalance=max_imbalance)
-    if warps != 8:
-        return warps, None
-    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
-        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-    key = tuple(-(-int(n) // TILE_TOKENS) for n in seq.tolist()) if seq.size <= 64 else num_tiles(seq).tobytes()
-    if _longest_item_tiles(key, num_kv_heads, tuple(queue8)) * TILE_TOKENS <= SHORT_ITEM_TOKENS:
-        return 4, int(queue8[0])
-    return 8, None
-
-
-@functools.lru_cache(maxsize=1024)
-def _longest_item_tiles(tiles, num_kv_heads: int, queue: tuple) -> int:
-    """The longest item, in tiles, of the balanced queue ``queue`` = (target_items,
-    min_chunk_tiles) over rows of ``tiles`` tiles (a tuple, or an int64 array's bytes); memoised."""
-    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
-    return min(balanced_chunk_tiles(counts, num_kv_heads, *queue), int(max(counts)))

@@ -23,7 +23,7 @@ line.
 
 ``warps`` (default 4) picks the module's CTA shape: 8 warps stream 128-token pipeline stages
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
-SM); head_dim <= 128 only. ``choose.choose_queue`` picks per step for pkv-workqueue.
+SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqueue.
 
 Every kernel launches plainly, after the kernel before it on the stream has completed. Launching
 the decode kernels with programmatic dependent launch, their item, page ids and first K/V stages

@@ -2,13 +2,11 @@
 
     pkv-workqueue   the balanced compact queue planned on the GPU (no host round trip), merge
                     fused; ``warps="auto"`` (default) picks the module per step with
-                    choose.choose_queue (8 warps, 128-token stages, unless the 8-warp queue's items
+                    choose.choose_warps (8 warps, 128-token stages, unless the 8-warp queue's items
                     balance worse than the 4-warp queue's or it would run several waves of short
-                    rows; 4 at head_dim > 128; and a step whose 8-warp items would be short runs
-                    on 4 warps over the 8-warp queue's item count); ``warps=4`` or ``8`` fixes it.
-                    Explicit target_items and min_chunk_tiles apply to the 4-warp module (an
-                    explicit target_items wins over the short-item rule's); the 8-warp one keeps
-                    its own defaults (one wave of its resident CTAs, one 128-token stage).
+                    rows; 4 at head_dim > 128); ``warps=4`` or ``8`` fixes it. Explicit
+                    target_items and min_chunk_tiles apply to the 4-warp module; the 8-warp one
+                    keeps its own defaults (one wave of its resident CTAs, one 128-token stage).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -16,12 +14,12 @@
 from __future__ import annotations
 
 from ..cache import Batch
-from ..choose import choose_queue
+from ..choose import choose_warps
 from ..engine import engine_for, engine_unsupported, gpu_reasons
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
 
-#: pkv-workqueue's warps choices: "auto" (per step, choose.choose_queue) or a fixed module.
+#: pkv-workqueue's warps choices: "auto" (per step, choose.choose_warps) or a fixed module.
 WARPS_CHOICES = ("auto", 4, 8)
 
 
@@ -68,7 +66,7 @@ class PKVWorkqueue(_PKVBackend):
         self._warps8_error = None  # why the 8-warp module is unavailable here (auto falls back to 4)
 
     def _engine_for_step(self, batch: Batch):
-        """(engine, plan options) for this step: the fixed module, or choose_queue's."""
+        """(engine, plan options) for this step: the fixed module, or choose_warps's."""
         engine = self.engine(batch.spec)
         if self.warps != "auto" or self._warps8_error is not None or batch.spec.head_dim > 128:
             return engine, self.options
@@ -82,13 +80,10 @@ class PKVWorkqueue(_PKVBackend):
         options = self.options
         queue4 = (options.get("target_items") or engine.target_items,
                   options.get("min_chunk_tiles") or engine.min_chunk_tiles)
-        warps, target = choose_queue(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads,
-                                     queue4=queue4, queue8=(w8.target_items, w8.min_chunk_tiles))
-        if warps == 8:
-            return w8, {}
-        if target is not None and "target_items" not in options:
-            return engine, {**options, "target_items": target}
-        return engine, options
+        if choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads, queue4=queue4,
+                        queue8=(w8.target_items, w8.min_chunk_tiles)) == 4:
+            return engine, options
+        return w8, {}
 
     def plan(self, batch: Batch):
         engine, options = self._engine_for_step(batch)
