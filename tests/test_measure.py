@@ -981,6 +981,112 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
 
+def test_a_run_stopped_part_way_keeps_its_finished_cases_rows_beside_its_output(tmp_path, monkeypatch, traces_dir,
+                                                                                  capsys):
+    """A fault that escapes a case (a device fault, an interrupt) stops the run: the output is not
+    written, the finished cases' rows (with the ceiling rows measured before them) stay in
+    partial/ with a sidecar saying how far it got and why, and the results loader never reads
+    them. A run that completes leaves no partial/ behind."""
+    import pandas as pd
+
+    from persistentkv.measure import harness, runner
+    from persistentkv.results import load_results
+
+    log = Log()
+    monkeypatch.setattr(runner, "_device", lambda: FakeDevice(l2_bytes=0))
+    monkeypatch.setattr(runner, "_ceilings",
+                        lambda device, quick: ([ceiling.CeilingSample("read-ceiling", 0, 4 * 10**9, 1000.0)], {}))
+    monkeypatch.setattr(runner, "BackendFactory", lambda: make_factory(log, {}))
+    monkeypatch.setattr(runner, "PARTIAL_EVERY_S", 0.0)
+    out = tmp_path / "raw" / "long_context.parquet"
+    args = (str(CONFIG), "long_context", str(traces_dir), str(out), None, ["flashinfer-tc", "pkv-buckets"])
+    real, calls = harness.run_case, []
+
+    def faulting(case, *a, **k):
+        calls.append(case)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return real(case, *a, **k)
+
+    monkeypatch.setattr(harness, "run_case", faulting)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        runner.run_experiment(*args, quick=True)
+    assert not out.exists() and not out.with_suffix(".json").exists()
+    kept = tmp_path / "raw" / "partial" / "long_context.parquet"
+    frame = pd.read_parquet(kept)
+    assert list(frame.columns) == list(RAW_COLUMNS)
+    assert set(frame["trace"]) - {"read-ceiling"} == {calls[0].trace}          # the first case only
+    assert (frame[frame["backend"] == "read-ceiling"]["status"] == "ok").all()
+    (record,) = json.loads(kept.with_suffix(".json").read_text()).values()
+    assert record["complete"] is False and record["cases"]["done"] == 1 and record["cases"]["total"] >= 2
+    assert record["stopped_by"] == "CUDA error: an illegal memory access was encountered"
+    assert "stopped after 1 of" in capsys.readouterr().err
+    assert load_results(tmp_path).raw.empty                                   # never read as a result
+
+    monkeypatch.setattr(harness, "run_case", real)
+    assert runner.run_experiment(*args, quick=True) == 0
+    assert out.exists() and not (tmp_path / "raw" / "partial").exists()
+
+
+def test_validate_gpu_stopped_part_way_keeps_the_finished_steps(tmp_path, monkeypatch, traces_dir):
+    import pandas as pd
+
+    from persistentkv.measure import runner
+
+    monkeypatch.setattr(runner, "_device", lambda: FakeDevice(l2_bytes=0))
+    monkeypatch.setattr(runner, "PARTIAL_EVERY_S", 0.0)
+    seen = []
+
+    def validate_case(case, device, factory, rtols, log):
+        seen.append(case)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return [{"backend": "pkv-workqueue", "trace": case.trace, "seed": 0, "step": int(case.step),
+                 "dtype": "float16", "rel_err": 1e-4, "max_abs_err": 1e-4, "rtol": 1e-2, "passed": True,
+                 "nan_count": 0, "unwritten": 0, "status": "ok", "reason": ""}]
+
+    monkeypatch.setattr(runner, "validate_case", validate_case)
+    out = tmp_path / "validation_gpu.parquet"
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_validation(str(CONFIG), str(traces_dir), str(out), None, ["pkv-workqueue"])
+    assert not out.exists()
+    kept = pd.read_parquet(tmp_path / "partial" / "validation_gpu.parquet")
+    assert len(kept) == 2 and set(kept["status"]) == {"ok"}
+    (record,) = json.loads((tmp_path / "partial" / "validation_gpu.json").read_text()).values()
+    assert record["cases"]["done"] == 2 and record["stopped_by"] == "KeyboardInterrupt"
+
+
+def test_partial_rows_write_at_most_every_interval_and_always_at_a_stop(tmp_path):
+    from persistentkv.measure import runner
+
+    frames = []
+    partial = runner.PartialRows(str(tmp_path / "x.parquet"), "r", {"gpu": "g"}, 3,
+                                 lambda rows: frames.append(list(rows)) or pd_frame(rows), every_s=60.0)
+    now = [0.0]
+    partial.clock, partial.written_at = (lambda: now[0]), 0.0
+    rows = [{"a": 1}]
+    partial.save(rows, 1)
+    assert frames == [] and not partial.path.exists()      # within the interval: kept, not written
+    now[0] = 61.0
+    rows.append({"a": 2})
+    partial.save(rows, 2)
+    assert frames == [[{"a": 1}, {"a": 2}]] and partial.path.exists()
+    rows.append({"a": 3})
+    partial.save(rows, 3)                                    # 0 s later: not written
+    partial.stopped(KeyboardInterrupt())
+    assert frames[-1] == [{"a": 1}, {"a": 2}, {"a": 3}]
+    (record,) = json.loads(partial.path.with_suffix(".json").read_text()).values()
+    assert record["stopped_by"] == "KeyboardInterrupt" and record["cases"] == {"done": 3, "total": 3}
+    partial.finish()
+    assert not partial.path.exists() and not partial.path.parent.exists()
+
+
+def pd_frame(rows):
+    import pandas as pd
+
+    return pd.DataFrame(rows)
+
+
 def test_experiment_protocols_come_from_config_in_canonical_order():
     from persistentkv.measure.harness import experiment_protocols
     from persistentkv.names import PROTOCOLS

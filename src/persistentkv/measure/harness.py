@@ -552,10 +552,11 @@ def _timing_row(base: dict, b: Bound, protocol: str, repeat: int, fields: dict, 
 
 
 def run_cases(cases: list[Case], device, factory: BackendFactory, settings: Settings, ctx: RunContext,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, on_case=None) -> list[dict]:
     """Every case in turn (tqdm progress bar); returns all raw rows. The timing thread is pinned
     per ``settings.host_cpu`` while the cases run (unless ``ctx.pinner`` is set already) and its
-    affinity restored after them."""
+    affinity restored after them. ``on_case(rows, done)``: called after each case with the rows
+    so far and how many cases are done (runner.PartialRows.save)."""
     from tqdm import tqdm
 
     own = ctx.pinner is None
@@ -565,6 +566,8 @@ def run_cases(cases: list[Case], device, factory: BackendFactory, settings: Sett
     try:
         for index, case in enumerate(tqdm(cases, desc="cases", unit="case", disable=not progress)):
             rows += run_case(case, device, factory, settings, ctx, case_index=index)
+            if on_case is not None:
+                on_case(rows, index + 1)
     finally:
         if own:
             ctx.pinner.restore()

@@ -1,7 +1,10 @@
 """The GPU commands' bodies: config -> cases -> ceilings -> rows -> parquet + provenance sidecar.
 
-Called by persistentkv.commands.{measure, bench_kernels, validate_gpu} after they have checked
-that a CUDA device is present. Every output is written atomically (persistentkv.io).
+Called by persistentkv.commands.{measure, bench_kernels, bench_shapes, validate_gpu} after they
+have checked that a CUDA device is present. Every output is written atomically (persistentkv.io).
+While a run is under way its finished cases' rows are kept in ``partial/`` beside its output
+(PartialRows), so a run stopped part-way leaves them there; the output itself is written only
+when the run completes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from ..backends import registry
 from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
 from ..io import atomic_write_parquet
 from ..names import CPU_ONLY, SHAPES_EXPERIMENT
-from ..provenance import collect, new_run_id, utc_now, write_sidecar
+from ..provenance import collect, new_run_id, sidecar_path, utc_now, write_sidecar
 from ..spec import AttentionSpec
 from ..traces import sampled_steps
 from .device import TorchDevice
@@ -44,13 +47,81 @@ def _ceilings(device, quick: bool):
     return measure_ceilings(device, repeats=3 if quick else 5, warmup=2, log=log)
 
 
-def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[dict]:
+#: PartialRows writes the rows so far at most this often (s): a frame of 40k rows takes ~0.4 s to
+#: build and write, and an experiment runs hundreds of cases.
+PARTIAL_EVERY_S = 30.0
+
+
+class PartialRows:
+    """A GPU run's finished rows kept on disk while it runs: ``save(rows, done)`` after every case
+    keeps them, and writes them (after ``prefix``, the ceiling rows measured before the cases) to
+    ``partial/<name>`` beside ``out`` when ``every_s`` seconds have passed since the last write,
+    with a sidecar whose record says ``complete: false`` and ``cases: {done, total}``;
+    ``stopped(exc)`` writes the rows of every finished case with ``stopped_by`` in the sidecar and
+    says where they are; ``finish()``, once the run's output is written, removes both. The pipeline never reads
+    ``partial/`` (results.load_results reads the output's own folder, not below it), so a stopped
+    run's rows are kept without ever being taken for a finished run's. ``frame_of(rows)``: the
+    DataFrame the output would hold (raw_frame, validation_frame)."""
+
+    def __init__(self, out: str, run_id: str, record: dict, total: int, frame_of, every_s: float | None = None):
+        import time
+
+        self.path = Path(out).parent / "partial" / Path(out).name
+        self.run_id, self.record, self.total, self.frame_of = run_id, dict(record), int(total), frame_of
+        self.prefix: list[dict] = []
+        self.rows: list[dict] = []
+        self.done = 0
+        self.every_s, self.clock = float(PARTIAL_EVERY_S if every_s is None else every_s), time.monotonic
+        self.written_at = self.clock()
+
+    def _write(self, extra: dict | None = None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_parquet(self.path, self.frame_of(self.prefix + self.rows))
+        write_sidecar(self.path, self.run_id, {**self.record, "complete": False,
+                                               "cases": {"done": self.done, "total": self.total}, **(extra or {})})
+
+    def save(self, rows: list[dict], done: int) -> None:
+        self.rows, self.done = rows, int(done)   # the caller's list: only ever appended to
+        if self.clock() - self.written_at >= self.every_s:
+            self._write()
+            self.written_at = self.clock()
+
+    def stopped(self, exc: BaseException) -> None:
+        """The run stopped on ``exc``: the finished cases' rows stay, the sidecar says why (the
+        write itself may fail after a device fault; that is said without hiding ``exc``)."""
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        try:
+            self._write({"stopped_by": why})
+        except Exception as write_exc:
+            log(f"could not keep the finished rows: {type(write_exc).__name__}: {write_exc}")
+            return
+        log(f"stopped after {self.done} of {self.total} cases ({why}); their rows are in {self.path} "
+            f"(not read by the pipeline)")
+
+    def finish(self) -> None:
+        for path in (self.path, sidecar_path(self.path)):
+            path.unlink(missing_ok=True)
+        try:
+            self.path.parent.rmdir()  # only when nothing else is left there
+        except OSError:
+            pass
+
+
+def _bracketed(device, run_id: str, experiment: str, quick: bool, body, partial: PartialRows | None = None) -> list[dict]:
     """The ceilings measured before and after ``body(ceiling_gbps)`` (which runs the cases and
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
     run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
-    measurements. A ceiling fails only if neither measurement has it."""
+    measurements. A ceiling fails only if neither measurement has it. ``partial``: the run's
+    PartialRows, given the first measurement's ceiling rows and told if ``body`` stops."""
     before, failed_before = _ceilings(device, quick)
-    rows = body(ceiling_gbps(before))
+    if partial is not None:
+        partial.prefix = ceiling_rows(before, failed_before, run_id, experiment)
+    try:
+        rows = body(ceiling_gbps(before))
+    except BaseException as exc:
+        if partial is not None:
+            partial.stopped(exc)
+        raise
     after, failed_after = _ceilings(device, quick)
     after = renumbered(after, 1 + max((s.repeat for s in before), default=-1))
     read = run_read_gbps([before, after])
@@ -65,9 +136,11 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body) -> list[
     return ceiling_rows(before + after, failures, run_id, experiment, read_gbps=read) + rows
 
 
-def _write(out: str, frame, run_id: str, record: dict) -> None:
+def _write(out: str, frame, run_id: str, record: dict, partial: PartialRows | None = None) -> None:
     atomic_write_parquet(out, frame)
     sidecar = write_sidecar(out, run_id, record)
+    if partial is not None:
+        partial.finish()
     log(f"wrote {out} ({len(frame)} rows) and {sidecar}")
 
 
@@ -94,11 +167,14 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
         f"{settings.repeats} repeats ({settings.repeats_of('step')} of step rows) after {settings.warmup} "
         f"warm-up rounds")
+    record = collect(config, seeds_of(cases), started, device)
+    partial = PartialRows(out, run_id, record, len(cases), raw_frame)
     rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
-                                                RunContext(run_id, ceiling, log=log)))
+                                                RunContext(run_id, ceiling, log=log), on_case=partial.save),
+                      partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, collect(config, seeds_of(cases), started, device))
+    _write(out, frame, run_id, record, partial)
     _summary(frame)
     return 0
 
@@ -131,11 +207,15 @@ def _run_kernel_grid(config: dict, out: str, cases, experiment: str, protocols: 
                                     seed=int(config["seeds"]["calibration"]), bench=True)
     log(f"{experiment}: {len(cases)} cases, {' and '.join(protocols)} rows, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up rounds, the one-kernel floor in every round")
+    record = collect(config, [0], started, device)
+    partial = PartialRows(out, run_id, record, len(cases), raw_frame)
     rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
-                                                RunContext(run_id, ceiling, log=log, floor=one_kernel_floor)))
+                                                RunContext(run_id, ceiling, log=log, floor=one_kernel_floor),
+                                                on_case=partial.save),
+                      partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, collect(config, [0], started, device))
+    _write(out, frame, run_id, record, partial)
     _summary(frame)
     _print_table(frame, index)
     return 0
@@ -183,11 +263,18 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
     started = utc_now()
     run_id = new_run_id("validation_gpu", started)
     factory = BackendFactory()
+    record = collect(config, [seed], started, device)
+    partial = PartialRows(out, run_id, record, len(cases), validation_frame)
     rows = []
-    for case in tqdm(cases, desc="validate", unit="step"):
-        rows += validate_case(case, device, factory, rtols=rtols, log=log)
+    try:
+        for index, case in enumerate(tqdm(cases, desc="validate", unit="step")):
+            rows += validate_case(case, device, factory, rtols=rtols, log=log)
+            partial.save(rows, index + 1)
+    except BaseException as exc:
+        partial.stopped(exc)
+        raise
     frame = validation_frame(rows)
-    _write(out, frame, run_id, collect(config, [seed], started, device))
+    _write(out, frame, run_id, record, partial)
     bad = failing(rows)
     for row in bad[:20]:
         log(f"FAIL {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['status']}: {row['reason']}")
