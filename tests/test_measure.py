@@ -981,6 +981,7 @@ def test_run_experiment_writes_raw_rows_and_a_matching_sidecar(tmp_path, monkeyp
     assert (frame[frame["backend"] == "vllm-fa3"]["status"] == "failed").all()
     assert "vllm-fa3" in capsys.readouterr().err   # the summary names what failed
 
+
 def test_a_run_stopped_part_way_keeps_its_finished_cases_rows_beside_its_output(tmp_path, monkeypatch, traces_dir,
                                                                                   capsys):
     """A fault that escapes a case (a device fault, an interrupt) stops the run: the output is not
@@ -1079,6 +1080,19 @@ def test_partial_rows_write_at_most_every_interval_and_always_at_a_stop(tmp_path
     assert record["stopped_by"] == "KeyboardInterrupt" and record["cases"] == {"done": 3, "total": 3}
     partial.finish()
     assert not partial.path.exists() and not partial.path.parent.exists()
+
+
+def test_partial_rows_that_cannot_be_written_never_stop_the_run(tmp_path, capsys):
+    from persistentkv.measure import runner
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where partial/'s parent folder would be")
+    partial = runner.PartialRows(str(blocked / "x.parquet"), "r", {}, 2, pd_frame, every_s=0.0)
+    partial.save([{"a": 1}], 1)                              # cannot write: said, not raised
+    partial.save([{"a": 1}, {"a": 2}], 2)                    # and not tried again
+    assert capsys.readouterr().err.count("the run goes on") == 1
+    partial.stopped(RuntimeError("fault"))                   # nor at the stop
+    assert "could not keep the finished rows" in capsys.readouterr().err
 
 
 def pd_frame(rows):

@@ -9,6 +9,7 @@ when the run completes.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -81,10 +82,18 @@ class PartialRows:
                                                "cases": {"done": self.done, "total": self.total}, **(extra or {})})
 
     def save(self, rows: list[dict], done: int) -> None:
-        self.rows, self.done = rows, int(done)   # the caller's list: only ever appended to
-        if self.clock() - self.written_at >= self.every_s:
+        """Keep ``rows`` (the caller's list, only ever appended to) and write them when due. A
+        write that fails (a full disk) is said once and never stops the run: later saves only
+        keep the rows, for ``stopped`` to try again."""
+        self.rows, self.done = rows, int(done)
+        if self.every_s == math.inf or self.clock() - self.written_at < self.every_s:
+            return
+        try:
             self._write()
-            self.written_at = self.clock()
+        except Exception as exc:
+            log(f"could not keep the rows so far in {self.path}: {type(exc).__name__}: {exc}; the run goes on")
+            self.every_s = math.inf
+        self.written_at = self.clock()
 
     def stopped(self, exc: BaseException) -> None:
         """The run stopped on ``exc``: the finished cases' rows stay, the sidecar says why (the
@@ -99,12 +108,14 @@ class PartialRows:
             f"(not read by the pipeline)")
 
     def finish(self) -> None:
-        for path in (self.path, sidecar_path(self.path)):
-            path.unlink(missing_ok=True)
+        """The run's output is written: its partial files go (an error here is said, never raised)."""
         try:
-            self.path.parent.rmdir()  # only when nothing else is left there
-        except OSError:
-            pass
+            for path in (self.path, sidecar_path(self.path)):
+                path.unlink(missing_ok=True)
+            if self.path.parent.is_dir() and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
+        except OSError as exc:
+            log(f"could not remove {self.path}: {exc}")
 
 
 def _bracketed(device, run_id: str, experiment: str, quick: bool, body, partial: PartialRows | None = None) -> list[dict]:
