@@ -123,17 +123,18 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body, partial:
     returns their rows, scaled by the first measurement's read ceiling); the rows, rescaled to the
     run's read ceiling (ceiling.run_read_gbps: the higher of the two), after the ceiling rows of both
     measurements. A ceiling fails only if neither measurement has it. ``partial``: the run's
-    PartialRows, given the first measurement's ceiling rows and told if ``body`` stops."""
+    PartialRows, given the first measurement's ceiling rows and told if the run stops before the
+    second measurement is in."""
     before, failed_before = _ceilings(device, quick)
     if partial is not None:
         partial.prefix = ceiling_rows(before, failed_before, run_id, experiment)
     try:
         rows = body(ceiling_gbps(before))
-    except BaseException as exc:
+        after, failed_after = _ceilings(device, quick)
+    except BaseException as exc:  # in the cases or in the ceilings after them: keep the finished rows
         if partial is not None:
             partial.stopped(exc)
         raise
-    after, failed_after = _ceilings(device, quick)
     after = renumbered(after, 1 + max((s.repeat for s in before), default=-1))
     read = run_read_gbps([before, after])
     log(f"read ceiling: {ceiling_gbps(before):.0f} GB/s before the cases, {ceiling_gbps(after):.0f} after; "
