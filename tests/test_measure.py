@@ -1020,7 +1020,7 @@ def test_a_run_stopped_part_way_keeps_its_finished_cases_rows_beside_its_output(
     assert (frame[frame["backend"] == "read-ceiling"]["status"] == "ok").all()
     (record,) = json.loads(kept.with_suffix(".json").read_text()).values()
     assert record["complete"] is False and record["cases"]["done"] == 1 and record["cases"]["total"] >= 2
-    assert record["stopped_by"] == "CUDA error: an illegal memory access was encountered"
+    assert record["stopped_by"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert "stopped after 1 of" in capsys.readouterr().err
     assert load_results(tmp_path).raw.empty                                   # never read as a result
 
@@ -1061,7 +1061,7 @@ def test_partial_rows_write_at_most_every_interval_and_always_at_a_stop(tmp_path
     from persistentkv.measure import runner
 
     frames = []
-    partial = runner.PartialRows(str(tmp_path / "x.parquet"), "r", {"gpu": "g"}, 3,
+    partial = runner.PartialRows(str(tmp_path / "x.parquet"), "r", lambda: {"gpu": "g"}, 3,
                                  lambda rows: frames.append(list(rows)) or pd_frame(rows), every_s=60.0)
     now = [0.0]
     partial.clock, partial.written_at = (lambda: now[0]), 0.0
@@ -1078,6 +1078,7 @@ def test_partial_rows_write_at_most_every_interval_and_always_at_a_stop(tmp_path
     assert frames[-1] == [{"a": 1}, {"a": 2}, {"a": 3}]
     (record,) = json.loads(partial.path.with_suffix(".json").read_text()).values()
     assert record["stopped_by"] == "KeyboardInterrupt" and record["cases"] == {"done": 3, "total": 3}
+    assert record["gpu"] == "g"                              # the provenance, collected at the first write
     partial.finish()
     assert not partial.path.exists() and not partial.path.parent.exists()
 
@@ -1087,7 +1088,7 @@ def test_partial_rows_that_cannot_be_written_never_stop_the_run(tmp_path, capsys
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where partial/'s parent folder would be")
-    partial = runner.PartialRows(str(blocked / "x.parquet"), "r", {}, 2, pd_frame, every_s=0.0)
+    partial = runner.PartialRows(str(blocked / "x.parquet"), "r", dict, 2, pd_frame, every_s=0.0)
     partial.save([{"a": 1}], 1)                              # cannot write: said, not raised
     partial.save([{"a": 1}, {"a": 2}], 2)                    # and not tried again
     assert capsys.readouterr().err.count("the run goes on") == 1

@@ -24,7 +24,7 @@ from ..spec import AttentionSpec
 from ..traces import sampled_steps
 from .device import TorchDevice
 from .harness import BackendFactory, RunContext, Settings, experiment_protocols, one_kernel_floor, run_cases
-from .rows import ceiling_rows, raw_frame, validation_frame
+from .rows import ceiling_rows, one_line, raw_frame, validation_frame
 from .smoke import run_smoke
 from .statistics import frac_of_ceiling, kernel_table
 from .validation import failing, validate_case
@@ -62,13 +62,16 @@ class PartialRows:
     says where they are; ``finish()``, once the run's output is written, removes both. The pipeline never reads
     ``partial/`` (results.load_results reads the output's own folder, not below it), so a stopped
     run's rows are kept without ever being taken for a finished run's. ``frame_of(rows)``: the
-    DataFrame the output would hold (raw_frame, validation_frame)."""
+    DataFrame the output would hold (raw_frame, validation_frame); ``provenance()``: the sidecar's
+    record, collected at the first write (the run's own output collects its record after the
+    cases, when the GPU's clocks are those it ran at)."""
 
-    def __init__(self, out: str, run_id: str, record: dict, total: int, frame_of, every_s: float | None = None):
+    def __init__(self, out: str, run_id: str, provenance, total: int, frame_of, every_s: float | None = None):
         import time
 
         self.path = Path(out).parent / "partial" / Path(out).name
-        self.run_id, self.record, self.total, self.frame_of = run_id, dict(record), int(total), frame_of
+        self.run_id, self.provenance, self.total, self.frame_of = run_id, provenance, int(total), frame_of
+        self.record: dict | None = None
         self.prefix: list[dict] = []
         self.rows: list[dict] = []
         self.done = 0
@@ -76,6 +79,8 @@ class PartialRows:
         self.written_at = self.clock()
 
     def _write(self, extra: dict | None = None) -> None:
+        if self.record is None:
+            self.record = dict(self.provenance())
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_parquet(self.path, self.frame_of(self.prefix + self.rows))
         write_sidecar(self.path, self.run_id, {**self.record, "complete": False,
@@ -98,7 +103,7 @@ class PartialRows:
     def stopped(self, exc: BaseException) -> None:
         """The run stopped on ``exc``: the finished cases' rows stay, the sidecar says why (the
         write itself may fail after a device fault; that is said without hiding ``exc``)."""
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = one_line(exc)
         try:
             self._write({"stopped_by": why})
         except Exception as write_exc:
@@ -179,14 +184,14 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     log(f"{experiment}: {len(cases)} cases, protocols {', '.join(settings.protocols)}, "
         f"{settings.repeats} repeats ({settings.repeats_of('step')} of step rows) after {settings.warmup} "
         f"warm-up rounds")
-    record = collect(config, seeds_of(cases), started, device)
-    partial = PartialRows(out, run_id, record, len(cases), raw_frame)
+    partial = PartialRows(out, run_id, lambda: collect(config, seeds_of(cases), started, device), len(cases),
+                          raw_frame)
     rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
                                                 RunContext(run_id, ceiling, log=log), on_case=partial.save),
                       partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, record, partial)
+    _write(out, frame, run_id, collect(config, seeds_of(cases), started, device), partial)
     _summary(frame)
     return 0
 
@@ -219,15 +224,14 @@ def _run_kernel_grid(config: dict, out: str, cases, experiment: str, protocols: 
                                     seed=int(config["seeds"]["calibration"]), bench=True)
     log(f"{experiment}: {len(cases)} cases, {' and '.join(protocols)} rows, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up rounds, the one-kernel floor in every round")
-    record = collect(config, [0], started, device)
-    partial = PartialRows(out, run_id, record, len(cases), raw_frame)
+    partial = PartialRows(out, run_id, lambda: collect(config, [0], started, device), len(cases), raw_frame)
     rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
                                                 RunContext(run_id, ceiling, log=log, floor=one_kernel_floor),
                                                 on_case=partial.save),
                       partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, record, partial)
+    _write(out, frame, run_id, collect(config, [0], started, device), partial)
     _summary(frame)
     _print_table(frame, index)
     return 0
@@ -275,8 +279,8 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
     started = utc_now()
     run_id = new_run_id("validation_gpu", started)
     factory = BackendFactory()
-    record = collect(config, [seed], started, device)
-    partial = PartialRows(out, run_id, record, len(cases), validation_frame)
+    partial = PartialRows(out, run_id, lambda: collect(config, [seed], started, device), len(cases),
+                          validation_frame)
     rows = []
     try:
         for index, case in enumerate(tqdm(cases, desc="validate", unit="step")):
@@ -286,7 +290,7 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
         partial.stopped(exc)
         raise
     frame = validation_frame(rows)
-    _write(out, frame, run_id, record, partial)
+    _write(out, frame, run_id, collect(config, [seed], started, device), partial)
     bad = failing(rows)
     for row in bad[:20]:
         log(f"FAIL {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['status']}: {row['reason']}")
