@@ -644,25 +644,29 @@ def e2e_rest(ok: pd.DataFrame) -> list[dict]:
         keep = np.isfinite(rest) & (rest > 0) & np.isfinite(floor)
         if not keep.any():
             continue
-        point, boot = analysis.paired_medians(np.vstack([floor[keep], rest[keep]]), ("rest", model, kernels))
-        frac = float(point[0] / point[1])
-        lo, hi = analysis.interval(boot[:, 0] / boot[:, 1])
+        floor_us, rest_us, frac, lo, hi = _floor_fraction(floor[keep], rest[keep], ("rest", model, kernels))
         entry = {"model": str(model), "kernels": str(kernels), "rows": int(keep.sum()),
-                 "weight_floor_us": float(point[0]), "non_attention_us": float(point[1]), "frac": frac,
+                 "weight_floor_us": floor_us, "non_attention_us": rest_us, "frac": frac,
                  "lo": lo, "hi": hi, "yardstick": "read ceiling", "holds": bool(frac >= E2E_REST_FLOOR),
                  "interval_clears": bool(lo >= E2E_REST_FLOOR)}
         kernel_floor = (pd.to_numeric(part["weight_kernel_floor_us"], errors="coerce").to_numpy(float)
                         if "weight_kernel_floor_us" in part else np.full(len(part), np.nan))
         if np.isfinite(kernel_floor[keep]).all():   # runs since the column was added: the measured yardstick
-            kpoint, kboot = analysis.paired_medians(np.vstack([kernel_floor[keep], rest[keep]]),
-                                                    ("rest-kernel", model, kernels))
-            klo, khi = analysis.interval(kboot[:, 0] / kboot[:, 1])
-            kfrac = float(kpoint[0] / kpoint[1])
-            entry.update(weight_kernel_floor_us=float(kpoint[0]), kernel_frac=kfrac, kernel_lo=klo, kernel_hi=khi,
+            kfloor_us, _, kfrac, klo, khi = _floor_fraction(kernel_floor[keep], rest[keep],
+                                                            ("rest-kernel", model, kernels))
+            entry.update(weight_kernel_floor_us=kfloor_us, kernel_frac=kfrac, kernel_lo=klo, kernel_hi=khi,
                          yardstick="one-kernel floor", holds=bool(kfrac >= E2E_REST_FLOOR),
                          interval_clears=bool(klo >= E2E_REST_FLOOR))
         out.append(entry)
     return out
+
+
+def _floor_fraction(floor, rest, key) -> tuple[float, float, float, float, float]:
+    """(median floor, median rest, their ratio, its interval) over paired rows (analysis.paired_medians,
+    seeded by ``key``)."""
+    point, boot = analysis.paired_medians(np.vstack([floor, rest]), key)
+    lo, hi = analysis.interval(boot[:, 0] / boot[:, 1])
+    return float(point[0]), float(point[1]), float(point[0] / point[1]), lo, hi
 
 
 def _median(rows: pd.DataFrame, column: str) -> float | None:
