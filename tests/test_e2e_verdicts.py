@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from persistentkv import analysis, claims, targets
 from persistentkv.results import Results
@@ -21,7 +22,7 @@ def results_of(frame: pd.DataFrame, provenance: dict | None = None) -> Results:
 
 
 def cell_rows(times: dict, batch_size: int = 4, context: int = 32768, rounds: int = 9, factors=None,
-              weight_floor_us: float = 500.0, trace: str = "cases", step: int = 0) -> list[dict]:
+              weight_floor_us: float = 500.0, trace: str = "cases", step: int = 0, run_id: str = "run") -> list[dict]:
     """Rows of one cell: backend -> (step_us, attention_us), each round scaled by factors[r] (the
     round's shared machine state; 1 by default)."""
     factors = np.ones(rounds) if factors is None else np.asarray(factors)
@@ -29,7 +30,7 @@ def cell_rows(times: dict, batch_size: int = 4, context: int = 32768, rounds: in
     for backend, (step_us, attn_us) in times.items():
         for r in range(rounds):
             s, a = step_us * factors[r], attn_us * factors[r]
-            rows.append({"run_id": "run", "model": MODEL, "kernels": KERNELS, "trace": trace, "step": step,
+            rows.append({"run_id": run_id, "model": MODEL, "kernels": KERNELS, "trace": trace, "step": step,
                          "batch_size": batch_size, "context": context, "backend": backend, "repeat": r,
                          "step_us": s, "attention_us": a, "non_attention_us": s - a,
                          "tokens_per_s": batch_size / (s * 1e-6), "weight_floor_us": weight_floor_us,
@@ -58,7 +59,10 @@ def test_gain_reaches_its_amdahl_prediction_or_falls_short():
     kept = verdicts(cell_rows({"pkv-workqueue": (850.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
     (cell,) = kept["cells"]
     assert cell["amdahl"] == pytest.approx(1000 / 850) and cell["ratio"] == pytest.approx(1000 / 850)
-    assert cell["reaches_prediction"] and kept["gain"] == {"cells": 1, "reached": 1, "short": [], "holds": True}
+    assert cell["reaches_prediction"] and cell["interval"] == "rounds" and cell["passes"] == 1
+    assert {k: kept["gain"][k] for k in ("cells", "reached", "short", "holds", "over_passes", "spread")} == \
+        {"cells": 1, "reached": 1, "short": [], "holds": True, "over_passes": 0, "spread": None}
+    assert "one pass" in kept["sentences"][1]
     assert cell["attention_share"] == pytest.approx(150 / 850)
     # the same attention gain, but the step outside attention got slower: the gain did not survive
     lost = verdicts(cell_rows({"pkv-workqueue": (950.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
@@ -69,6 +73,61 @@ def test_gain_reaches_its_amdahl_prediction_or_falls_short():
     both = verdicts(cell_rows({"pkv-workqueue": (850.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}, batch_size=1)
                     + cell_rows({"pkv-workqueue": (950.0, 150.0), "flashinfer-tc": (1000.0, 300.0)}))
     assert both["gain"]["reached"] == 1 and not both["gain"]["holds"]
+
+
+def passes_of(short_by: dict, batch_size: int = 4) -> list[dict]:
+    """One cell's rows over passes: pass name -> how much ours' step is slower than its prediction
+    (e: ours 850 (1 + e) us with 150 of attention against 1000 and 300, so measured over
+    predicted is 1 / (1 + e) in that pass)."""
+    return [row for run, e in short_by.items()
+            for row in cell_rows({"pkv-workqueue": (850.0 * (1 + e), 150.0), "flashinfer-tc": (1000.0, 300.0)},
+                                 batch_size=batch_size, run_id=run)]
+
+
+def test_pass_intervals_pool_the_spread_and_hold_together():
+    out, spread = analysis.pass_intervals({"a": [0.0, 2.0], "b": [1.0, 3.0], "one": [5.0]})
+    # deviations +-1 in both cells: s^2 = 4 / 2; two cells at 95 % together -> t(1 - 0.0125, 2 df)
+    assert spread.df == 2 and spread.cells == 2 and spread.sd == pytest.approx(2 ** 0.5)
+    assert spread.q == pytest.approx(6.2053, abs=1e-3)
+    assert out["a"] == pytest.approx((1.0, 1.0 - spread.q, 1.0 + spread.q))
+    assert out["b"][0] == pytest.approx(2.0) and "one" not in out   # a cell of one pass is not judged here
+    # eight cells judged together: each interval's tails are 0.05 / 16 (Bonferroni), on 8 df
+    _, wide = analysis.pass_intervals({k: [0.0, 2.0] for k in "abcdefgh"})
+    assert wide.cells == 8 and wide.df == 8 and wide.q == pytest.approx(stats.t.ppf(1 - 0.05 / 16, 8))
+    assert wide.q > stats.t.ppf(1 - 0.05 / 2, 8)   # wider than one cell's 95 % interval
+    assert analysis.pass_intervals({"a": [1.0]}) == ({}, None)
+
+
+def test_gain_over_passes_is_judged_from_the_pass_to_pass_spread():
+    # B=4: 0.2 % short on average, passes 0.5 % apart; B=1: 3 % short, with the same spread
+    rows = (passes_of({"p1": 0.007, "p2": 0.002, "p3": -0.003})
+            + passes_of({"p1": 0.035, "p2": 0.030, "p3": 0.025}, batch_size=1))
+    out = verdicts(rows)
+    by = {c["batch_size"]: c for c in out["cells"]}
+    near, far = by[4], by[1]
+    assert near["passes"] == far["passes"] == 3 and near["interval"] == far["interval"] == "passes"
+    assert near["gap"] == pytest.approx(np.exp(-np.mean(np.log([1.007, 1.002, 0.997]))))
+    assert near["ratio"] == pytest.approx(np.exp(np.mean(np.log(1000 / (850 * np.array([1.007, 1.002, 0.997]))))))
+    assert near["amdahl"] == pytest.approx(1000 / 850)
+    spread = out["gain"]["spread"]
+    assert spread["cells"] == 2 and spread["df"] == 4
+    assert near["gap_lo"] < near["gap"] < 1.0 < near["gap_hi"] and near["reaches_prediction"]
+    assert far["gap_hi"] < 1.0 and not far["reaches_prediction"]
+    assert not out["gain"]["holds"] and out["gain"]["short"] == [far["label"]] and out["gain"]["over_passes"] == 2
+    assert [p["run_ids"] for p in near["per_pass"]] == [["p1"], ["p2"], ["p3"]]
+    assert "3 independent passes" in out["sentences"][1] and "does not hold" in out["sentences"][1]
+    # the same three passes without the far cell: the claim holds
+    alone = verdicts(passes_of({"p1": 0.007, "p2": 0.002, "p3": -0.003}))
+    assert alone["gain"]["holds"] and alone["gain"]["reached"] == 1
+
+
+def test_a_cell_one_pass_reached_is_judged_over_its_rounds():
+    rows = passes_of({"p1": 0.0, "p2": 0.004}) + passes_of({"p1": 0.05}, batch_size=1)
+    out = verdicts(rows)
+    by = {c["batch_size"]: c for c in out["cells"]}
+    assert by[4]["interval"] == "passes" and by[1]["interval"] == "rounds" and by[1]["passes"] == 1
+    assert not by[1]["reaches_prediction"] and out["gain"]["over_passes"] == 1
+    assert "1 cell(s) of one pass judged over their rounds" in out["sentences"][1]
 
 
 def test_rounds_are_resampled_paired_by_repeat():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from workflow_support import NO_GPU, ROOT, copy_workflow, job_counts, needs_snakemake, snakemake
 
 from persistentkv import configuration, hardware
@@ -74,31 +75,48 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     assert "persistentkv bench-shapes --config config/config.yaml --out results/nvidia-h200/bench_shapes.parquet" in out
     assert "results/nvidia-h200/provenance.json" in out
     # every GPU job asks for a GPU (Snakemake's gpu resource) and takes one of the target's kind
-    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 4  # + bench, shapes, validate, e2e
-    assert out.count("gpu=1") == counts["measure"] + 4
+    passes = counts["measure_e2e_pass"]
+    assert passes == e2e_passes(repo) and passes >= 2
+    # + bench, shapes, validate, and each of the full decode step's passes
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3 + passes
+    assert out.count("gpu=1") == counts["measure"] + 3 + passes
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 
 
+def e2e_passes(repo) -> int:
+    """measure.e2e_passes of the repository's config (the passes `all` asks for)."""
+    return int(yaml.safe_load((repo / "config" / "config.yaml").read_text())["measure"]["e2e_passes"])
+
+
 @needs_snakemake
 def test_the_full_decode_step_is_a_gpu_job_of_all_and_the_report_waits_for_it(repo, tmp_path):
-    """hardware.target names the GPU: measure_e2e is in the DAG of `all` on a host without one, a GPU
-    job writing results/<hw>/e2e.{parquet,json} (not under raw/), and the provenance and the
-    rendering of that hardware read what it writes."""
+    """hardware.target names the GPU: each of measure-e2e's passes is in the DAG of `all` on a host
+    without one, a GPU job writing results/<hw>/e2e/pass<N>.{parquet,json} (not under raw/), and
+    the provenance and the rendering of that hardware read what they write."""
     copy = edited_copy(repo, tmp_path, "target: auto", "target: nvidia-h200")
     done = snakemake(copy, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
     assert done.returncode == 0, done.stderr + done.stdout
-    assert job_counts(done.stdout)["measure_e2e"] == 1
-    jobs = {block.split(":", 1)[0]: block for block in done.stdout.split("\nrule ")[1:]}
-    e2e = jobs["measure_e2e"]
-    assert "output: results/nvidia-h200/e2e.parquet, results/nvidia-h200/e2e.json" in e2e
-    assert "log: logs/measure/nvidia-h200/e2e.log" in e2e and "gpu=1" in e2e
-    assert ("--gpu nvidia-h200 -- persistentkv measure-e2e --config config/config.yaml"
-            " --out results/nvidia-h200/e2e.parquet > logs/measure/nvidia-h200/e2e.log") in e2e
-    assert "results/nvidia-h200/e2e.json" in jobs["provenance"].split("output:")[0]
-    for rule in ("render_claims", "render_figures", "render_report"):
-        inputs = next(b for name, b in jobs.items() if name == rule and "nvidia-h200" in b).split("output:")[0]
-        assert "results/nvidia-h200/e2e.parquet" in inputs, rule
+    passes = e2e_passes(repo)
+    assert job_counts(done.stdout)["measure_e2e_pass"] == passes
+    blocks = done.stdout.split("\nrule ")[1:]
+    e2e = [b for b in blocks if b.startswith("measure_e2e_pass:")]
+    jobs = {block.split(":", 1)[0]: block for block in blocks}
+    for n in range(1, passes + 1):
+        (mine,) = [b for b in e2e if f"e2e/pass{n}.parquet" in b]
+        assert f"output: results/nvidia-h200/e2e/pass{n}.parquet, results/nvidia-h200/e2e/pass{n}.json" in mine
+        assert f"log: logs/measure/nvidia-h200/e2e_pass{n}.log" in mine and "gpu=1" in mine
+        assert ("--gpu nvidia-h200 -- persistentkv measure-e2e --config config/config.yaml"
+                f" --out results/nvidia-h200/e2e/pass{n}.parquet > logs/measure/nvidia-h200/e2e_pass{n}.log") in mine
+        assert f"results/nvidia-h200/e2e/pass{n}.json" in jobs["provenance"].split("output:")[0]
+        for rule in ("render_claims", "render_figures", "render_report"):
+            inputs = next(b for name, b in jobs.items() if name == rule and "nvidia-h200" in b).split("output:")[0]
+            assert f"results/nvidia-h200/e2e/pass{n}.parquet" in inputs, rule
+    # the rule by name runs every pass; one pass is its file
+    named = snakemake(copy, "-n", "measure_e2e", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert named.returncode == 0 and job_counts(named.stdout)["measure_e2e_pass"] == passes
+    one = snakemake(copy, "-n", "results/nvidia-h200/e2e/pass2.parquet", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    assert one.returncode == 0 and job_counts(one.stdout)["measure_e2e_pass"] == 1
 
 
 @needs_snakemake

@@ -388,6 +388,54 @@ def corrected_interval(value: float, boot: np.ndarray, tests: int,
     return math.exp(math.log(value) - half), math.exp(math.log(value) + half)
 
 
+@dataclass(frozen=True)
+class PassSpread:
+    """What :func:`pass_intervals` pooled: the standard deviation of one pass around its cell's
+    mean (log scale), its degrees of freedom, the cells judged together and the quantile used."""
+
+    sd: float
+    df: int
+    cells: int
+    q: float
+
+
+def pass_intervals(logs: dict, confidence: float = CONFIDENCE) -> tuple[dict, PassSpread | None]:
+    """Per cell, the mean of a log-scale figure over independent passes and its interval, from the
+    pass-to-pass spread pooled over the cells, the intervals of all cells holding together.
+
+    Every cell with at least two finite passes counts. s^2 is the sum over cells and passes of
+    (x - the cell's mean)^2 over the sum of (passes - 1); a cell's interval is
+    mean +- q s / sqrt(passes), with q Student's t at 1 - (1 - confidence) / (2 C) on those degrees
+    of freedom, for C cells (Bonferroni: the C intervals hold at once with probability at least
+    ``confidence``, as :func:`corrected_interval`'s).
+
+    Parameters
+    ----------
+    logs : dict
+        key -> float [passes], one cell's figure in each pass (log scale; non-finite ones dropped).
+    confidence : float
+        The family-wise coverage of the C intervals.
+
+    Returns
+    -------
+    (intervals, spread) : tuple
+        key -> (mean, lo, hi) for the cells with two or more passes, and the PassSpread (None, and
+        no intervals, without any such cell).
+    """
+    from scipy import stats  # only where passes are judged; the GPU host's commands never need it
+
+    kept = {k: np.asarray(v, float)[np.isfinite(np.asarray(v, float))] for k, v in logs.items()}
+    kept = {k: v for k, v in kept.items() if v.size >= 2}
+    if not kept:
+        return {}, None
+    df = sum(v.size - 1 for v in kept.values())
+    sd = math.sqrt(sum(float(((v - v.mean()) ** 2).sum()) for v in kept.values()) / df)
+    q = float(stats.t.ppf(1 - (1 - confidence) / (2 * len(kept)), df))
+    out = {k: (float(v.mean()), float(v.mean() - q * sd / math.sqrt(v.size)), float(v.mean() + q * sd / math.sqrt(v.size)))
+           for k, v in kept.items()}
+    return out, PassSpread(sd=sd, df=df, cells=len(kept), q=q)
+
+
 def fmt_ratio(value: float | None, lo: float | None = None, hi: float | None = None, digits: int = 3) -> str:
     """``1.234× [1.200, 1.270]`` (plain text), ``n/m`` for a missing or non-finite value."""
     if value is None or not math.isfinite(value):

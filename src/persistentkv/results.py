@@ -31,7 +31,8 @@ class Results:
     validation_gpu: results/{hw}/validation_gpu.parquet
     validation_cpu, ablation_buckets, ablation_splits: results/counters/*.parquet
     provenance:     run_id -> provenance fields (provenance.json, else the sidecar .json files)
-    e2e:            results/{hw}/e2e.parquet, the full decode step (measure-e2e), its own schema;
+    e2e:            results/{hw}/e2e/*.parquet, the full decode step's passes (measure-e2e; one run_id
+                    each, concatenated), its own schema;
                     empty where absent
     """
 
@@ -170,7 +171,13 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
 
     bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
     shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet")
-    e2e = optional_parquet("e2e", results_dir / "e2e.parquet")
+    e2e_paths = finished(sorted((results_dir / "e2e").glob("*.parquet")))   # measure-e2e's passes
+    if e2e_paths:
+        e2e = pd.concat([_read_parquet(p) for p in e2e_paths], ignore_index=True)
+        found.update({f"e2e/{p.stem}": str(p) for p in e2e_paths})
+    else:
+        e2e = pd.DataFrame()
+        missing.append("e2e")
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
@@ -182,7 +189,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     sidecars = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
     sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
     sidecars += [p for p in (results_dir / f"{SHAPES_EXPERIMENT}.json",) if p.is_file()]
-    sidecars += [p for p in (results_dir / "e2e.json",) if p.is_file()]
+    sidecars += finished(sorted((results_dir / "e2e").glob("*.json")))
     for path in sidecars + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")

@@ -26,9 +26,12 @@ MEASURE_TARGETS = expand(f"{RESULTS}/raw/{{experiment}}.parquet", experiment=EXP
 ]
 #: The full decode step (rule measure_e2e) writes beside raw/, not in it: the results loader reads
 #: raw/*.parquet as attention timing rows, and these rows have a schema of their own.
-E2E_TABLE = f"{RESULTS}/e2e.parquet"
-SIDECARS.append(f"{RESULTS}/e2e.json")
-MEASURE_TARGETS.append(E2E_TABLE)
+#: It runs as measure.e2e_passes independent passes (each its own job and process, one run_id), so
+#: its verdicts can say how much a cell moves from one run to the next (targets.e2e_verdicts).
+E2E_PASSES = range(1, int(config["measure"].get("e2e_passes", 1)) + 1)
+E2E_TABLES = expand(f"{RESULTS}/e2e/pass{{n}}.parquet", n=E2E_PASSES)
+SIDECARS += expand(f"{RESULTS}/e2e/pass{{n}}.json", n=E2E_PASSES)
+MEASURE_TARGETS += E2E_TABLES
 
 
 wildcard_constraints:
@@ -216,15 +219,24 @@ rule provenance:
 
 
 rule measure_e2e:
-    """The full Llama decode step with each backend (persistentkv measure-e2e): every model of
-    config models: with cases, their B x context cells and the config's generated traces."""
+    """Every pass of the full decode step (rule measure_e2e_pass)."""
+    input:
+        E2E_TABLES,
+
+
+rule measure_e2e_pass:
+    """One pass of the full Llama decode step with each backend (persistentkv measure-e2e): every
+    model of config models: with cases, their B x context cells and the config's generated traces."""
     input:
         kernels=rules.kernels.output,
     output:
-        table=report(E2E_TABLE, caption="../report/measure_e2e.rst", category="End to end", subcategory=HW),
-        provenance=f"{RESULTS}/e2e.json",
+        table=report(f"{RESULTS}/e2e/pass{{n}}.parquet", caption="../report/measure_e2e.rst",
+                     category="End to end", subcategory=HW),
+        provenance=f"{RESULTS}/e2e/pass{{n}}.json",
+    wildcard_constraints:
+        n=r"[1-9][0-9]*",
     log:
-        f"logs/measure/{HW}/e2e.log",
+        f"logs/measure/{HW}/e2e_pass{{n}}.log",
     params:
         config=CONFIG_FILE,
         spec=config["spec"],

@@ -334,8 +334,10 @@ def shapes_frame(repeats: int = 3, seed: int = 4) -> pd.DataFrame:
                     rows += _rows_for("bench_shapes", f"B{b}xN{n}", 0, [(0, [n] * b)], rng, ("kernel",), repeats,
                                       spec=spec, backends=SHAPES_BACKENDS)
     return with_floor(pd.DataFrame(rows), seed)
-# -- the full decode step (results/{hw}/e2e.parquet) ------------------------------------------------
+# -- the full decode step (results/{hw}/e2e/pass<N>.parquet) ------------------------------------------
 E2E_RUN_ID = "synthetic-e2e"
+#: Independent passes written (measure.e2e_passes); pass N has run_id E2E_RUN_ID-N and its own noise.
+E2E_PASSES = 2
 #: Two Llama-shaped decoders (the config's dimensions); their rows are toy times, not measurements.
 E2E_MODELS = {
     "llama3_8b": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=32,
@@ -372,8 +374,8 @@ def e2e_models() -> dict:
             for name, dims in E2E_MODELS.items()}
 
 
-def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
-    """e2e.parquet rows: per model, cell (and two trace steps of the first model) and backend, the
+def e2e_frame(repeats: int = 7, seed: int = 3, run_id: str = E2E_RUN_ID) -> pd.DataFrame:
+    """One pass's rows (e2e/pass<N>.parquet): per model, cell (and two trace steps of the first model) and backend, the
     step and its attention in interleaved rounds (a noise factor shared by every backend's round,
     so the pairing by repeat matters), the non-attention part near its weight floor, ceiling rows,
     an unavailable backend and a refused cell."""
@@ -381,7 +383,7 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
 
     rng = np.random.default_rng(seed)
     rows = []
-    base = {"run_id": E2E_RUN_ID, "experiment": "e2e", "seed": CALIBRATION, "dtype": "float16", "page_size": 16,
+    base = {"run_id": run_id, "experiment": "e2e", "seed": CALIBRATION, "dtype": "float16", "page_size": 16,
             "kernels": "torch", "read_ceiling_gbps": RUN_CEILING_GBPS, "mem_estimate_bytes": 0, "recaptures": 0}
     for name, dims in E2E_MODELS.items():
         shape = ModelShape(name=name, **dims)
@@ -436,17 +438,21 @@ def e2e_frame(repeats: int = 7, seed: int = 3) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def e2e_provenance(complete: bool = True) -> dict:
-    """e2e.json: the run's record (the synthetic GPU's) with measure-e2e's completeness fields."""
+def e2e_provenance(complete: bool = True, run_id: str = E2E_RUN_ID) -> dict:
+    """A pass's sidecar: the run's record (the synthetic GPU's) with measure-e2e's completeness fields."""
     record = {**provenance()[RUN_ID], "command": "persistentkv.render.synthetic (e2e)"}
     n = sum(len(c) for c in E2E_CELLS.values()) + len(E2E_TRACE_STEPS) + 1
-    return {E2E_RUN_ID: {**record, "complete": complete,
-                         "configurations": {"done": n if complete else n - 1, "total": n}}}
+    return {run_id: {**record, "complete": complete,
+                     "configurations": {"done": n if complete else n - 1, "total": n}}}
 
 
-def write_e2e(hw_dir: str | Path, complete: bool = True) -> Path:
-    """Write results/{hw}/e2e.parquet and e2e.json (synthetic); returns the parquet's path."""
-    hw_dir = Path(hw_dir)
-    io.atomic_write_parquet(hw_dir / "e2e.parquet", e2e_frame())
-    io.atomic_write_json(hw_dir / "e2e.json", e2e_provenance(complete))
-    return hw_dir / "e2e.parquet"
+def write_e2e(hw_dir: str | Path, complete: bool = True, passes: int = E2E_PASSES) -> list[Path]:
+    """Write results/{hw}/e2e/pass<N>.parquet and .json for N = 1..passes (synthetic; the last pass
+    partial unless ``complete``); returns the parquets' paths."""
+    out = []
+    for n in range(1, passes + 1):
+        path, run_id = Path(hw_dir) / "e2e" / f"pass{n}.parquet", f"{E2E_RUN_ID}-{n}"
+        io.atomic_write_parquet(path, e2e_frame(seed=3 + n, run_id=run_id))
+        io.atomic_write_json(path.with_suffix(".json"), e2e_provenance(complete or n < passes, run_id))
+        out.append(path)
+    return out
