@@ -116,6 +116,7 @@ def test_gain_over_passes_is_judged_from_the_pass_to_pass_spread():
     assert not out["gain"]["holds"] and out["gain"]["short"] == [far["label"]] and out["gain"]["over_passes"] == 2
     assert [p["run_ids"] for p in near["per_pass"]] == [["p1"], ["p2"], ["p3"]]
     assert "3 independent passes" in out["sentences"][1] and "does not hold" in out["sentences"][1]
+    assert f"short: {far['label']} (below it in 3 of 3 passes)." in out["sentences"][1]
     # the same three passes without the far cell: the claim holds
     alone = verdicts(passes_of({"p1": 0.007, "p2": 0.002, "p3": -0.003}))
     assert alone["gain"]["holds"] and alone["gain"]["reached"] == 1
@@ -187,7 +188,7 @@ def test_no_rows_is_not_measured_and_claims_carry_the_entry():
     empty = results_of(pd.DataFrame())
     out = targets.e2e_verdicts(empty)
     assert not out["measured"] and out["cells"] == [] and out["step"] == {} and out["gain"] == {}
-    assert out["sentences"] == ["Not measured: no full decode step rows (e2e.parquet) on test-gpu yet."]
+    assert out["sentences"] == ["Not measured: no full decode step rows (e2e/pass*.parquet) on test-gpu yet."]
     refused_only = verdicts([{**r, "status": "refused", "reason": "too big"}
                              for r in cell_rows({"pkv-workqueue": (1.0, 1.0)}, rounds=1)])
     assert not refused_only["measured"] and refused_only["not_run"][0]["reason"] == "too big"

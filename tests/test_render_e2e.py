@@ -52,6 +52,11 @@ def test_the_report_has_the_full_decode_step_section_with_every_cell(rendered):
     assert "synthetic: needs more memory than the toy device has" in part and 'id="e2e-not-run"' in part
     assert "llama3_70b_tp8: synthetic: one GPU&#39;s shard" in part
     assert "not a prefill" in part and "not measured on" not in part
+    # the synthetic run is two passes (two run_ids, two files): every cell is judged over them
+    assert len(e2e["run_ids"]) == synthetic.E2E_PASSES == 2
+    assert sorted(k for k in results.found if k.startswith("e2e/")) == ["e2e/pass1", "e2e/pass2"]
+    assert {c["interval"] for c in e2e["cells"]} == {"passes"} and all(c["passes"] == 2 for c in e2e["cells"])
+    assert "2 independent passes" in " ".join(e2e["sentences"]) and "independent passes (one process each)" in part
 
 
 def test_without_rows_the_section_says_not_measured(rendered):

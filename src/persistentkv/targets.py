@@ -481,7 +481,7 @@ def _floor_sentences(entry: dict) -> list[str]:
                     f"{low['case']} {analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against "
                     f"{low['baseline']}): {e['verdict']}.")
     return said
-# -- the full decode step (results/<hw>/e2e.parquet, persistentkv measure-e2e) -------------------
+# -- the full decode step (results/<hw>/e2e/pass*.parquet, persistentkv measure-e2e) ---------
 #: A cell of the full decode step: one model with one kernels variant, at one B x context cell
 #: (trace "cases", step 0) or one timed step of a trace; every backend's loop ran it, interleaved.
 E2E_CELL = ["model", "kernels", "trace", "step", "batch_size", "context"]
@@ -742,7 +742,7 @@ def _e2e_label(key: tuple) -> str:
 
 
 def _e2e_missing(hw: str) -> str:
-    return f"Not measured: no full decode step rows (e2e.parquet) on {hw} yet."
+    return f"Not measured: no full decode step rows (e2e/pass*.parquet) on {hw} yet."
 
 
 def _e2e_not_run_sentences(entry: dict) -> list[str]:
@@ -764,6 +764,18 @@ def _first(labels: list[str], shown: int = 5) -> str:
     """The first ``shown`` labels, then how many more."""
     more = len(labels) - shown
     return ", ".join(labels[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def _short_passes(cells: list[dict]) -> list[str]:
+    """The labels of the cells short of their prediction, each judged over passes with how many of
+    its passes measured below the prediction ('... (below it in 3 of 3 passes)')."""
+    out = []
+    for c in cells:
+        if c["reaches_prediction"]:
+            continue
+        below = sum(p["gap"] < 1.0 for p in c.get("per_pass") or [])
+        out.append(c["label"] + (f" (below it in {below} of {c['passes']} passes)" if c["interval"] == "passes" else ""))
+    return out
 
 
 def _gain_rule(gain: dict) -> str:
@@ -793,7 +805,7 @@ def _e2e_sentences(entry: dict, hw: str) -> list[str]:
                     f"{'holds' if step['holds'] else 'does not hold'}.")
         said.append(f"The scheduler's gain survives in a full decode step in {gain['reached']} of {gain['cells']} "
                     f"cells ({_gain_rule(gain)}): {'holds' if gain['holds'] else 'does not hold'}"
-                    + (f"; short: {_first(gain['short'])}." if gain["short"] else "."))
+                    + (f"; short: {_first(_short_passes(entry['cells']))}." if gain["short"] else "."))
     else:
         said.append(f"No cell on {hw} has both {entry['backend']} and a baseline timed: the step floor and the "
                     f"gain are not measured.")

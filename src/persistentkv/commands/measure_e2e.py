@@ -1,6 +1,6 @@
 """``persistentkv measure-e2e``: the full Llama decode step with each backend, side by side (GPU).
 
-    persistentkv measure-e2e --config config/config.yaml --out results/nvidia-h200/raw/e2e.parquet \
+    persistentkv measure-e2e --config config/config.yaml --out results/nvidia-h200/e2e/pass1.parquet \
         [--models llama3_8b,llama3_70b_tp8] [--cases 1x4096,64x4096] [--traces bimodal_b8,zipf_b8] \
         [--backends pkv-workqueue,flashinfer-tc,...] [--kernels auto|torch|flashinfer|pkv[,...]] [--quick]
 

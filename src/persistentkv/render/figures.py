@@ -713,7 +713,7 @@ def fig_split_ablation(frame: pd.DataFrame) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. The full decode step (results/<hw>/e2e.parquet): where each backend's step goes, and whether
+# 10. The full decode step (results/<hw>/e2e/pass*.parquet): where each backend's step goes, and whether
 #     the attention gain survives it
 
 
@@ -746,8 +746,9 @@ def data_e2e_split(results: Results) -> pd.DataFrame:
 
 def data_e2e_gain(results: Results) -> pd.DataFrame:
     """Per cell of targets.e2e_verdicts: the measured end-to-end speedup over the fastest baseline
-    and the Amdahl prediction from the same run's attention times, each with its 95 % paired
-    bootstrap interval. Columns: model, kernels, cell, ratio, lo, hi, amdahl, amdahl_lo, amdahl_hi."""
+    and the Amdahl prediction from the same pass's attention times, each with its interval (over
+    the passes, or a single pass's paired bootstrap over its rounds; the verdicts say which).
+    Columns: model, kernels, cell, ratio, lo, hi, amdahl, amdahl_lo, amdahl_hi."""
     columns = ["model", "kernels", "cell", "ratio", "lo", "hi", "amdahl", "amdahl_lo", "amdahl_hi"]
     cells = targets.e2e_verdicts(results)["cells"]
     rows = [{**{k: c[k] for k in columns if k != "cell"},
@@ -762,7 +763,7 @@ E2E_AXIS_SPAN = 1.5
 def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
     title = "The full decode step: attention and the rest, and the gain against its Amdahl prediction"
     if split.empty:
-        return placeholder(title, not_measured(hw, "the full decode step (e2e.parquet)"))
+        return placeholder(title, not_measured(hw, "the full decode step (e2e/pass*.parquet)"))
     groups = list(split.groupby(["model", "kernels"], sort=True))
     with style():
         fig = Figure(figsize=(WIDTH, 2.5 * len(groups) + 0.6), layout="constrained")

@@ -38,7 +38,7 @@ MISSING_TEXT = {
     "policy": "frozen policy (policy.json)", "kernels": "kernel resource usage (kernels.json)",
     "validation_cpu": "CPU validation (counters)", "ablation_buckets": "bucket ablation counters (C6, C7)",
     "ablation_splits": "split ablation counters",
-    "e2e": "full Llama decode step per backend (e2e.parquet)",
+    "e2e": "full Llama decode step per backend (e2e/pass*.parquet)",
 }
 MISSING_TEXT["bench_shapes"] = "the shapes experiment (Hkv x G x B x bytes) and its one-kernel floor"
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)

@@ -241,7 +241,7 @@ def e2e_macros(payload: dict) -> list[tuple[str, str, str]]:
     step, gain = e.get("step") or {}, e.get("gain") or {}
     low = step.get("min") or {}
     verdict = lambda part: tex("holds" if part["holds"] else "does not hold") if part else tex(claims.NOT_MEASURED)
-    sentences = e.get("sentences") or [f"Not measured: no full decode step rows (e2e.parquet) on {payload['hw']} yet."]
+    sentences = e.get("sentences") or [f"Not measured: no full decode step rows (e2e/pass*.parquet) on {payload['hw']} yet."]
     return [
         ("pkvEtoeStepFloor", f"{targets.E2E_STEP_FLOOR:g}", "targets.E2E_STEP_FLOOR"),
         ("pkvEtoeRestFloor", f"{targets.E2E_REST_FLOOR:g}", "targets.E2E_REST_FLOOR"),
