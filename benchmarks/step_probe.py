@@ -210,66 +210,125 @@ def part_evict(cells, rounds, backends, rows, evict_mb=256):
     from L2 (plan, page ids, counters)? Per cell and backend, the attention-alone graph as
     measure-e2e times it (per layer: append, attention) and the same with a read of ``evict_mb``
     MB of other memory between the append and the call (``+evict``), each minus its own graph
-    without the calls; and the step minus the step without attention (``in-step``)."""
+    without the calls; and the step minus the step without attention (``in-step``). A cell is
+    ``model:BxN`` (equal rows) or ``model:trace@step`` (a timed step of a config trace, reached as
+    measure-e2e reaches it: every backend's loop on one cache, following the timed steps before it)."""
     import torch
 
     from persistentkv.model import DecodeLoop
 
     flush = torch.empty(evict_mb << 20 >> 1, dtype=torch.float16, device="cuda").normal_()
     sink = torch.empty(1024, dtype=torch.float32, device="cuda")
-    for model_key, (b, n) in cells:
+    for model_key, where in cells:
         model_name = MODEL_KEYS.get(model_key, model_key)
         for other in [m for m in build.cache if m != model_name]:
             del build.cache[other]
         torch.cuda.empty_cache()
-        shape, model, kv, reserve = build(model_name, b, n)
-        label = f"{model_key}:{b}x{n}"
-        for backend in backends:
-            loop = DecodeLoop(model, kv, backend)
-            admit_all(loop, b, n, reserve, shape.vocab_size)
-            loop.next_tokens()
-            mark = loop.mark()
-
-            def body(attention, evict, loop=loop):
-                q, k, v = loop._probe()
-                if attention:
-                    loop._refresh()
-                slots = loop._slots()
-                for l in range(shape.num_layers):
-                    k_flat, v_flat = loop.kv.flat(l)
-                    loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-                    if evict:
-                        torch.sum(flush.view(-1, 1024), dim=0, dtype=torch.float32, out=sink)
-                    if attention:
-                        loop._run(q, l, loop.out)
-
-            graphs = {}
-            for what in ("step", "rest"):
-                loop.rewind(mark)
-                loop.capture(what)
-                graphs[what] = loop._graphs.pop(what)
-            for attention in (True, False):
-                for evict in (False, True):
-                    loop.rewind(mark)
-                    graphs[(attention, evict)] = captured(lambda a=attention, e=evict: body(a, e))
-            order = list(graphs)
-            for r in range(rounds):
-                us = {}
-                for what in order[r % len(order):] + order[:r % len(order)]:
-                    loop.rewind(mark)
-                    us[what] = timed_us(graphs[what].replay if what in ("step", "rest") else graphs[what])
-                for name, value in (("alone", us[(True, False)] - us[(False, False)]),
-                                    ("alone+evict", us[(True, True)] - us[(False, True)]),
-                                    ("in-step", us["step"] - us["rest"])):
-                    rows.append(dict(part="evict", cell=label, variant=backend, name=name, repeat=r, us=value))
-            meds = {nm: np.median([x["us"] for x in rows if x["part"] == "evict" and x["cell"] == label
-                                   and x["variant"] == backend and x["name"] == nm])
-                    for nm in ("alone", "alone+evict", "in-step")}
-            print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
-            del graphs, loop
-            torch.cuda.empty_cache()
+        if isinstance(where, str):   # trace@step
+            label = f"{model_key}:{where}"
+            with torch.no_grad():
+                shape, model, kv, loops = trace_loops(model_name, where, backends)
+                for backend, loop in loops.items():
+                    _evict_times(loop, label, backend, shape, rounds, rows, flush, sink)
+            del loops
+        else:
+            b, n = where
+            shape, model, kv, reserve = build(model_name, b, n)
+            label = f"{model_key}:{b}x{n}"
+            for backend in backends:
+                loop = DecodeLoop(model, kv, backend)
+                admit_all(loop, b, n, reserve, shape.vocab_size)
+                loop.next_tokens()
+                _evict_times(loop, label, backend, shape, rounds, rows, flush, sink)
+                del loop
+                torch.cuda.empty_cache()
         del kv, model
         torch.cuda.empty_cache()
+
+
+def trace_loops(model_name, where, backends):
+    """(shape, model, kv, {backend: loop}) at trace step ``name@index`` of config/config.yaml, as
+    measure-e2e reaches it (its cache size and seed, and each timed step before it followed)."""
+    from persistentkv import configuration, traces
+    from persistentkv.commands.measure_e2e import _loops, timed_steps
+    from persistentkv.env import torch_dtype
+    from persistentkv.model import Model, PagedKV, model_shape, random_weights
+    from persistentkv.model.shape import pages_for
+
+    config = configuration.load_config(str(CONFIG))
+    name, at = where.split("@")
+    trace = traces.build(configuration.trace_entry(config, name), configuration.calibration_seed(config))
+    timed = timed_steps(trace, int(config["measure"]["step_stride"]), False)
+    upto = [s for s in timed if s.index <= int(at)]
+    assert upto and upto[-1].index == int(at), f"{name}@{at} is not a timed step ({[s.index for s in timed]})"
+    shape, P = model_shape(config, model_name), int(config["spec"]["page_size"])
+    reserve = {r.id: r.prompt_len + r.decode_steps for r in trace.requests}
+    held = [set(timed[0].request_ids)] + [set(a.request_ids) | set(b.request_ids) for a, b in zip(timed, timed[1:])]
+    live = max(sum(pages_for(reserve[r], P) for r in rows) for rows in held)
+    weights = build.cache.get(model_name)
+    if weights is None:
+        weights = build.cache[model_name] = random_weights(shape, torch_dtype(config["spec"]["dtype"]), "cuda", 0)
+    model = Model(shape, weights, kernels="auto", max_position=max(reserve.values()) + 64)
+    kv = PagedKV(shape, live, P, weights.embed.dtype, "cuda", seed=trace.seed)
+    kv.fill_random(trace.seed)
+
+    def first_token(rid):
+        return int(rid * 7919 % shape.vocab_size)
+
+    loops, refused = _loops(model, kv, backends,
+                            lambda loop: loop.follow(upto[0].request_ids, upto[0].lengths, reserve, first_token), print)
+    assert not refused, refused
+    for step in upto[1:]:
+        for loop in loops.values():
+            loop.follow(step.request_ids, step.lengths, reserve, first_token)
+    print(f"{where}: B={upto[-1].batch_size}, lengths {list(upto[-1].lengths)}", flush=True)
+    return shape, model, kv, loops
+
+
+def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
+    """part_evict's graphs of one loop, replayed in rotated rounds (rows: alone, alone+evict, in-step)."""
+    import torch
+
+    mark = loop.mark()
+
+    def body(attention, evict):
+        q, k, v = loop._probe()
+        if attention:
+            loop._refresh()
+        slots = loop._slots()
+        for l in range(shape.num_layers):
+            k_flat, v_flat = loop.kv.flat(l)
+            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+            if evict:
+                torch.sum(flush.view(-1, 1024), dim=0, dtype=torch.float32, out=sink)
+            if attention:
+                loop._run(q, l, loop.out)
+
+    graphs = {}
+    for what in ("step", "rest"):
+        loop.rewind(mark)
+        loop.capture(what)
+        graphs[what] = loop._graphs.pop(what)
+    for attention in (True, False):
+        for evict in (False, True):
+            loop.rewind(mark)
+            graphs[(attention, evict)] = captured(lambda a=attention, e=evict: body(a, e))
+    order = list(graphs)
+    for r in range(rounds):
+        us = {}
+        for what in order[r % len(order):] + order[:r % len(order)]:
+            loop.rewind(mark)
+            us[what] = timed_us(graphs[what].replay if what in ("step", "rest") else graphs[what])
+        for name, value in (("alone", us[(True, False)] - us[(False, False)]),
+                            ("alone+evict", us[(True, True)] - us[(False, True)]),
+                            ("in-step", us["step"] - us["rest"]),
+                            ("step", us["step"]), ("rest", us["rest"])):
+            rows.append(dict(part="evict", cell=label, variant=backend, name=name, repeat=r, us=value))
+    loop.rewind(mark)
+    meds = {nm: np.median([x["us"] for x in rows if x["part"] == "evict" and x["cell"] == label
+                           and x["variant"] == backend and x["name"] == nm])
+            for nm in ("alone", "alone+evict", "in-step", "step")}
+    print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
 def part_kernels(model_name, cell, variant, rows):
@@ -338,7 +397,8 @@ def main() -> int:
     cell = tuple(int(x) for x in args.cell.split("x"))
     parts = args.parts.split(",")
     kernels = args.kernels.split(",")
-    steps = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x"))) for c in args.steps.split(",")]
+    steps = [(c.split(":")[0], c.split(":")[1] if "@" in c else tuple(int(x) for x in c.split(":")[1].split("x")))
+             for c in args.steps.split(",")]
     from persistentkv.ceiling import ceiling_gbps, measure_ceilings
     from persistentkv.measure.device import TorchDevice
 
@@ -354,6 +414,8 @@ def main() -> int:
             part_kernels(args.model, cell, variant, rows)
             write(rows, args.out, stem)
     if "steps" in parts:
+        if any(isinstance(where, str) for _, where in steps):
+            parser.error("--parts steps takes model:BxN cells only (model:trace@step is for --parts evict)")
         part_steps(steps, args.rounds, kernels, rows)
         write(rows, args.out, stem)
     if "evict" in parts:
