@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_support import (ROOT, copy_workflow, fake_calls, fake_gpu_env, job_counts, needs_snakemake,
-                              small_config, snakemake)
+from workflow_support import (ROOT, SMALL_E2E_PASSES, copy_workflow, fake_calls, fake_gpu_env, job_counts,
+                              needs_snakemake, small_config, snakemake)
 
 from persistentkv import configuration
 from persistentkv.names import EXPERIMENTS
@@ -26,7 +26,7 @@ from persistentkv.render import FIGURE_NAMES
 pytestmark = [needs_snakemake, pytest.mark.slow]
 
 GPU_RULES = {"measure": len(EXPERIMENTS), "bench_kernels": 1, "bench_shapes": 1, "validate_gpu": 1, "calibrate": 1, "provenance": 1,
-             "kernels_report": 1, "measure_e2e": 1}
+             "kernels_report": 1, "measure_e2e_pass": SMALL_E2E_PASSES}
 H200 = "NVIDIA H200"
 
 
@@ -56,7 +56,8 @@ def test_gpus_profile_runs_gpu_jobs_side_by_side_on_slots_of_their_own(tmp_path)
     assert not (raw / "fragmented.parquet").exists() and not (repo / "results/nvidia-h200/provenance.json").exists()
     calls = fake_calls(tmp_path)
     gpu_calls = [c for c in calls if c["slot"].get("gpu_uuid")]
-    assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 3  # every measurement but the failed one, bench, validate, e2e
+    # every measurement but the failed one, bench, validate and each of the full decode step's passes
+    assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 2 + SMALL_E2E_PASSES
     assert all(c["cuda_visible_devices"] == c["slot"]["gpu_uuid"] and c["cpus"] == c["slot"]["cpus"]
                for c in gpu_calls)
     side_by_side = [(a, b) for a, b in itertools.combinations(gpu_calls, 2) if overlap(a, b)]
@@ -76,7 +77,8 @@ def test_a_named_target_lists_every_gpu_job_on_a_host_without_one(tmp_path):
     assert done.returncode == 0, done.stderr
     counts = job_counts(done.stdout)
     assert {rule: counts.get(rule) for rule in GPU_RULES} == GPU_RULES
-    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 4  # bench, shapes, validate, e2e
+    # bench, shapes, validate, and each of the full decode step's passes
+    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 3 + SMALL_E2E_PASSES
     assert not probes.exists()  # nothing asked this host for a GPU
     for target in ("none", "auto"):
         small_config(repo, target=target)

@@ -41,6 +41,10 @@ def copy_workflow(dest: Path) -> Path:
 TINY_TRACE = "request_id,arrival_step,prompt_len,decode_steps\n0,0,300,6\n1,0,900,4\n2,1,150,6\n3,2,2100,3\n"
 
 
+#: measure.e2e_passes of the small grid: more than one, fewer than the repository's.
+SMALL_E2E_PASSES = 2
+
+
 def small_config(repo: Path, **hardware) -> dict:
     """Rewrite ``repo``'s config/config.yaml as a small grid (one short file trace and one
     generated trace of few steps, one holdout seed, three split values) with ``hardware``
@@ -59,6 +63,7 @@ def small_config(repo: Path, **hardware) -> dict:
     config["validation"]["cpu"]["steps_per_trace"] = 1
     config["measure"]["gqa_sweep"]["trace"] = names[0]
     config["measure"]["fragmented"]["traces"] = names[:1]
+    config["measure"]["e2e_passes"] = SMALL_E2E_PASSES
     config["hardware"].update(hardware)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
