@@ -758,6 +758,8 @@ def data_e2e_gain(results: Results) -> pd.DataFrame:
 
 #: fig_e2e's step axis shows the backends within this many times each cell's fastest step whole.
 E2E_AXIS_SPAN = 1.5
+#: fig_e2e: inches of height per cell label of the speedup panel.
+E2E_ROW_IN = 0.16
 
 
 def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
@@ -765,9 +767,11 @@ def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
     if split.empty:
         return placeholder(title, not_measured(hw, "the full decode step (e2e/pass*.parquet)"))
     groups = list(split.groupby(["model", "kernels"], sort=True))
+    # each row of panels tall enough for its cells' labels on the right (E2E_ROW_IN per cell)
+    heights = [max(2.5, E2E_ROW_IN * part["cell"].nunique() + 0.9) for _, part in groups]
     with style():
-        fig = Figure(figsize=(WIDTH, 2.5 * len(groups) + 0.6), layout="constrained")
-        axes = fig.subplots(len(groups), 2, width_ratios=(2.2, 1), squeeze=False)
+        fig = Figure(figsize=(WIDTH, sum(heights) + 0.6), layout="constrained")
+        axes = fig.subplots(len(groups), 2, width_ratios=(2.2, 1), height_ratios=heights, squeeze=False)
         handles = {}
         for (left, right), ((model, kernels), part) in zip(axes, groups):
             cells = list(dict.fromkeys(part["cell"]))
