@@ -122,6 +122,16 @@ def test_gain_over_passes_is_judged_from_the_pass_to_pass_spread():
     assert alone["gain"]["holds"] and alone["gain"]["reached"] == 1
 
 
+def test_passes_of_different_builds_are_said():
+    rows = passes_of({"p1": 0.0, "p2": 0.004})
+    same = verdicts(rows, {"p1": {"git_commit": "abc1234"}, "p2": {"git_commit": "abc1234"}})
+    assert same["commits"] == ["abc1234"] and not any("Mixed builds" in s for s in same["sentences"])
+    mixed = verdicts(rows, {"p1": {"git_commit": "abc1234"}, "p2": {"git_commit": "def5678"}})
+    assert mixed["commits"] == ["abc1234", "def5678"]
+    assert any(s.startswith("Mixed builds: the passes judged together come from commits abc1234, def5678")
+               for s in mixed["sentences"])
+
+
 def test_a_cell_one_pass_reached_is_judged_over_its_rounds():
     rows = passes_of({"p1": 0.0, "p2": 0.004}) + passes_of({"p1": 0.05}, batch_size=1)
     out = verdicts(rows)

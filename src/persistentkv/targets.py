@@ -583,6 +583,8 @@ def e2e_verdicts(results: Results) -> dict:
                        "gap_median": float(np.median([c["gap"] for c in cells])), "spread": spread}
     out["rest"] = e2e_rest(ok)
     out["in_step"] = e2e_in_step(ok)
+    # passes judged together should be one build's; a stale pass file of another commit is said
+    out["commits"] = sorted({str(results.provenance.get(r, {}).get("git_commit") or "unknown") for r in out["run_ids"]})
     out["sentences"] = _e2e_sentences(out, results.hw)
     return out
 
@@ -681,7 +683,7 @@ def e2e_over_passes(per_pass: dict) -> tuple[list[dict], dict | None]:
                       "amdahl": float(a), "amdahl_lo": float(a_lo), "amdahl_hi": float(a_hi),
                       "gap": float(g), "gap_lo": float(g_lo), "gap_hi": float(g_hi),
                       "reaches_prediction": bool(g_hi >= 1.0), "passes": len(entries), "interval": "passes",
-                      "run_ids": [r for e in entries for r in e["run_ids"]],
+                      "run_ids": [rid for e in entries for rid in e["run_ids"]],
                       "per_pass": [{"run_ids": e["run_ids"], "baseline": e["baseline"], "ratio": e["ratio"],
                                     "amdahl": e["amdahl"], "gap": e["gap"]} for e in entries]})
     spread = judged["gap"][1]
@@ -828,4 +830,7 @@ def _e2e_sentences(entry: dict, hw: str) -> list[str]:
             said.append(f"Outside attention at B=1, {r['model']}/{r['kernels']} reaches {ceiling} of its "
                         f"weight-read floor at the read ceiling (target {entry['rest_floor']:g}; no one-kernel "
                         f"floors in these rows): {verdict}.")
+    if len(entry.get("commits") or []) > 1:
+        said.append(f"Mixed builds: the passes judged together come from commits {', '.join(entry['commits'])} "
+                    f"(their sidecars' git_commit); rerun the stale ones.")
     return said + _e2e_not_run_sentences(entry)
