@@ -236,7 +236,7 @@ def part_evict(cells, rounds, backends, rows, evict_mb=256):
             shape, model, kv, reserve = build(model_name, b, n)
             label = f"{model_key}:{b}x{n}"
             for backend in backends:
-                loop = DecodeLoop(model, kv, backend)
+                loop = DecodeLoop(model, kv, backend_of(backend))
                 admit_all(loop, b, n, reserve, shape.vocab_size)
                 loop.next_tokens()
                 _evict_times(loop, label, backend, shape, rounds, rows, flush, sink)
@@ -275,14 +275,27 @@ def trace_loops(model_name, where, backends):
     def first_token(rid):
         return int(rid * 7919 % shape.vocab_size)
 
-    loops, refused = _loops(model, kv, backends,
+    made = [backend_of(b) for b in backends]
+    loops, refused = _loops(model, kv, made,
                             lambda loop: loop.follow(upto[0].request_ids, upto[0].lengths, reserve, first_token), print)
     assert not refused, refused
+    loops = {label: loops[m] for label, m in zip(backends, made)}
     for step in upto[1:]:
         for loop in loops.values():
             loop.follow(step.request_ids, step.lengths, reserve, first_token)
     print(f"{where}: B={upto[-1].batch_size}, lengths {list(upto[-1].lengths)}", flush=True)
     return shape, model, kv, loops
+
+
+def backend_of(spec: str):
+    """A backend from ``name`` or ``name:key=value`` (an int value), e.g. ``pkv-workqueue:warps=8``."""
+    from persistentkv.backends import registry
+
+    name, _, option = spec.partition(":")
+    if not option:
+        return registry.create(name)
+    key, value = option.split("=")
+    return registry.create(name, **{key: int(value)})
 
 
 def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
