@@ -8,6 +8,7 @@ import re
 import pytest
 
 from persistentkv import claims, targets
+from persistentkv.errors import PKVError
 from persistentkv.render import figures, report, synthetic, tables
 from persistentkv.results import load_results
 
@@ -77,6 +78,14 @@ def test_a_partial_run_is_marked_in_the_report(tmp_path):
     html = report.render(payload, results, tmp_path / "figures", tmp_path / "report.html").read_text()
     assert payload["e2e"]["complete"] is False
     assert "Partial run:" in section(html)
+
+
+def test_a_run_in_the_layout_before_passes_is_refused_with_where_to_move_it(tmp_path):
+    hw_dir = synthetic.write_results(tmp_path)
+    (hw_dir / "e2e" / "pass1.parquet").rename(hw_dir / "e2e.parquet")
+    with pytest.raises(PKVError, match=r"e2e.parquet is a full decode step run in the layout before passes; "
+                                       r"move it to .*e2e/pass1.parquet"):
+        load_results(hw_dir, tmp_path / "results" / "counters", synthetic.config())
 
 
 def test_the_paper_table_and_macros_come_from_the_verdicts(rendered, tmp_path):

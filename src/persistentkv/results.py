@@ -171,6 +171,10 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
 
     bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
     shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet")
+    old_e2e = results_dir / "e2e.parquet"   # the layout before measure-e2e ran as passes: never dropped silently
+    require(not old_e2e.is_file(),
+            f"{old_e2e} is a full decode step run in the layout before passes; move it to "
+            f"{results_dir / 'e2e' / 'pass1.parquet'} (and e2e.json to e2e/pass1.json)")
     e2e_paths = finished(sorted((results_dir / "e2e").glob("*.parquet")))   # measure-e2e's passes
     if e2e_paths:
         e2e = pd.concat([_read_parquet(p) for p in e2e_paths], ignore_index=True)
