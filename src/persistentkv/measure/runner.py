@@ -69,7 +69,8 @@ class PartialRows:
     def __init__(self, out: str, run_id: str, provenance, total: int, frame_of, every_s: float | None = None):
         import time
 
-        self.path = Path(out).parent / "partial" / Path(out).name
+        self.out = Path(out)
+        self.path = self.out.parent / "partial" / self.out.name
         self.run_id, self.provenance, self.total, self.frame_of = run_id, provenance, int(total), frame_of
         self.record: dict | None = None
         self.prefix: list[dict] = []
@@ -153,12 +154,13 @@ def _bracketed(device, run_id: str, experiment: str, quick: bool, body, partial:
     return ceiling_rows(before + after, failures, run_id, experiment, read_gbps=read) + rows
 
 
-def _write(out: str, frame, run_id: str, record: dict, partial: PartialRows | None = None) -> None:
-    atomic_write_parquet(out, frame)
-    sidecar = write_sidecar(out, run_id, record)
-    if partial is not None:
-        partial.finish()
-    log(f"wrote {out} ({len(frame)} rows) and {sidecar}")
+def _write(frame, partial: PartialRows) -> None:
+    """The run's output and its sidecar, whose record is collected now, after the cases (the GPU's
+    clocks those it ran at); then its partial files go."""
+    atomic_write_parquet(partial.out, frame)
+    sidecar = write_sidecar(partial.out, partial.run_id, partial.provenance())
+    partial.finish()
+    log(f"wrote {partial.out} ({len(frame)} rows) and {sidecar}")
 
 
 def _summary(frame) -> None:
@@ -191,7 +193,7 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
                                                 RunContext(run_id, ceiling, log=log), on_case=partial.save),
                       partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, collect(config, seeds_of(cases), started, device), partial)
+    _write(frame, partial)
     _summary(frame)
     return 0
 
@@ -231,7 +233,7 @@ def _run_kernel_grid(config: dict, out: str, cases, experiment: str, protocols: 
                                                 on_case=partial.save),
                       partial)
     frame = raw_frame(rows)
-    _write(out, frame, run_id, collect(config, [0], started, device), partial)
+    _write(frame, partial)
     _summary(frame)
     _print_table(frame, index)
     return 0
@@ -290,7 +292,7 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
         partial.stopped(exc)
         raise
     frame = validation_frame(rows)
-    _write(out, frame, run_id, collect(config, [seed], started, device), partial)
+    _write(frame, partial)
     bad = failing(rows)
     for row in bad[:20]:
         log(f"FAIL {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['status']}: {row['reason']}")
