@@ -40,6 +40,7 @@ repeat, us, bytes, read_gbps.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -64,16 +65,13 @@ def build(model_name, batch_size, context, seed=0):
     import torch
 
     from persistentkv import configuration
-    from persistentkv.env import torch_dtype
-    from persistentkv.model import Model, PagedKV, model_shape, random_weights
+    from persistentkv.model import Model, PagedKV, model_shape
     from persistentkv.model.shape import pages_for
 
     config = configuration.load_config(str(CONFIG))
     shape = model_shape(config, model_name)
     P = int(config["spec"]["page_size"])
-    weights = build.cache.get(model_name)
-    if weights is None:
-        weights = build.cache[model_name] = random_weights(shape, torch_dtype(config["spec"]["dtype"]), "cuda", seed)
+    weights = cached_weights(config, shape, seed)
     model = Model(shape, weights, kernels="auto", max_position=context + 64)
     reserve = context + 64
     kv = PagedKV(shape, batch_size * pages_for(reserve, P), P, weights.embed.dtype, "cuda", seed=seed)
@@ -83,6 +81,18 @@ def build(model_name, batch_size, context, seed=0):
 
 
 build.cache = {}
+
+
+def cached_weights(config, shape, seed=0):
+    """The seeded random weights of ``shape`` (config's dtype, on the GPU), made once per model
+    and kept in build.cache (part_steps and part_evict drop the other models' first)."""
+    from persistentkv.env import torch_dtype
+    from persistentkv.model import random_weights
+
+    weights = build.cache.get(shape.name)
+    if weights is None:
+        weights = build.cache[shape.name] = random_weights(shape, torch_dtype(config["spec"]["dtype"]), "cuda", seed)
+    return weights
 
 
 def admit_all(loop, batch_size, context, reserve, vocab):
@@ -250,31 +260,21 @@ def trace_loops(model_name, where, backends):
     """(shape, model, kv, {backend: loop}) at trace step ``name@index`` of config/config.yaml, as
     measure-e2e reaches it (its cache size and seed, and each timed step before it followed)."""
     from persistentkv import configuration, traces
-    from persistentkv.commands.measure_e2e import _loops, timed_steps
-    from persistentkv.env import torch_dtype
-    from persistentkv.model import Model, PagedKV, model_shape, random_weights
-    from persistentkv.model.shape import pages_for
+    from persistentkv.commands.measure_e2e import _loops, trace_first_token, trace_layout
+    from persistentkv.model import Model, PagedKV, model_shape
 
     config = configuration.load_config(str(CONFIG))
     name, at = where.split("@")
     trace = traces.build(configuration.trace_entry(config, name), configuration.calibration_seed(config))
-    timed = timed_steps(trace, int(config["measure"]["step_stride"]), False)
+    shape, P = model_shape(config, model_name), int(config["spec"]["page_size"])
+    timed, reserve, live = trace_layout(trace, int(config["measure"]["step_stride"]), False, P)
     upto = [s for s in timed if s.index <= int(at)]
     assert upto and upto[-1].index == int(at), f"{name}@{at} is not a timed step ({[s.index for s in timed]})"
-    shape, P = model_shape(config, model_name), int(config["spec"]["page_size"])
-    reserve = {r.id: r.prompt_len + r.decode_steps for r in trace.requests}
-    held = [set(timed[0].request_ids)] + [set(a.request_ids) | set(b.request_ids) for a, b in zip(timed, timed[1:])]
-    live = max(sum(pages_for(reserve[r], P) for r in rows) for rows in held)
-    weights = build.cache.get(model_name)
-    if weights is None:
-        weights = build.cache[model_name] = random_weights(shape, torch_dtype(config["spec"]["dtype"]), "cuda", 0)
+    weights = cached_weights(config, shape)
     model = Model(shape, weights, kernels="auto", max_position=max(reserve.values()) + 64)
     kv = PagedKV(shape, live, P, weights.embed.dtype, "cuda", seed=trace.seed)
     kv.fill_random(trace.seed)
-
-    def first_token(rid):
-        return int(rid * 7919 % shape.vocab_size)
-
+    first_token = functools.partial(trace_first_token, vocab=shape.vocab_size)
     made = [backend_of(b) for b in backends]
     loops, refused = _loops(model, kv, made,
                             lambda loop: loop.follow(upto[0].request_ids, upto[0].lengths, reserve, first_token), print)

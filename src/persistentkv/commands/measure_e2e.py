@@ -51,6 +51,7 @@ ceiling (before and after), both ceilings' rows, and ``complete: true``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -306,15 +307,9 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     import torch
 
     from ..model import PagedKV, check_fits, footprint
-    from ..model.shape import pages_for
 
     dtype, P = ctx.dtype, ctx.page_size
-    reserve = {r.id: r.prompt_len + r.decode_steps for r in trace.requests}
-    timed = timed_steps(trace, ctx.stride, ctx.quick)
-    # the loops share the rows' pages and follow a step one after another, so between two timed
-    # steps the old rows and the new ones are held at once
-    held = [set(timed[0].request_ids)] + [set(a.request_ids) | set(b.request_ids) for a, b in zip(timed, timed[1:])]
-    live = max(sum(pages_for(reserve[r], P) for r in rows) for rows in held)
+    timed, reserve, live = trace_layout(trace, ctx.stride, ctx.quick, P)
     widest = max(step.batch_size for step in timed)
     need = footprint(shape, dtype, live, P, widest, backends=len(names))
     need = replace(need, weights=0)
@@ -331,9 +326,7 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     kv = PagedKV(shape, live, P, model.dtype, "cuda", seed=trace.seed)
     kv.fill_random(trace.seed)
     first = timed[0]
-
-    def first_token(rid: int) -> int:
-        return int(rid * 7919 % shape.vocab_size)
+    first_token = functools.partial(trace_first_token, vocab=shape.vocab_size)
 
     def join(loop):
         loop.follow(first.request_ids, first.lengths, reserve, first_token)
@@ -347,6 +340,23 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
         rows += _time_step(ctx, setting, loops, step.batch_size, step.lengths, step.index)
         ctx.progress.update(1)
     return rows
+
+
+def trace_layout(trace, stride: int, quick: bool, page_size: int) -> tuple:
+    """(the timed steps, request id -> tokens reserved, pages the cache needs) of ``trace``: the
+    loops share the rows' pages and follow a step one after another, so between two timed steps
+    the old rows and the new ones are held at once."""
+    from ..model.shape import pages_for
+
+    reserve = {r.id: r.prompt_len + r.decode_steps for r in trace.requests}
+    timed = timed_steps(trace, stride, quick)
+    held = [set(timed[0].request_ids)] + [set(a.request_ids) | set(b.request_ids) for a, b in zip(timed, timed[1:])]
+    return timed, reserve, max(sum(pages_for(reserve[r], page_size) for r in rows) for rows in held)
+
+
+def trace_first_token(rid: int, vocab: int) -> int:
+    """A trace row's first input token (seeded by its request id)."""
+    return int(rid * 7919 % vocab)
 
 
 def _release() -> None:
