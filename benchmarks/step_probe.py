@@ -28,6 +28,12 @@ choices compared (persistentkv.model.Kernels):
              its graph without the calls), and the step minus the step without attention: does
              the step's weight stream, evicting the attention's other reads from L2, explain
              what attention costs in a step beyond its time alone?
+  ctas       per --steps cell, pkv-workqueue's attention in the CTA-traced module
+             (benchmarks/trace_cta.py's stamps) inside the graph-replayed step and alone (each
+             layer's append, then the call), --rounds // 3 replays of each: per layer call, when
+             its first CTA entered after the previous call's last exit, its release, loop and
+             tail, and the SM that finished last. Where does attention's in-step cost leave its
+             time alone? (Writes its own step_probe_ctas_HHMMSS.parquet, one row per CTA.)
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -344,6 +350,114 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
+def part_ctas(cells, rounds, out, stem):
+    """part ctas (module docstring). Every pkv engine made from here on is the traced module."""
+    import torch
+
+    from persistentkv.backends import pkv as pkv_backend
+    from persistentkv.engine import DecodeEngine
+    from persistentkv.model import DecodeLoop
+    from trace_cta import read_trace, records_frame, reset_trace
+
+    traced = {}
+
+    def traced_engine_for(spec, **options):
+        key = (spec, tuple(sorted(options.items())))
+        if key not in traced:
+            traced[key] = DecodeEngine(spec, trace=True, **options)
+        return traced[key]
+
+    pkv_backend.engine_for = traced_engine_for
+    frames, summary = [], []
+    for model_key, where in cells:
+        model_name = MODEL_KEYS.get(model_key, model_key)
+        for other in [m for m in build.cache if m != model_name]:
+            del build.cache[other]
+        torch.cuda.empty_cache()
+        label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
+        with torch.no_grad():
+            if isinstance(where, str):
+                shape, model, kv, loops = trace_loops(model_name, where, ["pkv-workqueue"])
+                loop = loops["pkv-workqueue"]
+            else:
+                shape, model, kv, reserve = build(model_name, *where)
+                loops = None
+                loop = DecodeLoop(model, kv, backend_of("pkv-workqueue"))
+                admit_all(loop, where[0], where[1], reserve, shape.vocab_size)
+                loop.next_tokens()
+            mark = loop.mark()
+            q, k, v = loop._probe()
+
+            def alone():
+                loop._refresh()
+                slots = loop._slots()
+                for l in range(shape.num_layers):
+                    k_flat, v_flat = loop.kv.flat(l)
+                    loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+                    loop._run(q, l, loop.out)
+
+            loop.rewind(mark)
+            loop.capture("step")
+            graphs = {"in-step": loop._graphs.pop("step").replay}
+            loop.rewind(mark)
+            graphs["alone"] = captured(alone)
+            L = shape.num_layers
+            for r in range(max(1, rounds // 3)):
+                for what in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
+                    loop.rewind(mark)
+                    for engine in traced.values():
+                        reset_trace(engine)
+                    graphs[what]()
+                    torch.cuda.synchronize()
+                    recs = [read_trace(e) for e in traced.values()]
+                    rec = max(recs, key=len)
+                    if len(rec) % L:
+                        print(f"ctas {label} {what}: {len(rec)} records, not a multiple of {L} layers; skipped")
+                        continue
+                    items = len(rec) // L
+                    df = records_frame(rec, items, label, 0)
+                    t0 = df.ns_entry.min()
+                    for c in [c for c in df.columns if c.startswith("ns_")]:
+                        df[c] = (df[c] - t0).where(df[c] > 0, -1).astype(np.int32)
+                    df = df[["case", "call", "sm", "slot", "tokens", "merged"] + [c for c in df.columns
+                                                                               if c.startswith("ns_")]]
+                    df["where"], df["repeat"] = what, r
+                    frames.append(df)
+                    summary.append(_cta_calls(df, label, what, r))
+            loop.rewind(mark)
+            loop = loops = graphs = None  # the traced loop's graphs and cache go before the next cell
+        del kv, model
+        torch.cuda.empty_cache()
+        table = pd.concat(summary)
+        med = table[table.case == label].groupby("where").median(numeric_only=True)
+        print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
+        pd.concat(frames).to_parquet(Path(out) / f"{stem.replace('step_probe', 'step_probe_ctas')}.parquet",
+                                     index=False)
+    return pd.concat(summary) if summary else None
+
+
+def _cta_calls(df, label, where, repeat):
+    """One row per layer call: its CTAs' phases in us (module docstring's part ctas)."""
+    rows = []
+    calls = sorted(df.call.unique())
+    for k in calls:
+        cur = df[df.call == k]
+        entry, rel, done, end = cur.ns_entry.min(), cur.ns_released.min(), cur.ns_loop.max(), cur.ns_exit.max()
+        last_sm = int(cur.loc[cur.ns_exit.idxmax(), "sm"])
+        per_sm = cur.groupby("sm").tokens.sum()
+        rate = cur.tokens / ((cur.ns_loop - cur.ns_first).clip(lower=1) / 1e3)
+        prev_exit = df[df.call == k - 1].ns_exit.max() if k > 0 else np.nan
+        rows.append(dict(case=label, where=where, repeat=repeat, call=k, items=len(cur),
+                         before=(entry - prev_exit) / 1e3, span=(end - entry) / 1e3,
+                         release=(rel - entry) / 1e3, first=float(np.median(cur.ns_first - rel)) / 1e3,
+                         loop=(done - rel) / 1e3, spread=(done - cur.ns_loop.min()) / 1e3,
+                         tail=(end - done) / 1e3, skew=(cur.ns_released.max() - rel) / 1e3,
+                         last_sm_tokens=float(per_sm.get(last_sm, 0)), max_sm_tokens=float(per_sm.max()),
+                         mean_sm_tokens=float(per_sm.mean()), sms=len(per_sm),
+                         cta_tokens_per_us=float(np.median(rate))))
+    return pd.DataFrame(rows)
+
+
 def part_kernels(model_name, cell, variant, rows):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -434,6 +548,8 @@ def main() -> int:
     if "evict" in parts:
         part_evict(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
+    if "ctas" in parts:  # last: it makes every pkv engine the traced module
+        part_ctas(steps, args.rounds, args.out, stem)
     return 0
 
 
