@@ -350,8 +350,9 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
-def part_ctas(cells, rounds, out, stem):
-    """part ctas (module docstring). Every pkv engine made from here on is the traced module."""
+def part_ctas(cells, rounds, backends, out, stem):
+    """part ctas (module docstring), for the pkv-workqueue variants in ``backends``. Every pkv
+    engine made from here on is the traced module."""
     import torch
 
     from persistentkv.backends import pkv as pkv_backend
@@ -368,72 +369,81 @@ def part_ctas(cells, rounds, out, stem):
         return traced[key]
 
     pkv_backend.engine_for = traced_engine_for
+    backends = [b for b in backends if b.split(":")[0] == "pkv-workqueue"]
     frames, summary = [], []
     for model_key, where in cells:
         model_name = MODEL_KEYS.get(model_key, model_key)
         for other in [m for m in build.cache if m != model_name]:
             del build.cache[other]
         torch.cuda.empty_cache()
-        label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
+        cell = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
         with torch.no_grad():
             if isinstance(where, str):
-                shape, model, kv, loops = trace_loops(model_name, where, ["pkv-workqueue"])
-                loop = loops["pkv-workqueue"]
+                shape, model, kv, loops = trace_loops(model_name, where, backends)
             else:
                 shape, model, kv, reserve = build(model_name, *where)
-                loops = None
-                loop = DecodeLoop(model, kv, backend_of("pkv-workqueue"))
-                admit_all(loop, where[0], where[1], reserve, shape.vocab_size)
-                loop.next_tokens()
-            mark = loop.mark()
-            q, k, v = loop._probe()
-
-            def alone():
-                loop._refresh()
-                slots = loop._slots()
-                for l in range(shape.num_layers):
-                    k_flat, v_flat = loop.kv.flat(l)
-                    loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-                    loop._run(q, l, loop.out)
-
-            loop.rewind(mark)
-            loop.capture("step")
-            graphs = {"in-step": loop._graphs.pop("step").replay}
-            loop.rewind(mark)
-            graphs["alone"] = captured(alone)
-            L = shape.num_layers
-            for r in range(max(1, rounds // 3)):
-                for what in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                    loop.rewind(mark)
-                    for engine in traced.values():
-                        reset_trace(engine)
-                    graphs[what]()
-                    torch.cuda.synchronize()
-                    recs = [read_trace(e) for e in traced.values()]
-                    rec = max(recs, key=len)
-                    if len(rec) % L:
-                        print(f"ctas {label} {what}: {len(rec)} records, not a multiple of {L} layers; skipped")
-                        continue
-                    items = len(rec) // L
-                    df = records_frame(rec, items, label, 0)
-                    t0 = df.ns_entry.min()
-                    for c in [c for c in df.columns if c.startswith("ns_")]:
-                        df[c] = (df[c] - t0).where(df[c] > 0, -1).astype(np.int32)
-                    df = df[["case", "call", "sm", "slot", "tokens", "merged"] + [c for c in df.columns
-                                                                               if c.startswith("ns_")]]
-                    df["where"], df["repeat"] = what, r
-                    frames.append(df)
-                    summary.append(_cta_calls(df, label, what, r))
-            loop.rewind(mark)
-            loop = loops = graphs = None  # the traced loop's graphs and cache go before the next cell
+                loops = {}
+                for backend in backends:
+                    loops[backend] = DecodeLoop(model, kv, backend_of(backend))
+                    admit_all(loops[backend], where[0], where[1], reserve, shape.vocab_size)
+                    loops[backend].next_tokens()
+            for backend, loop in loops.items():
+                label = f"{cell} {backend}"
+                frames += _cta_frames(loop, shape, label, rounds, traced, summary, read_trace, records_frame,
+                                      reset_trace)
+                table = pd.concat(summary)
+                med = table[table.case == label].groupby("where").median(numeric_only=True)
+                print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
+                pd.concat(frames).to_parquet(Path(out) / f"{stem.replace('step_probe', 'step_probe_ctas')}.parquet",
+                                             index=False)
+            loops = loop = None  # the traced loops' graphs and cache go before the next cell
         del kv, model
         torch.cuda.empty_cache()
-        table = pd.concat(summary)
-        med = table[table.case == label].groupby("where").median(numeric_only=True)
-        print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
-        pd.concat(frames).to_parquet(Path(out) / f"{stem.replace('step_probe', 'step_probe_ctas')}.parquet",
-                                     index=False)
-    return pd.concat(summary) if summary else None
+
+
+def _cta_frames(loop, shape, label, rounds, traced, summary, read_trace, records_frame, reset_trace):
+    """One loop's traced step and attention-alone graphs, replayed in alternating order: the CTA
+    records of each replay (rows appended to ``summary`` per layer call)."""
+    import torch
+
+    mark = loop.mark()
+    q, k, v = loop._probe()
+
+    def alone():
+        loop._refresh()
+        slots = loop._slots()
+        for l in range(shape.num_layers):
+            k_flat, v_flat = loop.kv.flat(l)
+            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+            loop._run(q, l, loop.out)
+
+    loop.rewind(mark)
+    loop.capture("step")
+    graphs = {"in-step": loop._graphs.pop("step").replay}
+    loop.rewind(mark)
+    graphs["alone"] = captured(alone)
+    L, frames = shape.num_layers, []
+    for r in range(max(1, rounds // 3)):
+        for what in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
+            loop.rewind(mark)
+            for engine in traced.values():
+                reset_trace(engine)
+            graphs[what]()
+            torch.cuda.synchronize()
+            rec = max((read_trace(e) for e in traced.values()), key=len)
+            if not len(rec) or len(rec) % L:
+                print(f"ctas {label} {what}: {len(rec)} records, not a multiple of {L} layers; skipped")
+                continue
+            df = records_frame(rec, len(rec) // L, label, 0)
+            t0 = df.ns_entry.min()
+            for c in [c for c in df.columns if c.startswith("ns_")]:
+                df[c] = (df[c] - t0).where(df[c] > 0, -1).astype(np.int32)
+            df = df[["case", "call", "sm", "slot", "tokens", "merged"] + [c for c in df.columns if c.startswith("ns_")]]
+            df["where"], df["repeat"] = what, r
+            frames.append(df)
+            summary.append(_cta_calls(df, label, what, r))
+    loop.rewind(mark)
+    return frames
 
 
 def _cta_calls(df, label, where, repeat):
@@ -518,7 +528,7 @@ def main() -> int:
     parser.add_argument("--steps", default="8b:1x4096,8b:1x32768,8b:16x32768,70b:1x32768,70b:8x32768",
                         help="the steps part's cells, model:BxN")
     parser.add_argument("--backends", default="pkv-workqueue,flashinfer-tc,vllm-fa3",
-                        help="the evict part's attention backends (comma list)")
+                        help="the evict part's attention backends (comma list; ctas takes its pkv-workqueue ones)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cell = tuple(int(x) for x in args.cell.split("x"))
@@ -549,7 +559,7 @@ def main() -> int:
         part_evict(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
     if "ctas" in parts:  # last: it makes every pkv engine the traced module
-        part_ctas(steps, args.rounds, args.out, stem)
+        part_ctas(steps, args.rounds, args.backends.split(","), args.out, stem)
     return 0
 
 
