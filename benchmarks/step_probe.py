@@ -34,6 +34,13 @@ choices compared (persistentkv.model.Kernels):
              its first CTA entered after the previous call's last exit, its release, loop and
              tail, and the SM that finished last. Where does attention's in-step cost leave its
              time alone? (Writes its own step_probe_ctas_HHMMSS.parquet, one row per CTA.)
+  maps       per --steps cell and --backends backend: attention alone as measure-e2e times it,
+             with a no-op kernel of k CTAs between each layer's append and its call (k in
+             MAP_SHIFTS; 0: none), each minus its graph without the calls. The hardware places a
+             kernel's CTAs on SMs in an order that depends on the kernels before it; the no-op
+             moves that order and nothing else. With --backends' pkv-workqueue, the traced
+             module's placement of each k (the SM of item 0, and the most loaded 16-SM block of
+             SM ids over the mean). Does attention's time depend on where its CTAs land?
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -293,6 +300,22 @@ def trace_loops(model_name, where, backends):
     return shape, model, kv, loops
 
 
+def loops_of(model_name, where, backends):
+    """(shape, model, kv, {backend: loop}) at a trace step (``name@index``, trace_loops) or at
+    (B, N) equal rows, every backend's loop on one cache."""
+    from persistentkv.model import DecodeLoop
+
+    if isinstance(where, str):
+        return trace_loops(model_name, where, backends)
+    shape, model, kv, reserve = build(model_name, *where)
+    loops = {}
+    for backend in backends:
+        loops[backend] = DecodeLoop(model, kv, backend_of(backend))
+        admit_all(loops[backend], where[0], where[1], reserve, shape.vocab_size)
+        loops[backend].next_tokens()
+    return shape, model, kv, loops
+
+
 def backend_of(spec: str):
     """A backend from ``name`` or ``name:key=value`` (an int value), e.g. ``pkv-workqueue:warps=8``."""
     from persistentkv.backends import registry
@@ -350,25 +373,141 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
+#: part maps' no-op kernels: CTAs launched between each layer's append and its attention call
+MAP_SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 33, 66)
+
+
+def part_maps(cells, rounds, backends, rows):
+    """part maps (module docstring): rows name ``map<k>`` (attention alone after a k-CTA no-op),
+    ``in-step`` and ``step``; printed: each k's median, its SM placement where traced."""
+    import cupy
+    import torch
+
+    nop = cupy.RawKernel(r'''extern "C" __global__ void pkv_nop(int* p) {
+        if (p[0] == 12345 && threadIdx.x == 0) p[1] = blockIdx.x; }''', "pkv_nop")
+    flag = torch.zeros(2, dtype=torch.int32, device="cuda")
+    flag_cp = cupy.asarray(flag)
+
+    def no_op(k):
+        if k:
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                nop((k,), (32,), (flag_cp,))
+
+    for k in MAP_SHIFTS:
+        no_op(k)
+    torch.cuda.synchronize()
+    for model_key, where in cells:
+        model_name = MODEL_KEYS.get(model_key, model_key)
+        for other in [m for m in build.cache if m != model_name]:
+            del build.cache[other]
+        torch.cuda.empty_cache()
+        label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
+        with torch.no_grad():
+            shape, model, kv, loops = loops_of(model_name, where, backends)
+            for backend, loop in loops.items():
+                _map_times(loop, label, backend, shape, rounds, rows, no_op)
+            loops = None
+        del kv, model
+        torch.cuda.empty_cache()
+
+
+def _map_times(loop, label, backend, shape, rounds, rows, no_op):
+    mark = loop.mark()
+    q, k, v = loop._probe()
+
+    def body(attention, shift):
+        if attention:
+            loop._refresh()
+        slots = loop._slots()
+        for l in range(shape.num_layers):
+            k_flat, v_flat = loop.kv.flat(l)
+            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+            no_op(shift)
+            if attention:
+                loop._run(q, l, loop.out)
+
+    graphs = {}
+    for what in ("step", "rest"):
+        loop.rewind(mark)
+        loop.capture(what)
+        graphs[what] = loop._graphs.pop(what).replay
+    for shift in MAP_SHIFTS:
+        for attention in (True, False):
+            loop.rewind(mark)
+            graphs[(attention, shift)] = captured(lambda a=attention, s=shift: body(a, s))
+    order = list(graphs)
+    for r in range(rounds):
+        us = {}
+        for what in order[r % len(order):] + order[:r % len(order)]:
+            loop.rewind(mark)
+            us[what] = timed_us(graphs[what])
+        named = [(f"map{s}", us[(True, s)] - us[(False, s)]) for s in MAP_SHIFTS]
+        named += [("in-step", us["step"] - us["rest"]), ("step", us["step"])]
+        for name, value in named:
+            rows.append(dict(part="maps", cell=label, variant=backend, name=name, repeat=r, us=value))
+    loop.rewind(mark)
+    meds = {nm: np.median([x["us"] for x in rows if x["part"] == "maps" and x["cell"] == label
+                           and x["variant"] == backend and x["name"] == nm])
+            for nm in [f"map{s}" for s in MAP_SHIFTS] + ["in-step"]}
+    placed = _map_placements(graphs, shape, loop, mark) if backend.split(":")[0] == "pkv-workqueue" else {}
+    print(f"maps {label} {backend}: " + ", ".join(
+        f"{k} {v:.0f} us" + (f" (item 0 on SM {placed[k][0]}, 16-SM block {placed[k][1]:.3f})" if k in placed else "")
+        for k, v in meds.items()), flush=True)
+
+
+def _map_placements(graphs, shape, loop, mark):
+    """{map<k>: (SM of item 0, most loaded 16-SM block of SM ids over the mean)} from one replay
+    of each k's graph, where the module is the traced one (--traced); else {}."""
+    import torch
+
+    from trace_cta import read_trace, records_frame, reset_trace
+
+    placed = {}
+    for shift in MAP_SHIFTS if TRACED else ():
+        loop.rewind(mark)
+        for engine in TRACED.values():
+            reset_trace(engine)
+        graphs[(True, shift)]()
+        torch.cuda.synchronize()
+        rec = max((read_trace(e) for e in TRACED.values()), key=len)
+        if not len(rec) or len(rec) % shape.num_layers:
+            continue
+        df = records_frame(rec, len(rec) // shape.num_layers, "", 0)
+        df = df[df.call == 1]
+        blocks = df.groupby(df.sm // 16).tokens.sum()
+        placed[f"map{shift}"] = (int(df[df.slot == 0].sm.iloc[0]), float(blocks.max() / blocks.mean()))
+    loop.rewind(mark)
+    return placed
+
+
+#: the traced DecodeEngines by (spec, options), once use_traced_module() has run
+TRACED: dict = {}
+
+
+def use_traced_module() -> dict:
+    """Every pkv engine made from here on is the CTA-traced module (benchmarks/trace_cta.py's
+    stamps); returns the engines made so, by (spec, options)."""
+    from persistentkv.backends import pkv as pkv_backend
+    from persistentkv.engine import DecodeEngine
+
+    def traced_engine_for(spec, **options):
+        key = (spec, tuple(sorted(options.items())))
+        if key not in TRACED:
+            TRACED[key] = DecodeEngine(spec, trace=True, **options)
+        return TRACED[key]
+
+    pkv_backend.engine_for = traced_engine_for
+    return TRACED
+
+
 def part_ctas(cells, rounds, backends, out, stem):
     """part ctas (module docstring), for the pkv-workqueue variants in ``backends``. Every pkv
     engine made from here on is the traced module."""
     import torch
 
-    from persistentkv.backends import pkv as pkv_backend
-    from persistentkv.engine import DecodeEngine
-    from persistentkv.model import DecodeLoop
     from trace_cta import read_trace, records_frame, reset_trace
 
-    traced = {}
-
-    def traced_engine_for(spec, **options):
-        key = (spec, tuple(sorted(options.items())))
-        if key not in traced:
-            traced[key] = DecodeEngine(spec, trace=True, **options)
-        return traced[key]
-
-    pkv_backend.engine_for = traced_engine_for
+    traced = use_traced_module()
     backends = [b for b in backends if b.split(":")[0] == "pkv-workqueue"]
     frames, summary = [], []
     for model_key, where in cells:
@@ -378,15 +517,7 @@ def part_ctas(cells, rounds, backends, out, stem):
         torch.cuda.empty_cache()
         cell = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
         with torch.no_grad():
-            if isinstance(where, str):
-                shape, model, kv, loops = trace_loops(model_name, where, backends)
-            else:
-                shape, model, kv, reserve = build(model_name, *where)
-                loops = {}
-                for backend in backends:
-                    loops[backend] = DecodeLoop(model, kv, backend_of(backend))
-                    admit_all(loops[backend], where[0], where[1], reserve, shape.vocab_size)
-                    loops[backend].next_tokens()
+            shape, model, kv, loops = loops_of(model_name, where, backends)
             for backend, loop in loops.items():
                 label = f"{cell} {backend}"
                 frames += _cta_frames(loop, shape, label, rounds, traced, summary, read_trace, records_frame,
@@ -529,8 +660,12 @@ def main() -> int:
                         help="the steps part's cells, model:BxN")
     parser.add_argument("--backends", default="pkv-workqueue,flashinfer-tc,vllm-fa3",
                         help="the evict part's attention backends (comma list; ctas takes its pkv-workqueue ones)")
+    parser.add_argument("--traced", action="store_true",
+                        help="every part's pkv engines are the CTA-traced module (part maps then prints placements)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    if args.traced:
+        use_traced_module()
     cell = tuple(int(x) for x in args.cell.split("x"))
     parts = args.parts.split(",")
     kernels = args.kernels.split(",")
@@ -557,6 +692,9 @@ def main() -> int:
         write(rows, args.out, stem)
     if "evict" in parts:
         part_evict(steps, args.rounds, args.backends.split(","), rows)
+        write(rows, args.out, stem)
+    if "maps" in parts:
+        part_maps(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
     if "ctas" in parts:  # last: it makes every pkv engine the traced module
         part_ctas(steps, args.rounds, args.backends.split(","), args.out, stem)
