@@ -317,14 +317,13 @@ def loops_of(model_name, where, backends):
 
 
 def backend_of(spec: str):
-    """A backend from ``name`` or ``name:key=value`` (an int value), e.g. ``pkv-workqueue:warps=8``."""
+    """A backend from ``name`` or ``name:key=value[+key=value...]`` (int values), e.g.
+    ``pkv-workqueue:warps=8`` or ``pkv-workqueue:warps=4+target_items=528``."""
     from persistentkv.backends import registry
 
-    name, _, option = spec.partition(":")
-    if not option:
-        return registry.create(name)
-    key, value = option.split("=")
-    return registry.create(name, **{key: int(value)})
+    name, _, options = spec.partition(":")
+    pairs = [option.split("=") for option in options.split("+") if option]
+    return registry.create(name, **{key: int(value) for key, value in pairs})
 
 
 def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
