@@ -6,8 +6,9 @@
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel of the shipped
 routes: the GPU planner, the fused work queue, the separate decode and merge of buckets and split,
-Q in registers and in shared memory, G = 1/4/7/16, head dims 64/128/256, page sizes 8/16/128,
-empty splits, page-boundary lengths, at 4 and 8 warps per CTA. Each launch writes into a
+Q in registers and in shared memory, G = 1/4/7/8/16, head dims 64/128/256, page sizes 8/16/128,
+empty splits, page-boundary lengths, groups split past the merge's fan-in (the two-level merge:
+one kv head, one long row), at 4 and 8 warps per CTA. Each launch writes into a
 NaN-poisoned output checked against float64; exits non-zero if any output is wrong.
 """
 
@@ -28,6 +29,9 @@ CASES = [
     (AttentionSpec(8, 8, 64, 8, "float16"), [7, 64, 65, 300]),
     (AttentionSpec(28, 4, 128, 128, "bfloat16"), [127, 128, 129, 900]),
     (AttentionSpec(64, 4, 256, 16, "bfloat16"), [33, 700]),
+    # one kv head and one long row: the work queue splits the one group past MERGE_FANIN (two-level merge)
+    (AttentionSpec(4, 1, 128, 16, "float16"), [20000]),
+    (AttentionSpec(16, 2, 128, 16, "bfloat16"), [1, 6000, 257]),
 ]
 #: every shipped route, with split counts that leave some splits empty on these short rows
 ROUTES = (("workqueue", {}), ("buckets", {"num_splits": 4}), ("split", {"num_splits": 48}))
