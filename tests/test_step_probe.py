@@ -1,0 +1,63 @@
+"""The CPU side of benchmarks/step_probe.py: its backend specs and the per-layer-call timeline
+that part ctas builds from the traced module's records (the records as trace_cta decodes them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import step_probe  # noqa: E402
+import trace_cta  # noqa: E402
+from test_trace_cta import record  # noqa: E402
+
+
+def test_backend_specs_take_several_int_options():
+    plain = step_probe.backend_of("pkv-workqueue")
+    assert plain.name == "pkv-workqueue" and plain.warps == "auto" and plain.options == {}
+    two = step_probe.backend_of("pkv-workqueue:warps=4+target_items=528")
+    assert two.warps == 4 and two.options == {"target_items": 528}
+    assert step_probe.backend_of("pkv-workqueue:warps=8").engine_options == {"warps": 8}
+    with pytest.raises(ValueError):
+        step_probe.backend_of("pkv-workqueue:warps=eight")
+
+
+def layer_calls(layers=3, gap=4_000):
+    """Records of ``layers`` layer calls of two CTAs on SMs 5 and 6 (tokens 100 and 300): call k's
+    first CTA enters at k * 20_000 ns, releases 500 later, lands its first stage 1000 after the
+    release, CTA i ends its loop 6000 + 2000 i after the release and exits 700 after that."""
+    recs = []
+    for k in range(layers):
+        entry = k * 20_000 + gap
+        rel = entry + 500
+        for i in range(2):
+            loop = rel + 6_000 + 2_000 * i
+            ns = [entry + 10 * i, rel + 10 * i, rel + 1_000, loop, loop + 200, loop + 400, loop + 700]
+            recs.append(record(ns, sm=5 + i, block=i, slot=i, merged=i, tokens=100 + 200 * i))
+    df = trace_cta.records_frame(np.stack(recs), items=2, case="c", warps=0)
+    t0 = df.ns_entry.min()
+    for c in [c for c in df.columns if c.startswith("ns_")]:
+        df[c] = df[c] - t0
+    return df
+
+
+def test_cta_calls_time_each_layer_call_from_its_first_entry():
+    table = step_probe._cta_calls(layer_calls(), "c pkv-workqueue", "in-step", 0)
+    assert table["call"].tolist() == [0, 1, 2] and set(table["items"]) == {2} and set(table["sms"]) == {2}
+    assert np.isnan(table["before"][0])  # nothing before the first call
+    # call k's first entry minus call k-1's last exit: 20000 - (500 + 8000 + 700)
+    assert table["before"][1:].tolist() == pytest.approx([10.8, 10.8])
+    assert table["span"].tolist() == pytest.approx([9.2] * 3)      # first entry to last exit
+    assert table["release"].tolist() == pytest.approx([0.5] * 3)
+    assert table["first"].tolist() == pytest.approx([1.0] * 3)  # both land 1000 ns past the call's release
+    assert table["loop"].tolist() == pytest.approx([8.0] * 3) and table["spread"].tolist() == pytest.approx([2.0] * 3)
+    assert table["tail"].tolist() == pytest.approx([0.7] * 3) and table["skew"].tolist() == pytest.approx([0.01] * 3)
+    # the last CTA to exit is on SM 6, the most loaded (300 tokens against a mean of 200)
+    assert set(table["last_sm_tokens"]) == {300.0} and set(table["max_sm_tokens"]) == {300.0}
+    assert set(table["mean_sm_tokens"]) == {200.0}
+    # tokens per us of each CTA's loop (first stage landed to loop end): 100 / 5.0 and 300 / 7.0
+    assert table["cta_tokens_per_us"].tolist() == pytest.approx([np.median([20.0, 300 / 7.0])] * 3)
