@@ -326,13 +326,15 @@ def backend_of(spec: str):
     return registry.create(name, **{key: int(value) for key, value in pairs})
 
 
-def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
-    """part_evict's graphs of one loop, replayed in rotated rounds (rows: alone, alone+evict, in-step)."""
-    import torch
-
+def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
+    """Attention alone as measure-e2e times it (per layer: append, then the call) with
+    ``betweens[name]()`` (None: nothing) queued between each append and its call, each minus the
+    same graph without the calls (rows ``name``), and the step minus the step without attention
+    (``in-step``; ``step``, ``rest``): every graph of one loop replayed in rotated rounds.
+    Returns the medians by name, and the graphs' replays by (attention, name)."""
     mark = loop.mark()
 
-    def body(attention, evict):
+    def body(attention, between):
         q, k, v = loop._probe()
         if attention:
             loop._refresh()
@@ -340,8 +342,8 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
         for l in range(shape.num_layers):
             k_flat, v_flat = loop.kv.flat(l)
             loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-            if evict:
-                torch.sum(flush.view(-1, 1024), dim=0, dtype=torch.float32, out=sink)
+            if between is not None:
+                between()
             if attention:
                 loop._run(q, l, loop.out)
 
@@ -349,26 +351,36 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     for what in ("step", "rest"):
         loop.rewind(mark)
         loop.capture(what)
-        graphs[what] = loop._graphs.pop(what)
-    for attention in (True, False):
-        for evict in (False, True):
+        graphs[what] = loop._graphs.pop(what).replay
+    for name, between in betweens.items():
+        for attention in (True, False):
             loop.rewind(mark)
-            graphs[(attention, evict)] = captured(lambda a=attention, e=evict: body(a, e))
+            graphs[(attention, name)] = captured(lambda a=attention, b=between: body(a, b))
     order = list(graphs)
     for r in range(rounds):
         us = {}
         for what in order[r % len(order):] + order[:r % len(order)]:
             loop.rewind(mark)
-            us[what] = timed_us(graphs[what].replay if what in ("step", "rest") else graphs[what])
-        for name, value in (("alone", us[(True, False)] - us[(False, False)]),
-                            ("alone+evict", us[(True, True)] - us[(False, True)]),
-                            ("in-step", us["step"] - us["rest"]),
-                            ("step", us["step"]), ("rest", us["rest"])):
-            rows.append(dict(part="evict", cell=label, variant=backend, name=name, repeat=r, us=value))
+            us[what] = timed_us(graphs[what])
+        named = [(name, us[(True, name)] - us[(False, name)]) for name in betweens]
+        named += [("in-step", us["step"] - us["rest"]), ("step", us["step"]), ("rest", us["rest"])]
+        for name, value in named:
+            rows.append(dict(part=part, cell=label, variant=backend, name=name, repeat=r, us=value))
     loop.rewind(mark)
-    meds = {nm: np.median([x["us"] for x in rows if x["part"] == "evict" and x["cell"] == label
+    return {nm: np.median([x["us"] for x in rows if x["part"] == part and x["cell"] == label
                            and x["variant"] == backend and x["name"] == nm])
-            for nm in ("alone", "alone+evict", "in-step", "step")}
+            for nm in list(betweens) + ["in-step", "step"]}, graphs
+
+
+def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
+    """part_evict's graphs of one loop (rows: alone, alone+evict, in-step, step, rest)."""
+    import torch
+
+    def evict():
+        torch.sum(flush.view(-1, 1024), dim=0, dtype=torch.float32, out=sink)
+
+    meds, _ = _between_times(loop, "evict", label, backend, shape, rounds, rows,
+                             {"alone": None, "alone+evict": evict})
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
@@ -412,46 +424,13 @@ def part_maps(cells, rounds, backends, rows):
 
 def _map_times(loop, label, backend, shape, rounds, rows, no_op):
     mark = loop.mark()
-    q, k, v = loop._probe()
-
-    def body(attention, shift):
-        if attention:
-            loop._refresh()
-        slots = loop._slots()
-        for l in range(shape.num_layers):
-            k_flat, v_flat = loop.kv.flat(l)
-            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-            no_op(shift)
-            if attention:
-                loop._run(q, l, loop.out)
-
-    graphs = {}
-    for what in ("step", "rest"):
-        loop.rewind(mark)
-        loop.capture(what)
-        graphs[what] = loop._graphs.pop(what).replay
-    for shift in MAP_SHIFTS:
-        for attention in (True, False):
-            loop.rewind(mark)
-            graphs[(attention, shift)] = captured(lambda a=attention, s=shift: body(a, s))
-    order = list(graphs)
-    for r in range(rounds):
-        us = {}
-        for what in order[r % len(order):] + order[:r % len(order)]:
-            loop.rewind(mark)
-            us[what] = timed_us(graphs[what])
-        named = [(f"map{s}", us[(True, s)] - us[(False, s)]) for s in MAP_SHIFTS]
-        named += [("in-step", us["step"] - us["rest"]), ("step", us["step"])]
-        for name, value in named:
-            rows.append(dict(part="maps", cell=label, variant=backend, name=name, repeat=r, us=value))
-    loop.rewind(mark)
-    meds = {nm: np.median([x["us"] for x in rows if x["part"] == "maps" and x["cell"] == label
-                           and x["variant"] == backend and x["name"] == nm])
-            for nm in [f"map{s}" for s in MAP_SHIFTS] + ["in-step"]}
+    betweens = {f"map{k}": (functools.partial(no_op, k) if k else None) for k in MAP_SHIFTS}
+    meds, replays = _between_times(loop, "maps", label, backend, shape, rounds, rows, betweens)
+    graphs = {(True, k): replays[(True, f"map{k}")] for k in MAP_SHIFTS}
     placed = _map_placements(graphs, shape, loop, mark) if backend.split(":")[0] == "pkv-workqueue" else {}
     print(f"maps {label} {backend}: " + ", ".join(
         f"{k} {v:.0f} us" + (f" (item 0 on SM {placed[k][0]}, 16-SM block {placed[k][1]:.3f})" if k in placed else "")
-        for k, v in meds.items()), flush=True)
+        for k, v in meds.items() if k != "step"), flush=True)
 
 
 def _map_placements(graphs, shape, loop, mark):
