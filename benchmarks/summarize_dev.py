@@ -24,7 +24,7 @@ from bench_common import NOT_ATTENTION, print_paired  # noqa: E402
 from persistentkv.ceiling import fit_stream  # noqa: E402
 from persistentkv.targets import ENGINE_MID_RANGE, eager_case_medians  # noqa: E402
 from persistentkv.names import BASELINES  # noqa: E402
-from trace_cta import call_table  # noqa: E402
+from trace_cta import call_table, last_cta_phases  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "runs"
 BENCH_KERNELS = ROOT / "results" / "nvidia-h200" / "bench_kernels.parquet"
@@ -83,10 +83,12 @@ def print_trace(path: Path, df: pd.DataFrame) -> None:
     rows = []
     for (case, warps, variant), d in df.groupby(["case", "warps", "variant"], sort=False):
         stats = call_table(d, float(d.floor_us.iloc[0]))
-        rows.append({"case": case, "warps": warps, "variant": variant, "plain": d.plain_us.iloc[0], **stats})
+        rows.append({"case": case, "warps": warps, "variant": variant, "plain": d.plain_us.iloc[0], **stats,
+                     **last_cta_phases(d)})
     print(f"\n{path.stem} (us; per-call medians of the CTA trace, benchmarks/trace_cta.py: period = release to "
           f"next release, gap = previous call's last exit to this release, first = first stage landed, loop = "
-          f"last loop done, tail = last loop done to last exit, all from this call's release)")
+          f"last loop done, tail = last loop done to last exit, all from this call's release; the last CTA's "
+          f"tail: combine = loop done to state written, arrive = to merge decided, merge = to exit)")
     print(pd.DataFrame(rows).round(2).to_string(index=False))
 
 
@@ -187,6 +189,17 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
         print("attention per step: alone (after each layer's append), alone with a 256 MB read between the append "
               "and the call, and inside the step (step - step without attention); median us")
         print(evict.groupby(["cell", "variant", "name"])["us"].median().unstack("name").round(1).to_string())
+    maps = df[df["part"] == "maps"]
+    if len(maps):
+        med = maps.groupby(["cell", "variant", "name"])["us"].median().unstack("name")
+        shifts = sorted((c for c in med.columns if c.startswith("map")), key=lambda c: int(c[3:]))
+        out = med[shifts + [c for c in ("in-step",) if c in med]]
+        placed = maps[maps["name"].str.startswith("map")]
+        out = out.assign(pooled=placed.groupby(["cell", "variant"])["us"].median(),
+                         range=med[shifts].max(axis=1) - med[shifts].min(axis=1))
+        print("attention per step alone after a no-op kernel of k CTAs between each layer's append and its call "
+              "(map<k>), inside the step, the k pooled and their range; median us")
+        print(out.round(0).to_string())
     pdl = df[(df["part"] == "pdl") & (df["name"] == "step")]
     if len(pdl):
         wide = pdl.pivot_table(index=["cell", "repeat"], columns="variant", values="us")
@@ -194,6 +207,19 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
         out = wide.groupby("cell").median().join(ratio.groupby("cell").median().add_suffix(" / nopdl"))
         print("the step with the queue's PDL variants (median us; per-round ratio to nopdl, median)")
         print(out.round(4).to_string())
+
+
+def print_step_probe_ctas(path: Path, df: pd.DataFrame) -> None:
+    """benchmarks/step_probe.py part ctas: per traced case, alone and inside the step, the medians
+    over layer calls of each call's phases (step_probe._cta_calls) and of its SMs' token loads."""
+    import step_probe
+
+    calls = pd.concat(step_probe._cta_calls(g, case, where, r) for (case, where, r), g in
+                      df.groupby(["case", "where", "repeat"]))
+    cols = ["span", "release", "first", "loop", "spread", "tail", "max_sm_tokens", "mean_sm_tokens",
+            "cta_tokens_per_us"]
+    print(f"\n{path.stem} (step_probe.py part ctas: the traced queue per layer call, us; medians over the calls)")
+    print(calls.groupby(["case", "where"])[cols].median().round(2).to_string())
 
 
 def print_gemv_tune(path: Path, df: pd.DataFrame) -> None:
@@ -217,7 +243,8 @@ PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", p
             ("adaptive_overhead_", print_step_pieces), ("plan_pieces_", print_plan_pieces),
             ("replay_latency_", print_replay_latency), ("host_overhead_", print_host_overhead),
             ("host_percpu_", print_host_percpu), ("e2e_", print_e2e),
-            ("step_probe_", print_step_probe), ("gemv_tune_", print_gemv_tune))
+            ("step_probe_ctas_", print_step_probe_ctas), ("step_probe_", print_step_probe),
+            ("gemv_tune_", print_gemv_tune))
 
 
 def printer_for(path: Path):

@@ -143,6 +143,20 @@ def call_table(df, floor_us: float) -> dict:
     return out
 
 
+def last_cta_phases(df) -> dict:
+    """Medians over the calls after the first of the last-exiting CTA's end phases (us): loop done to
+    state written (``combine``: the cross-warp combine and the state's stores), written to merge
+    decided (``arrive``: the arrival, and in a two-level merge the subgroup's fold and the second
+    arrival), decided to exit (``merge``: the final fold and the output)."""
+    rows = []
+    for _, cur in df[df.call > df.call.min()].groupby("call"):
+        last = cur.loc[cur.ns_exit.idxmax()]
+        rows.append({"combine": (last.ns_written - last.ns_loop) / 1e3,
+                     "arrive": (last.ns_decided - last.ns_written) / 1e3,
+                     "merge": (last.ns_exit - last.ns_decided) / 1e3})
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]} if rows else {}
+
+
 def trace_variant(engine, batch, route: str, q, copies, calls: int):
     """One traced variant of a case: (items, traced us per call, records of one replay)."""
     import torch

@@ -75,3 +75,10 @@ def test_call_table_measures_each_phase_from_the_release():
     # the previous call's last exit: its item 1 at release + 6500 + 500 + 800 = release + 7800
     assert stats["gap"] == pytest.approx(10.0 - 7.8)
     assert stats["floor"] == 3.0
+
+
+def test_last_cta_phases_split_the_tail_of_the_last_to_exit():
+    df = trace_cta.records_frame(synthetic(calls=4), items=2, case="c", warps=8)
+    # item 1 exits last: written 300 ns after its loop, decided 200 later, exits 800 after that
+    assert trace_cta.last_cta_phases(df) == pytest.approx({"combine": 0.3, "arrive": 0.2, "merge": 0.8})
+    assert trace_cta.last_cta_phases(df[df.call == 0]) == {}  # the first call alone: nothing to judge
