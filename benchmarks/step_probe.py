@@ -1,9 +1,10 @@
 """Where the full decode step's time goes (development; GPU).
 
     python benchmarks/step_probe.py [--model llama3_8b] [--cell 1x4096] [--rounds 15]
-        [--parts linears,kernels,steps] [--kernels flashinfer,pkv] [--steps 8b:1x4096,...] [--out DIR]
+        [--parts linears,kernels,steps,evict,maps,ctas] [--kernels flashinfer,pkv] [--steps 8b:1x4096,...]
+        [--backends pkv-workqueue,pkv-workqueue:warps=8,...] [--traced] [--out DIR]
 
-Three parts, one process, on the model shapes of config/config.yaml (seeded random weights,
+Its parts run in one process, on the model shapes of config/config.yaml (seeded random weights,
 random K/V, as ``persistentkv measure-e2e`` builds them); --kernels names the loop's kernel
 choices compared (persistentkv.model.Kernels):
 
@@ -326,6 +327,23 @@ def backend_of(spec: str):
     return registry.create(name, **{key: int(value) for key, value in pairs})
 
 
+def _appends(loop, shape, attention=True, between=None):
+    """Attention alone as measure-e2e times it: per layer the append of the loop's probe K and V,
+    then ``between()`` if given, then (``attention``) the call; without ``attention`` the lengths
+    are not refreshed into the plan either, as the step without attention leaves them."""
+    q, k, v = loop._probe()
+    if attention:
+        loop._refresh()
+    slots = loop._slots()
+    for l in range(shape.num_layers):
+        k_flat, v_flat = loop.kv.flat(l)
+        loop.model.kernels.append(k_flat, v_flat, slots, k, v)
+        if between is not None:
+            between()
+        if attention:
+            loop._run(q, l, loop.out)
+
+
 def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     """Attention alone as measure-e2e times it (per layer: append, then the call) with
     ``betweens[name]()`` (None: nothing) queued between each append and its call, each minus the
@@ -333,20 +351,6 @@ def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     (``in-step``; ``step``, ``rest``): every graph of one loop replayed in rotated rounds.
     Returns the medians by name, and the graphs' replays by (attention, name)."""
     mark = loop.mark()
-
-    def body(attention, between):
-        q, k, v = loop._probe()
-        if attention:
-            loop._refresh()
-        slots = loop._slots()
-        for l in range(shape.num_layers):
-            k_flat, v_flat = loop.kv.flat(l)
-            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-            if between is not None:
-                between()
-            if attention:
-                loop._run(q, l, loop.out)
-
     graphs = {}
     for what in ("step", "rest"):
         loop.rewind(mark)
@@ -355,7 +359,7 @@ def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     for name, between in betweens.items():
         for attention in (True, False):
             loop.rewind(mark)
-            graphs[(attention, name)] = captured(lambda a=attention, b=between: body(a, b))
+            graphs[(attention, name)] = captured(lambda a=attention, b=between: _appends(loop, shape, a, b))
     order = list(graphs)
     for r in range(rounds):
         us = {}
@@ -483,8 +487,6 @@ def part_ctas(cells, rounds, backends, out, stem):
     engine made from here on is the traced module."""
     import torch
 
-    from trace_cta import read_trace, records_frame, reset_trace
-
     traced = use_traced_module()
     backends = [b for b in backends if b.split(":")[0] == "pkv-workqueue"]
     frames, summary = [], []
@@ -498,8 +500,7 @@ def part_ctas(cells, rounds, backends, out, stem):
             shape, model, kv, loops = loops_of(model_name, where, backends)
             for backend, loop in loops.items():
                 label = f"{cell} {backend}"
-                frames += _cta_frames(loop, shape, label, rounds, traced, summary, read_trace, records_frame,
-                                      reset_trace)
+                frames += _cta_frames(loop, shape, label, rounds, traced, summary)
                 table = pd.concat(summary)
                 med = table[table.case == label].groupby("where").median(numeric_only=True)
                 print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
@@ -510,27 +511,19 @@ def part_ctas(cells, rounds, backends, out, stem):
         torch.cuda.empty_cache()
 
 
-def _cta_frames(loop, shape, label, rounds, traced, summary, read_trace, records_frame, reset_trace):
+def _cta_frames(loop, shape, label, rounds, traced, summary):
     """One loop's traced step and attention-alone graphs, replayed in alternating order: the CTA
     records of each replay (rows appended to ``summary`` per layer call)."""
     import torch
 
+    from trace_cta import read_trace, records_frame, reset_trace
+
     mark = loop.mark()
-    q, k, v = loop._probe()
-
-    def alone():
-        loop._refresh()
-        slots = loop._slots()
-        for l in range(shape.num_layers):
-            k_flat, v_flat = loop.kv.flat(l)
-            loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-            loop._run(q, l, loop.out)
-
     loop.rewind(mark)
     loop.capture("step")
     graphs = {"in-step": loop._graphs.pop("step").replay}
     loop.rewind(mark)
-    graphs["alone"] = captured(alone)
+    graphs["alone"] = captured(lambda: _appends(loop, shape))
     L, frames = shape.num_layers, []
     for r in range(max(1, rounds // 3)):
         for what in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
@@ -635,7 +628,7 @@ def main() -> int:
     parser.add_argument("--parts", default="linears,kernels")
     parser.add_argument("--kernels", default="flashinfer,pkv", help="kernel choices compared (comma list)")
     parser.add_argument("--steps", default="8b:1x4096,8b:1x32768,8b:16x32768,70b:1x32768,70b:8x32768",
-                        help="the steps part's cells, model:BxN")
+                        help="the cells of parts steps (model:BxN), evict, maps and ctas (also model:trace@step)")
     parser.add_argument("--backends", default="pkv-workqueue,flashinfer-tc,vllm-fa3",
                         help="the evict part's attention backends (comma list; ctas takes its pkv-workqueue ones)")
     parser.add_argument("--traced", action="store_true",
