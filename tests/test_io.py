@@ -91,3 +91,23 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path):
         io.atomic_write_parquet(target, pd.DataFrame({"a": [object()]}))
     assert temporaries(tmp_path) == []
     pd.testing.assert_frame_equal(pd.read_parquet(target), timing_rows())
+
+
+def test_a_stale_merge_names_no_run_whose_rows_and_sidecar_are_gone(tmp_path):
+    """provenance.json older than the sidecars beside it (a single target rerun without rule
+    provenance): a run id that no sidecar and no row holds any more is left out, and said."""
+    import json
+
+    hw = tmp_path / "hw"
+    io.atomic_write_parquet(hw / "raw" / "published.parquet", timing_rows())             # run "r"
+    (hw / "raw" / "published.json").write_text(json.dumps({"r": {"gpu": "G", "git_commit": "new"}}))
+    (hw / "provenance.json").write_text(json.dumps({"old": {"gpu": "G", "git_commit": "gone"},
+                                                    "r": {"gpu": "G", "git_commit": "new"}}))
+    with pytest.warns(UserWarning, match=r"names runs whose rows and sidecars are gone \(old\); left out"):
+        results = load_results(hw, tmp_path / "counters")
+    assert results.provenance == {"r": {"gpu": "G", "git_commit": "new"}}
+    # a record whose rows are there stays, with no sidecar (results written as a merge only)
+    (hw / "raw" / "published.json").unlink()
+    with pytest.warns(UserWarning, match=r"\(old\); left out"):
+        results = load_results(hw, tmp_path / "counters")
+    assert results.provenance == {"r": {"gpu": "G", "git_commit": "new"}}

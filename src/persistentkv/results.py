@@ -12,6 +12,7 @@ their rows from here and their cells from :meth:`Results.cells`.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +123,11 @@ def finished(paths) -> list[Path]:
     return [p for p in paths if not p.name.startswith(".")]
 
 
+def _run_ids(*tables: pd.DataFrame) -> set[str]:
+    """The run ids of the rows of ``tables`` (a table without a run_id column has none)."""
+    return {str(r) for t in tables if "run_id" in t for r in t["run_id"].dropna().unique()}
+
+
 def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
@@ -197,7 +203,15 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     for path in sidecars + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
-        provenance.update({str(k): v for k, v in payload.items() if isinstance(v, dict)})
+        records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
+        if path == prov_path:  # the merge may be older than the sidecars: a run nothing else holds is gone
+            live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu)
+            stale = sorted(set(records) - live)
+            if stale:
+                warnings.warn(f"{prov_path} names runs whose rows and sidecars are gone ({', '.join(stale)}); "
+                              f"left out; merge it again (rule provenance, docs/DATA.md)", stacklevel=2)
+            records = {k: v for k, v in records.items() if k not in stale}
+        provenance.update(records)
     if prov_path.is_file():
         found["provenance"] = str(prov_path)
     else:
