@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
 from pathlib import Path
 
@@ -249,30 +248,24 @@ def test_merge_provenance(tmp_path):
     assert done.returncode == 2 and "not valid JSON" in done.stderr and not out.exists()
 
 
-def committed_sidecars(hw_dir: Path) -> list[Path]:
-    """The provenance sidecars of a committed results/<hw>/ (measure.smk's SIDECARS, as they lie)."""
-    names = ["bench_kernels.json", "validation_gpu.json", "bench_shapes.json"]
-    return (sorted((hw_dir / "raw").glob("*.json")) + [hw_dir / n for n in names if (hw_dir / n).is_file()]
-            + sorted((hw_dir / "e2e").glob("*.json")))
-
-
 @pytest.mark.parametrize("hw_dir", sorted(p.parent for p in (ROOT / "results").glob("*/provenance.json")),
                          ids=lambda p: p.name)
-def test_committed_provenance_is_the_merge_of_the_committed_sidecars(hw_dir):
+def test_committed_provenance_is_the_merge_of_the_committed_sidecars(hw_dir, tmp_path):
     """results/<hw>/provenance.json (rule provenance) holds exactly the runs whose sidecars are
     committed beside it: a GPU run that replaced a sidecar without the merge leaves the report and
     the paper naming a run whose rows are gone."""
     import json
 
-    sidecars = committed_sidecars(hw_dir)
+    from persistentkv.results import sidecar_paths
+
+    sidecars = sidecar_paths(hw_dir)
     assert sidecars
     annotations = hw_dir / "run_commits.json"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "provenance.json"
-        done = merge_provenance("--out", out, *(["--annotations", annotations] if annotations.is_file() else []),
-                                *sidecars)
-        assert done.returncode == 0, done.stderr
-        merged = json.loads(out.read_text())
+    out = tmp_path / "provenance.json"
+    done = merge_provenance("--out", out, *(["--annotations", annotations] if annotations.is_file() else []),
+                            *sidecars)
+    assert done.returncode == 0, done.stderr
+    merged = json.loads(out.read_text())
     committed = json.loads((hw_dir / "provenance.json").read_text())
     stale, missing = sorted(set(committed) - set(merged)), sorted(set(merged) - set(committed))
     assert not stale and not missing, (

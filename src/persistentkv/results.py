@@ -123,6 +123,18 @@ def finished(paths) -> list[Path]:
     return [p for p in paths if not p.name.startswith(".")]
 
 
+def sidecar_paths(results_dir: str | Path) -> list[Path]:
+    """The provenance sidecars of results/{hw}/ as they lie (rule provenance merges them into
+    provenance.json): raw/*.json, bench_kernels.json, validation_gpu.json, bench_shapes.json and
+    e2e/*.json."""
+    results_dir = Path(results_dir)
+    raw_dir = results_dir / "raw"
+    paths = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
+    paths += [results_dir / name for name in ("bench_kernels.json", "validation_gpu.json", f"{SHAPES_EXPERIMENT}.json")
+              if (results_dir / name).is_file()]
+    return paths + finished(sorted((results_dir / "e2e").glob("*.json")))
+
+
 def _run_ids(*tables: pd.DataFrame) -> set[str]:
     """The run ids of the rows of ``tables`` (a table without a run_id column has none)."""
     return {str(r) for t in tables if "run_id" in t for r in t["run_id"].dropna().unique()}
@@ -196,11 +208,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
 
     provenance: dict = {}
     prov_path = results_dir / "provenance.json"
-    sidecars = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
-    sidecars += [p for p in (results_dir / "bench_kernels.json", results_dir / "validation_gpu.json") if p.is_file()]
-    sidecars += [p for p in (results_dir / f"{SHAPES_EXPERIMENT}.json",) if p.is_file()]
-    sidecars += finished(sorted((results_dir / "e2e").glob("*.json")))
-    for path in sidecars + ([prov_path] if prov_path.is_file() else []):
+    for path in sidecar_paths(results_dir) + ([prov_path] if prov_path.is_file() else []):
         payload = _read_json(path)
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
         records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
