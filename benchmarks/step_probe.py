@@ -301,6 +301,27 @@ def trace_loops(model_name, where, backends):
     return shape, model, kv, loops
 
 
+def each_cell_loop(cells, backends, body):
+    """``body(label, backend, shape, loop)`` for each (model key, where) of ``cells`` and each
+    backend (parts maps and ctas), every backend's loop on one cache (loops_of), with autograd
+    off. The other models' cached weights go first, and no reference to a cell's loops or cache
+    outlives it, so the next cell's cache is allocated after this one's is freed."""
+    import torch
+
+    for model_key, where in cells:
+        model_name = MODEL_KEYS.get(model_key, model_key)
+        for other in [m for m in build.cache if m != model_name]:
+            del build.cache[other]
+        torch.cuda.empty_cache()
+        label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
+        with torch.no_grad():
+            shape, model, kv, loops = loops_of(model_name, where, backends)
+            for backend in list(loops):
+                body(label, backend, shape, loops[backend])
+        del loops, kv, model
+        torch.cuda.empty_cache()
+
+
 def loops_of(model_name, where, backends):
     """(shape, model, kv, {backend: loop}) at a trace step (``name@index``, trace_loops) or at
     (B, N) equal rows, every backend's loop on one cache."""
@@ -411,19 +432,8 @@ def part_maps(cells, rounds, backends, rows):
     for k in MAP_SHIFTS:
         no_op(k)
     torch.cuda.synchronize()
-    for model_key, where in cells:
-        model_name = MODEL_KEYS.get(model_key, model_key)
-        for other in [m for m in build.cache if m != model_name]:
-            del build.cache[other]
-        torch.cuda.empty_cache()
-        label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
-        with torch.no_grad():
-            shape, model, kv, loops = loops_of(model_name, where, backends)
-            for backend, loop in loops.items():
-                _map_times(loop, label, backend, shape, rounds, rows, no_op)
-            loops = None
-        del kv, model
-        torch.cuda.empty_cache()
+    each_cell_loop(cells, backends, lambda label, backend, shape, loop:
+                   _map_times(loop, label, backend, shape, rounds, rows, no_op))
 
 
 def _map_times(loop, label, backend, shape, rounds, rows, no_op):
@@ -485,30 +495,20 @@ def use_traced_module() -> dict:
 def part_ctas(cells, rounds, backends, out, stem):
     """part ctas (module docstring), for the pkv-workqueue variants in ``backends``. Every pkv
     engine made from here on is the traced module."""
-    import torch
-
     traced = use_traced_module()
     backends = [b for b in backends if b.split(":")[0] == "pkv-workqueue"]
     frames, summary = [], []
-    for model_key, where in cells:
-        model_name = MODEL_KEYS.get(model_key, model_key)
-        for other in [m for m in build.cache if m != model_name]:
-            del build.cache[other]
-        torch.cuda.empty_cache()
-        cell = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
-        with torch.no_grad():
-            shape, model, kv, loops = loops_of(model_name, where, backends)
-            for backend, loop in loops.items():
-                label = f"{cell} {backend}"
-                frames += _cta_frames(loop, shape, label, rounds, traced, summary)
-                table = pd.concat(summary)
-                med = table[table.case == label].groupby("where").median(numeric_only=True)
-                print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
-                pd.concat(frames).to_parquet(Path(out) / f"{stem.replace('step_probe', 'step_probe_ctas')}.parquet",
-                                             index=False)
-            loops = loop = None  # the traced loops' graphs and cache go before the next cell
-        del kv, model
-        torch.cuda.empty_cache()
+
+    def body(cell, backend, shape, loop):
+        label = f"{cell} {backend}"
+        frames.extend(_cta_frames(loop, shape, label, rounds, traced, summary))
+        table = pd.concat(summary)
+        med = table[table.case == label].groupby("where").median(numeric_only=True)
+        print(f"ctas {label}: medians over layer calls (us)\n{med.round(2).to_string()}", flush=True)
+        pd.concat(frames).to_parquet(Path(out) / f"{stem.replace('step_probe', 'step_probe_ctas')}.parquet",
+                                     index=False)
+
+    each_cell_loop(cells, backends, body)
 
 
 def _cta_frames(loop, shape, label, rounds, traced, summary):

@@ -61,3 +61,37 @@ def test_cta_calls_time_each_layer_call_from_its_first_entry():
     assert set(table["mean_sm_tokens"]) == {200.0}
     # tokens per us of each CTA's loop (first stage landed to loop end): 100 / 5.0 and 300 / 7.0
     assert table["cta_tokens_per_us"].tolist() == pytest.approx([np.median([20.0, 300 / 7.0])] * 3)
+
+
+def test_each_cell_loop_frees_a_cells_loops_before_the_next_cell_is_built(monkeypatch):
+    import weakref
+
+    torch = pytest.importorskip("torch", reason="each_cell_loop runs under torch.no_grad")
+
+    class Loop:
+        pass
+
+    built, seen, alive_at_build = [], [], []
+
+    def loops_of(model_name, where, backends):
+        alive_at_build.append([r() is not None for r in built])  # the earlier cells' loops, when this one is built
+        loops = {b: Loop() for b in backends}
+        built.extend(weakref.ref(loop) for loop in loops.values())
+        return f"shape-{model_name}", object(), object(), loops
+
+    monkeypatch.setattr(step_probe, "loops_of", loops_of)
+    monkeypatch.setattr(step_probe.build, "cache", {"llama3_70b_tp8": "weights", "llama3_8b": "weights"})
+
+    def body(label, backend, shape, loop):
+        seen.append((label, backend, shape, torch.is_grad_enabled(), isinstance(loop, Loop),
+                     sorted(step_probe.build.cache)))
+
+    step_probe.each_cell_loop([("8b", "bimodal_b8@24"), ("8b", (4, 32768))], ["pkv-workqueue", "flashinfer-tc"], body)
+    model = step_probe.MODEL_KEYS["8b"]
+    assert [s[:3] for s in seen] == [("8b:bimodal_b8@24", "pkv-workqueue", f"shape-{model}"),
+                                     ("8b:bimodal_b8@24", "flashinfer-tc", f"shape-{model}"),
+                                     ("8b:4x32768", "pkv-workqueue", f"shape-{model}"),
+                                     ("8b:4x32768", "flashinfer-tc", f"shape-{model}")]
+    assert all(not grad and is_loop for _, _, _, grad, is_loop, _ in seen)   # autograd off in the body
+    assert all(cache == [model] for *_, cache in seen)                       # the other model's weights went
+    assert alive_at_build == [[], [False, False]] and all(r() is None for r in built)
