@@ -1,7 +1,7 @@
 """Where the full decode step's time goes (development; GPU).
 
     python benchmarks/step_probe.py [--model llama3_8b] [--cell 1x4096] [--rounds 15]
-        [--parts linears,kernels,steps,evict,maps,ctas] [--kernels flashinfer,pkv] [--steps 8b:1x4096,...]
+        [--parts linears,kernels,steps,evict,maps,ctas,paired] [--kernels flashinfer,pkv] [--steps 8b:1x4096,...]
         [--backends pkv-workqueue,pkv-workqueue:warps=8,...] [--traced] [--out DIR]
 
 Its parts run in one process, on the model shapes of config/config.yaml (seeded random weights,
@@ -42,6 +42,13 @@ choices compared (persistentkv.model.Kernels):
              moves that order and nothing else. With --backends' pkv-workqueue, the traced
              module's placement of each k (the SM of item 0, and the most loaded 16-SM block of
              SM ids over the mean). Does attention's time depend on where its CTAs land?
+
+  paired     per --steps cell, every --backends backend's loop on one cache, all their graphs
+             replayed in the same rotated rounds: each backend's step, and its attention alone
+             after each layer's append (``alone``: that graph minus the appends alone), so two
+             variants of one backend compare per round inside the step. A backend written
+             ``name~nosignal`` runs with the append kernel not signalling the attention after it
+             (model.step_ops.APPEND_SIGNAL off while its graphs are captured).
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -301,11 +308,11 @@ def trace_loops(model_name, where, backends):
     return shape, model, kv, loops
 
 
-def each_cell_loop(cells, backends, body):
-    """``body(label, backend, shape, loop)`` for each (model key, where) of ``cells`` and each
-    backend (parts maps and ctas), every backend's loop on one cache (loops_of), with autograd
-    off. The other models' cached weights go first, and no reference to a cell's loops or cache
-    outlives it, so the next cell's cache is allocated after this one's is freed."""
+def each_cell_loops(cells, backends, body):
+    """``body(label, shape, {backend: loop})`` for each (model key, where) of ``cells``, every
+    backend's loop on one cache (loops_of), with autograd off. The other models' cached weights go
+    first, and no reference to a cell's loops or cache outlives it, so the next cell's cache is
+    allocated after this one's is freed."""
     import torch
 
     for model_key, where in cells:
@@ -316,10 +323,16 @@ def each_cell_loop(cells, backends, body):
         label = f"{model_key}:{where}" if isinstance(where, str) else f"{model_key}:{where[0]}x{where[1]}"
         with torch.no_grad():
             shape, model, kv, loops = loops_of(model_name, where, backends)
-            for backend in list(loops):
-                body(label, backend, shape, loops[backend])
+            body(label, shape, loops)
         del loops, kv, model
         torch.cuda.empty_cache()
+
+
+def each_cell_loop(cells, backends, body):
+    """``body(label, backend, shape, loop)`` for each cell and each backend (parts maps and ctas),
+    as each_cell_loops gives them."""
+    each_cell_loops(cells, backends, lambda label, shape, loops: [body(label, backend, shape, loops[backend])
+                                                                  for backend in list(loops)])
 
 
 def loops_of(model_name, where, backends):
@@ -340,10 +353,11 @@ def loops_of(model_name, where, backends):
 
 def backend_of(spec: str):
     """A backend from ``name`` or ``name:key=value[+key=value...]`` (int values), e.g.
-    ``pkv-workqueue:warps=8`` or ``pkv-workqueue:warps=4+target_items=528``."""
+    ``pkv-workqueue:warps=8`` or ``pkv-workqueue:warps=4+target_items=528``; a ``~tag`` suffix
+    (part paired's ``~nosignal``) names a variant of the same backend."""
     from persistentkv.backends import registry
 
-    name, _, options = spec.partition(":")
+    name, _, options = spec.split("~")[0].partition(":")
     pairs = [option.split("=") for option in options.split("+") if option]
     return registry.create(name, **{key: int(value) for key, value in pairs})
 
@@ -407,6 +421,51 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     meds, _ = _between_times(loop, "evict", label, backend, shape, rounds, rows,
                              {"alone": None, "alone+evict": evict})
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
+
+
+def part_paired(cells, rounds, backends, rows):
+    """part paired (module docstring): rows ``step`` and ``alone`` per backend, and ``appends``
+    (the appends alone, shared); printed: medians, and each backend's step over the first one's,
+    the median of the per-round ratios."""
+    from persistentkv.model import step_ops
+
+    def body(label, shape, loops):
+        marks = {b: loop.mark() for b, loop in loops.items()}
+        graphs = {}
+        try:
+            for backend, loop in loops.items():
+                step_ops.APPEND_SIGNAL = not backend.endswith("~nosignal")
+                loop.rewind(marks[backend])
+                loop.capture("step")
+                graphs[(backend, "step")] = loop._graphs.pop("step").replay
+                loop.rewind(marks[backend])
+                graphs[(backend, "alone")] = captured(lambda loop=loop: _appends(loop, shape))
+        finally:
+            step_ops.APPEND_SIGNAL = True
+        first = next(iter(loops))
+        loops[first].rewind(marks[first])
+        graphs[(first, "appends")] = captured(lambda: _appends(loops[first], shape, attention=False))
+        order = list(graphs)
+        for r in range(rounds):
+            us = {}
+            for key in order[r % len(order):] + order[:r % len(order)]:
+                loops[key[0]].rewind(marks[key[0]])
+                us[key] = timed_us(graphs[key])
+            for backend in loops:
+                rows.append(dict(part="paired", cell=label, variant=backend, name="step", repeat=r,
+                                 us=us[(backend, "step")]))
+                rows.append(dict(part="paired", cell=label, variant=backend, name="alone", repeat=r,
+                                 us=us[(backend, "alone")] - us[(first, "appends")]))
+        for backend in loops:
+            loops[backend].rewind(marks[backend])
+        frame = pd.DataFrame([x for x in rows if x["part"] == "paired" and x["cell"] == label])
+        step = frame[frame.name == "step"].pivot(index="repeat", columns="variant", values="us")
+        alone = frame[frame.name == "alone"].groupby("variant").us.median()
+        print(f"paired {label}: " + "; ".join(
+            f"{b} step {step[b].median():.0f} us ({(step[b] / step[first]).median():.4f}), alone {alone[b]:.0f}"
+            for b in loops), flush=True)
+
+    each_cell_loops(cells, backends, body)
 
 
 #: part maps' no-op kernels: CTAs launched between each layer's append and its attention call
@@ -666,6 +725,9 @@ def main() -> int:
         write(rows, args.out, stem)
     if "maps" in parts:
         part_maps(steps, args.rounds, args.backends.split(","), rows)
+        write(rows, args.out, stem)
+    if "paired" in parts:
+        part_paired(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
     if "ctas" in parts:  # last: it makes every pkv engine the traced module
         part_ctas(steps, args.rounds, args.backends.split(","), args.out, stem)

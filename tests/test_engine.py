@@ -34,6 +34,7 @@ def cpu_engine(capability=(9, 0), num_sms=H200_SMS, warps=4):
     occupancy = 2 if warps == 4 else 1
     engine.target_items = occupancy * num_sms
     engine.warps = warps
+    engine.early, engine._early_bits = 0, 0
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
