@@ -423,10 +423,10 @@ def _evict_times(loop, label, backend, shape, rounds, rows, flush, sink):
     print(f"evict {label} {backend}: " + ", ".join(f"{k} {v:.0f} us" for k, v in meds.items()), flush=True)
 
 
-def part_paired(cells, rounds, backends, rows):
-    """part paired (module docstring): rows ``step`` and ``alone`` per backend, and ``appends``
-    (the appends alone, shared); printed: medians, and each backend's step over the first one's,
-    the median of the per-round ratios."""
+def part_paired(cells, rounds, backends, rows, written=lambda: None):
+    """part paired (module docstring): rows ``step`` and ``alone`` per backend; printed: medians,
+    and each backend's step over the first one's, the median of the per-round ratios.
+    ``written()`` after each cell (the rows so far to disk)."""
     from persistentkv.model import step_ops
 
     def body(label, shape, loops):
@@ -464,6 +464,7 @@ def part_paired(cells, rounds, backends, rows):
         print(f"paired {label}: " + "; ".join(
             f"{b} step {step[b].median():.0f} us ({(step[b] / step[first]).median():.4f}), alone {alone[b]:.0f}"
             for b in loops), flush=True)
+        written()
 
     each_cell_loops(cells, backends, body)
 
@@ -727,8 +728,7 @@ def main() -> int:
         part_maps(steps, args.rounds, args.backends.split(","), rows)
         write(rows, args.out, stem)
     if "paired" in parts:
-        part_paired(steps, args.rounds, args.backends.split(","), rows)
-        write(rows, args.out, stem)
+        part_paired(steps, args.rounds, args.backends.split(","), rows, lambda: write(rows, args.out, stem))
     if "ctas" in parts:  # last: it makes every pkv engine the traced module
         part_ctas(steps, args.rounds, args.backends.split(","), args.out, stem)
     return 0
