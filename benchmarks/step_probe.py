@@ -46,9 +46,9 @@ choices compared (persistentkv.model.Kernels):
   paired     per --steps cell, every --backends backend's loop on one cache, all their graphs
              replayed in the same rotated rounds: each backend's step, and its attention alone
              after each layer's append (``alone``: that graph minus the appends alone), so two
-             variants of one backend compare per round inside the step. A backend written
-             ``name~nosignal`` runs with the append kernel not signalling the attention after it
-             (model.step_ops.APPEND_SIGNAL off while its graphs are captured).
+             variants of one backend compare per round inside the step. (At fe17613 it also
+             took ``name~nosignal``: the graphs captured with the append not signalling the
+             attention after it; runs/step_probe_paired_fe17613.)
 
 Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
 variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
@@ -353,11 +353,10 @@ def loops_of(model_name, where, backends):
 
 def backend_of(spec: str):
     """A backend from ``name`` or ``name:key=value[+key=value...]`` (int values), e.g.
-    ``pkv-workqueue:warps=8`` or ``pkv-workqueue:warps=4+target_items=528``; a ``~tag`` suffix
-    (part paired's ``~nosignal``) names a variant of the same backend."""
+    ``pkv-workqueue:warps=8`` or ``pkv-workqueue:warps=4+target_items=528``."""
     from persistentkv.backends import registry
 
-    name, _, options = spec.split("~")[0].partition(":")
+    name, _, options = spec.partition(":")
     pairs = [option.split("=") for option in options.split("+") if option]
     return registry.create(name, **{key: int(value) for key, value in pairs})
 
@@ -427,21 +426,15 @@ def part_paired(cells, rounds, backends, rows, written=lambda: None):
     """part paired (module docstring): rows ``step`` and ``alone`` per backend; printed: medians,
     and each backend's step over the first one's, the median of the per-round ratios.
     ``written()`` after each cell (the rows so far to disk)."""
-    from persistentkv.model import step_ops
-
     def body(label, shape, loops):
         marks = {b: loop.mark() for b, loop in loops.items()}
         graphs = {}
-        try:
-            for backend, loop in loops.items():
-                step_ops.APPEND_SIGNAL = not backend.endswith("~nosignal")
-                loop.rewind(marks[backend])
-                loop.capture("step")
-                graphs[(backend, "step")] = loop._graphs.pop("step").replay
-                loop.rewind(marks[backend])
-                graphs[(backend, "alone")] = captured(lambda loop=loop: _appends(loop, shape))
-        finally:
-            step_ops.APPEND_SIGNAL = True
+        for backend, loop in loops.items():
+            loop.rewind(marks[backend])
+            loop.capture("step")
+            graphs[(backend, "step")] = loop._graphs.pop("step").replay
+            loop.rewind(marks[backend])
+            graphs[(backend, "alone")] = captured(lambda loop=loop: _appends(loop, shape))
         first = next(iter(loops))
         loops[first].rewind(marks[first])
         graphs[(first, "appends")] = captured(lambda: _appends(loops[first], shape, attention=False))

@@ -19,14 +19,6 @@
 //   pkv_merge         one CTA per merge group.
 //   pkv_plan          the balanced work queue, built on the device from device lengths.
 //
-// Programmatic dependent launch (Params::early, sm_90+; the engine's ``early`` option): launched
-// with programmatic stream serialization, a decode CTA may start while the kernel before it on
-// the stream still runs (once that kernel signals, as the decode step's append does at its
-// entry: kernels/step_ops.cu). With early bit 0 it reads its item and page ids before
-// griddepcontrol.wait, with bit 1 also the first STAGES - 1 tiles' K/V but each item's last page
-// (the page a one-token append may be writing); Q, the rest of the cache, the partial states and
-// the counters are read after the wait. Launched plainly, the wait returns at once.
-//
 // One CTA runs one work item (row, kv head, token range [lo, hi)) for ALL G = Hq/Hkv query heads
 // of that kv head, so each K/V byte is read from HBM once. WARPS warps; a pipeline stage is a tile
 // of TILE = 16 * WARPS tokens (16 per warp); K and V tiles stream into shared memory with cp.async
@@ -218,22 +210,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Programmatic dependent launch (no-ops before sm_90, and when the launch did not ask for it).
-// grid_wait: block until the grids this one depends on have completed and their memory is
-// visible. grid_launch_dependents: let the next grid's CTAs be scheduled (they run up to their
-// own wait). Each CTA signals only after its own wait, so when a dependent CTA runs, every CTA of
-// this grid has passed its wait: every grid before this one has completed.
-__device__ __forceinline__ void grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
 
@@ -253,7 +229,6 @@ struct Params {
   long long kv_sp, kv_st;
   long long q_sb, q_sh, o_sb, o_sh;
   float scale_log2;      // softmax scale * log2(e)
-  int early;             // bit 0: item and page ids read before grid_wait; bit 1: the first K/V stages too
 };
 
 // One split's share of a merge: acc += w * o, den += w.
@@ -365,7 +340,6 @@ struct Loader {
   const char* vbytes;
   unsigned sp_b, st_b;   // page and token strides in bytes (below 4 GB: DecodeEngine checks)
   int lo, hi, log2_page, p_mask;
-  int last_page;         // the item's last page (of the row's pages): the one an append may be writing
   int lc, lr;
 };
 
@@ -382,15 +356,12 @@ __device__ __forceinline__ void fetch_pages(const Loader& ld, int tile, int (&pg
 // cp.async loads of tile ``tile`` into its stage of sK and sV, in bursts of up to BURST rows: every
 // address of a burst first, then its K loads, then its V loads. Interleaved with the address
 // math, the 8-warp loop took 3-6 % longer (NOTES, "The two-level merge and the plain launch");
-// bursts of 16 rows (head_dim 256) would hold 16 64-bit offsets and spill. PART 0: every row of
-// the tile; early K/V splits them in two: PART 1 every row but those on the item's last page
-// (the zero fill past hi included), issued before grid_wait, PART 2 the rows on that page.
+// bursts of 16 rows (head_dim 256) would hold 16 64-bit offsets and spill.
 // A token row's byte offset from its page id is one 32 x 32 -> 64-bit multiply-add
 // (IMAD.WIDE.U32) of the byte strides: 64-bit math took ~20 instructions per K/V load pair, in the
 // loop's critical section between a tile's landing and the next tile's loads (NOTES, v17).
 constexpr int BURST = LOADS < 8 ? LOADS : 8;
 static_assert(LOADS % BURST == 0, "bursts tile the loads");
-template <int PART = 0>
 __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV, int tile, const int (&pg)[LOADS]) {
   const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_ELEMS);
   const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
@@ -398,7 +369,7 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV
 #pragma unroll
   for (int b = 0; b < LOADS; b += BURST) {
     unsigned long long off[BURST];
-    bool valid[BURST], issue[BURST];
+    bool valid[BURST];
 #pragma unroll
     for (int u = 0; u < BURST; ++u) {
       const int tok = t0 + ld.lr + ROWS_PER_PASS * (b + u);
@@ -406,17 +377,13 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV
       // past hi: page id 0 (fetch_pages) and an in-page offset, an address of the cache that
       // src-size 0 never reads
       off[u] = (unsigned long long)(unsigned)pg[b + u] * ld.sp_b + ((unsigned)(tok & ld.p_mask) * ld.st_b + ld.lc * 16u);
-      if (PART != 0) {
-        const bool last = valid[u] && (tok >> ld.log2_page) == ld.last_page;
-        issue[u] = (PART == 2) == last;
-      }
     }
 #pragma unroll
     for (int u = 0; u < BURST; ++u)
-      if (PART == 0 || issue[u]) cp_async16(dK + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.kbytes + off[u], valid[u]);
+      cp_async16(dK + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.kbytes + off[u], valid[u]);
 #pragma unroll
     for (int u = 0; u < BURST; ++u)
-      if (PART == 0 || issue[u]) cp_async16(dV + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.vbytes + off[u], valid[u]);
+      cp_async16(dV + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.vbytes + off[u], valid[u]);
   }
 }
 
@@ -666,7 +633,6 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   ld.hi = it.hi;
   ld.log2_page = p.log2_page;
   ld.p_mask = P_mask;
-  ld.last_page = (it.hi - 1) >> p.log2_page;
   ld.sp_b = (unsigned)p.kv_sp * 2u;
   ld.st_b = (unsigned)p.kv_st * 2u;
   ld.kbytes = reinterpret_cast<const char*>(kbase);
@@ -679,36 +645,20 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   ws.l0 = ws.l1 = 0.f;
 
   // Prologue: page ids for the first STAGES tiles (independent loads, issued together); tile
-  // STAGES - 1's wait in pg_next. Under programmatic dependent launch (p.early) they and the item
-  // are read before grid_wait, while the kernel before this one may still run; with early K/V
-  // (p.early bit 1) the first STAGES - 1 tiles' loads too, but each item's last page, the one a
-  // decode step's append (the kernel before this one) may be writing. The early loads stay
-  // uncommitted until tile 0's commit, so they join its group (waiting for tile 0 waits for
-  // them too).
+  // STAGES - 1's wait in pg_next.
   int pg_next[LOADS];  // the page ids of the next tile to load: t + STAGES - 1 at iteration t
   int pg[STAGES - 1][LOADS];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < ntiles) fetch_pages(ld, s, pg[s]);
   if (STAGES - 1 < ntiles) fetch_pages(ld, STAGES - 1, pg_next);
-  const bool early_kv = p.early & 2;
-  if (early_kv) {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < ntiles) issue_stage<1>(ld, sK, sV, s, pg[s]);
-  }
-  grid_wait();  // Q, the last pages, partial states and counters may be the preceding kernel's
-  grid_launch_dependents();
   stamp(1);
 
   unsigned qf[Q_SMEM ? 1 : D / 16][4];
   load_q(p, it, sQ, qf);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {  // one commit group per tile
-    if (s < ntiles) {
-      if (early_kv) issue_stage<2>(ld, sK, sV, s, pg[s]);
-      else issue_stage<0>(ld, sK, sV, s, pg[s]);
-    }
+    if (s < ntiles) issue_stage(ld, sK, sV, s, pg[s]);
     cp_async_commit();
   }
 
@@ -765,17 +715,16 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
   const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
       const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
-      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2, int early
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
 
 // The work-queue kernels: pkv_decode writes partial states (a separate pkv_merge combines them),
 // pkv_decode_fused merges in the last CTA of each group.
 #define PKV_DECODE_KERNEL(NAME, FUSED)                                                                 \
   extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) NAME(PKV_DECODE_ARGS) { \
     Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,     \
-             num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2, early}; \
+             num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                        \
     PKV_TRACE_BEGIN;                                                                                 \
-    if (!(early & 1)) pkv::grid_wait(); /* the item and the GPU-planned count may be the preceding kernel's */ \
     PKV_ITEM_OR_RETURN(slot, it);                                                                    \
     pkv::decode_item<FUSED>(p, slot, it, reinterpret_cast<kv_t*>(smem_raw));                        \
     PKV_TRACE_END(slot, it);                                                                         \

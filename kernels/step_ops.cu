@@ -36,10 +36,11 @@
 // append_kv: k and v rows [T][Hkv*D] copied to k_flat[slots[t]] and v_flat[slots[t]] as uint4,
 // one 16-byte chunk per thread, both tensors in one launch (replaces two index_copy_). A slot
 // outside [0, num_slots) is skipped (the host never reads the slots, so it cannot check them).
-// With ``signal`` (sm_90+) each block first lets the next kernel on the stream start, if that
-// kernel was launched with programmatic dependent launch (the attention after the append: its
-// CTAs read their work and the cache's other pages while the append runs, and wait for its
-// completion before the pages it writes; engine.DecodeEngine's ``early``).
+// Each block first lets the next kernel on the stream start (griddepcontrol.launch_dependents,
+// sm_90+), where that kernel was launched with programmatic dependent launch, as FlashInfer's
+// and TensorRT-LLM's decode kernels are: their CTAs are resident and waiting when the append
+// completes (the flashinfer-tc step 0.991-0.997x, benchmarks/NOTES.md). A kernel launched plainly
+// still starts after the append has completed.
 //
 // Plain C types and inline PTX only (cvt for fp16/bf16), so NVRTC (CuPy RawModule) compiles it
 // without standard headers; the entry points are extern "C", one per (op, dtype).
@@ -236,9 +237,9 @@ PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t1, Bf16, 1, true)
 extern "C" __global__ void __launch_bounds__(PKV_APPEND_THREADS)
 pkv_append_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, uint4* __restrict__ k_flat,
               uint4* __restrict__ v_flat, const long long* __restrict__ slots, int rows, int row_chunks,
-              long long k_stride, long long v_stride, long long dst_stride, long long num_slots, int signal) {
+              long long k_stride, long long v_stride, long long dst_stride, long long num_slots) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (signal) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   const long long per_tensor = static_cast<long long>(rows) * row_chunks;
   const long long total = 2 * per_tensor;

@@ -34,7 +34,6 @@ def cpu_engine(capability=(9, 0), num_sms=H200_SMS, warps=4):
     occupancy = 2 if warps == 4 else 1
     engine.target_items = occupancy * num_sms
     engine.warps = warps
-    engine.early, engine._early_bits = 0, 0
     engine.scale_log2 = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
@@ -403,64 +402,3 @@ def test_parameter_blocks_follow_the_kernels_signatures():
     for layout, text in ((DecodeArgs, decode), (MergeArgs, merge), (PlanArgs, plan)):
         names = [n for n, _ in layout._fields_ if n != "_params"]
         assert names == params(text), layout.__name__
-
-
-# --------------------------------------------------------------------------- early launches, without a GPU
-@pytest.mark.parametrize("route", ["workqueue", "buckets"])
-def test_early_launches_read_early_only_after_a_plans_first_run(route, monkeypatch):
-    """With early=2 every decode launch goes through cuLaunchKernelEx (PDLLaunch) and the merge
-    plainly. The first decode launch after plan() or replan_device() gets early = 0 (its items may
-    be the kernel before's), every later one the early bits (3: ids and K/V), the later launches of
-    that same run included (a host plan's items were uploaded at plan time)."""
-    import persistentkv.engine as engine_module
-
-    pdl_calls = []
-
-    class FakePDL:
-        def __init__(self, function, grid, threads, smem, params):
-            self.function = function
-
-        def __call__(self, stream):
-            pdl_calls.append(self.function)
-
-    monkeypatch.setattr(engine_module, "PDLLaunch", FakePDL)
-    engine, launched = fake_engine()
-    engine.early, engine._early_bits = 2, 3
-    plan = engine.plan(make_batch(engine.spec, [300, 17, 4100], seed=2), route)
-    decodes = [l for l in plan.run_launches if l.kind != "merge"]
-    assert decodes and all(l.pdl is not None for l in decodes)
-    assert all(l.pdl is None for l in plan.launches if l.kind in ("merge", "plan"))
-    tensor = SimpleNamespace(data_ptr=lambda: 0x1000, stride=lambda: (4096, 128, 1))
-    cache = SimpleNamespace(data_ptr=lambda: 0x20000, stride=lambda: (16384, 1024, 128, 1))
-
-    def run() -> list[int]:
-        launched.clear()
-        pdl_calls.clear()
-        engine.run(tensor, (cache, cache), plan, tensor, check=False)
-        assert pdl_calls == [l.function for l in decodes]
-        assert [l.kind for l in launched] == ["merge"] * sum(l.kind == "merge" for l in plan.run_launches)
-        return [l.args.early for l in decodes]
-
-    first = [0] + [3] * (len(decodes) - 1)
-    assert run() == first and run() == [3] * len(decodes) and run() == [3] * len(decodes)
-    if route == "workqueue":
-        engine.replan_device(plan)
-        assert run() == first and run() == [3] * len(decodes)
-
-
-def test_the_engine_refuses_an_unknown_early_mode_before_any_gpu_use():
-    from persistentkv.engine import DecodeEngine
-
-    for bad in (3, -1, True, "2"):
-        with pytest.raises(PKVError, match="early must be one of 0, 1, 2"):
-            DecodeEngine(AttentionSpec(32, 8, 128, 16, "float16"), early=bad)
-
-
-def test_pkv_workqueue_hands_early_to_both_of_its_modules():
-    from persistentkv.backends.pkv import PKVWorkqueue
-
-    assert PKVWorkqueue().engine_options == {}
-    assert PKVWorkqueue(early=2).engine_options == {"early": 2}
-    assert PKVWorkqueue(warps=8, early=1).engine_options == {"warps": 8, "early": 1}
-    backend = PKVWorkqueue(early=2)
-    assert isinstance(backend.unavailable(AttentionSpec(32, 8, 128, 16, "float16")), list)

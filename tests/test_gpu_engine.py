@@ -32,8 +32,6 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 #: (warps, route): every engine configuration that ships.
 CONFIGS = [(w, r) for w in (4, 8) for r in ENGINE_ROUTES]
 CONFIG_IDS = [f"w{w}-{r}" for w, r in CONFIGS]
-#: DecodeEngine's launches (engine.EARLY_MODES): plain, and with programmatic dependent launch
-EARLY = pytest.mark.parametrize("early", [0, 1, 2], ids=["plain", "early-ids", "early-kv"])
 
 
 def engine_of(spec, warps=4, **options):
@@ -44,20 +42,18 @@ def engine_of(spec, warps=4, **options):
 
     if warps == 8 and spec.head_dim > 128:
         pytest.skip("no 8-warp module at head_dim > 128")
-    if not options.get("early"):
-        options.pop("early", None)  # the plain launch: the default engine's cache entry
     try:
         return engine_for(spec, warps=warps, **options)
     except PKVError as exc:
-        if "this device allows" in str(exc) or "needs programmatic dependent launch" in str(exc):
+        if "this device allows" in str(exc):
             pytest.skip(str(exc))
         raise
 
 
-def run_case(spec, lengths, warps=4, route="workqueue", seed=0, hole_fraction=0.25, early=0, **options):
+def run_case(spec, lengths, warps=4, route="workqueue", seed=0, hole_fraction=0.25, **options):
     import torch
 
-    engine = engine_of(spec, warps, early=early)
+    engine = engine_of(spec, warps)
     batch, q, k, v = device_case(spec, lengths, hole_fraction, seed)
     plan = engine.plan(batch, route, **options)
     out = torch.full_like(q, float("nan"))
@@ -77,10 +73,9 @@ def boundary_lengths(P: int) -> list[int]:
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@EARLY
-def test_dtype_headdim(warps, route, dtype, head_dim, early):
+def test_dtype_headdim(warps, route, dtype, head_dim):
     spec = AttentionSpec(32, 8, head_dim, 16, dtype)
-    err, *_ = run_case(spec, [1, 15, 16, 17, 300, 4096, 777], warps, route, seed=head_dim, early=early)
+    err, *_ = run_case(spec, [1, 15, 16, 17, 300, 4096, 777], warps, route, seed=head_dim)
     assert err <= TOLERANCE[dtype], f"{dtype} D={head_dim} w{warps} {route}: rel err {err}"
 
 
@@ -94,22 +89,19 @@ def test_group_sizes(warps, route, group):
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("page_size", [1, 8, 16, 32, 64, 128, 256])
-@EARLY
-def test_page_sizes_and_boundaries(warps, route, page_size, early):
+def test_page_sizes_and_boundaries(warps, route, page_size):
     spec = AttentionSpec(32, 8, 128, page_size, "float16")
-    err, *_ = run_case(spec, boundary_lengths(page_size), warps, route, seed=page_size, hole_fraction=0.5,
-                      early=early)
+    err, *_ = run_case(spec, boundary_lengths(page_size), warps, route, seed=page_size, hole_fraction=0.5)
     assert err <= TOLERANCE["float16"], f"P={page_size} w{warps} {route}: rel err {err}"
 
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("batch_size", [2, 64, 256])
-@EARLY
-def test_ragged_batches(warps, route, batch_size, early):
+def test_ragged_batches(warps, route, batch_size):
     rng = np.random.default_rng(batch_size)
     lengths = rng.integers(1, 9000, size=batch_size)
     spec = AttentionSpec(32, 8, 128, 16, "bfloat16")
-    err, *_ = run_case(spec, lengths, warps, route, seed=batch_size, early=early)
+    err, *_ = run_case(spec, lengths, warps, route, seed=batch_size)
     assert err <= TOLERANCE["bfloat16"], f"B={batch_size} w{warps} {route}: rel err {err}"
 
 
@@ -327,26 +319,23 @@ def test_refuses_unsupported_specs_before_launch():
 
 # --------------------------------------------------------------------------- graphs
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
-@EARLY
-def test_graph_replay_over_rotated_caches(warps, route, early):
+def test_graph_replay_over_rotated_caches(warps, route):
     """A plan captured once, its graph cycling over copies of the cache, replayed three times."""
     spec = AttentionSpec(32, 8, 128, 16, "float16")
     err, _, plan, engine, (batch, q, k, v) = run_case(spec, [1000, 20000, 77], warps, route, seed=5,
-                                                      hole_fraction=0.2, early=early)
+                                                      hole_fraction=0.2)
     assert err <= TOLERANCE["float16"]
     assert_graph_replay_matches(engine, plan, batch, q, k, v, TOLERANCE["float16"])
 
 
 @pytest.mark.parametrize("warps", [4, 8])
-@EARLY
-def test_whole_step_capture_with_lengths_changed_on_the_device(warps, early):
+def test_whole_step_capture_with_lengths_changed_on_the_device(warps):
     """A step = GPU plan + 32 layers (each its own cache) captured in one graph, replayed after the
-    lengths change on the device: no host synchronisation inside. (Under an early launch the first
-    layer after the planner waits before reading its items: DevicePlan.early_ok.)"""
+    lengths change on the device: no host synchronisation inside."""
     import torch
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engine = engine_of(spec, warps, early=early)
+    engine = engine_of(spec, warps)
     lengths = [5000, 1234, 64, 9999]
     batch, q, k, v = device_case(spec, [n + 8 for n in lengths], hole_fraction=0.0, seed=11)
     layers = 32
@@ -387,19 +376,18 @@ def test_whole_step_capture_with_lengths_changed_on_the_device(warps, early):
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("append", ["torch", "step_ops"])
-@EARLY
-def test_each_run_sees_the_append_into_the_last_page(warps, route, graph, append, early):
+def test_each_run_sees_the_append_into_the_last_page(warps, route, graph, append):
     """Before each layer a kernel writes token n-1 of every row (the step's new token, in the row's
     last page) with values of its own, as a decode step's append does: torch's indexed copy, or
-    the decode step's own append (model.step_ops.append_kv, which lets an early launch of the
-    attention after it start at its entry). Each layer's output must equal float64 over the
-    cache as that write left it, eagerly and under graph replay."""
+    the decode step's own append (model.step_ops.append_kv, which signals its dependents at its
+    entry); each layer's output must equal float64 over the cache as that write left it, eagerly
+    and under graph replay."""
     import torch
 
     from persistentkv.model import step_ops
 
     spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engine = engine_of(spec, warps, early=early)
+    engine = engine_of(spec, warps)
     lengths = [4096, 16, 17, 300, 9000, 2049]  # page-boundary lengths and long rows
     batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=23 + warps)
     layers = 6
@@ -434,94 +422,3 @@ def test_each_run_sees_the_append_into_the_last_page(warps, route, graph, append
         v[page, slot] = new_v[layer]
         ref = reference_torch64(batch, q, k, v)
         assert rel_err(outs[layer], ref) <= TOLERANCE["float16"], f"layer {layer} missed its own append"
-
-
-# --------------------------------------------------------------------------- early launches: the overlap
-#: A kernel that lets the kernel after it start (if launched with programmatic dependent launch),
-#: spins for ``spin`` cycles, then writes rows ``rows`` of k and v (16-bit elements, rows of
-#: ``row_elems``): a decode step's append made slow enough that an early attention launch surely
-#: runs its pre-wait part while it spins.
-SLOW_WRITER = r"""
-extern "C" __global__ void pkv_test_slow_writer(unsigned short* k, unsigned short* v, const long long* rows,
-                                               const unsigned short* nk, const unsigned short* nv, int n,
-                                               int row_elems, long long spin) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const long long t0 = clock64();
-  while (clock64() - t0 < spin) {}
-  for (int i = threadIdx.x; i < n * row_elems; i += blockDim.x) {
-    const long long r = rows[i / row_elems];
-    const int e = i % row_elems;
-    k[r * row_elems + e] = nk[i];
-    v[r * row_elems + e] = nv[i];
-  }
-}
-"""
-SPIN_CYCLES = 200_000  # ~100 us at the H200's clocks: the attention's pre-wait reads take a few
-
-
-def slow_write(k, v, rows, new_k, new_v) -> None:
-    """SLOW_WRITER on torch's current stream: cache rows ``rows`` (int64, of the caches viewed as
-    [pages * P, Hkv, D]) of k and v set to new_k and new_v."""
-    import cupy
-    import torch
-
-    kernel = cupy.RawKernel(SLOW_WRITER, "pkv_test_slow_writer")
-    row_elems = k.shape[2] * k.shape[3]
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        kernel((1,), (256,), (k.data_ptr(), v.data_ptr(), rows.data_ptr(), new_k.data_ptr(), new_v.data_ptr(),
-                              np.int32(rows.numel()), np.int32(row_elems), np.int64(SPIN_CYCLES)))
-
-
-def slow_write_case(warps, early, token_of):
-    """Rows of 4096-9000 tokens; the plan runs once (so its next run may read early), then the slow
-    writer sets token ``token_of(n)`` of every row to large new values and the plan runs again
-    right after it. Returns (out, float64 over the cache before the write, float64 after it)."""
-    import torch
-
-    spec = AttentionSpec(32, 8, 128, 16, "float16")
-    engine = engine_of(spec, warps, early=early)
-    if engine.capability[0] < 9:
-        pytest.skip("griddepcontrol needs sm_90")
-    lengths = [4096, 5000, 9000, 6001]
-    batch, q, k, v = device_case(spec, lengths, hole_fraction=0.3, seed=31 + warps)
-    plan = engine.plan(batch, "workqueue")
-    out = torch.full_like(q, float("nan"))
-    engine.run(q, (k, v), plan, out)
-    tokens = [token_of(n) for n in lengths]
-    rows = torch.tensor([int(batch.kv_indices[batch.kv_indptr[i] + t // spec.page_size]) * spec.page_size
-                         + t % spec.page_size for i, t in enumerate(tokens)], device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    new_k = (8 * torch.randn((len(lengths), spec.num_kv_heads, spec.head_dim), generator=gen, device="cuda")).half()
-    new_v = (torch.randn(new_k.shape, generator=gen, device="cuda") + 4).half()
-    torch.cuda.synchronize()
-    before = reference_torch64(batch, q, k, v)
-    out.fill_(float("nan"))
-    slow_write(k, v, rows, new_k, new_v)
-    engine.run(q, (k, v), plan, out)
-    torch.cuda.synchronize()
-    return out, before, reference_torch64(batch, q, k, v)
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-@EARLY
-def test_an_early_launch_waits_for_the_last_page_of_a_slow_signalling_writer(warps, early):
-    """The writer lets the attention start, then writes each row's token n-1 (its last page) only
-    ~100 us later: whatever an early launch read before its wait, the output is float64 over the
-    cache as the writer left it."""
-    out, before, after = slow_write_case(warps, early, lambda n: n - 1)
-    assert rel_err(out, after) <= TOLERANCE["float16"]
-    assert rel_err(before, after) > 20 * TOLERANCE["float16"]  # the write moved the answer
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-@EARLY
-def test_early_kv_loads_run_while_the_kernel_before_them_still_runs(warps, early):
-    """The overlap early=2 exists for, seen directly: the slow writer writes each row's FIRST token,
-    a page early=2 loads before its wait (the contract forbids the kernel before run() that
-    write). early=2 computes over the cache as it was before the write; the plain launch and
-    early=1 (no cache reads before the wait) over the cache after it."""
-    out, before, after = slow_write_case(warps, early, lambda n: 0)
-    assert rel_err(before, after) > 20 * TOLERANCE["float16"]
-    expected, other = (before, after) if early == 2 else (after, before)
-    assert rel_err(out, expected) <= TOLERANCE["float16"]
-    assert rel_err(out, other) > 10 * TOLERANCE["float16"]

@@ -25,19 +25,13 @@ line.
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
 SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqueue.
 
-``early`` (default 0) picks how the decode kernels launch. 0: plainly, after the kernel before
-them on the stream has completed; any kernel may write the cache or ``q`` right before run().
-1 or 2 (sm_90+): with programmatic dependent launch, so a decode CTA starts as soon as the kernel
-before it signals (``griddepcontrol.launch_dependents``; the decode step's append does at its
-entry, kernels/step_ops.cu), reads its work item and page ids, with 2 also the first pipeline
-stages' K/V but each item's last page, and only then waits (``griddepcontrol.wait``) for that
-kernel's completion before it reads Q, the last pages, the partial states or the counters. The
-contract of 2: the kernel right before each run() may write the cache only in each row's last
-page, as a one-token append does; of 1 and 2: it does not write the plan or the block table (the
-first run() after ``plan`` or ``replan_device`` waits before reading its items:
-``DevicePlan.early_ok``). The separate merge kernel always launches plainly. Up to b3dd932 the
-engine launched this way by default, measured against a predecessor that never signalled
-(benchmarks/NOTES.md).
+Every kernel launches plainly, after the kernel before it on the stream has completed. Launching
+the decode kernels with programmatic dependent launch, their item, page ids and first K/V stages
+read while the preceding kernel finished, made attention timed back to back faster and the full
+decode step slower (benchmarks/NOTES.md, "Tried and rejected"); b3dd932 is the last commit with it.
+Measured again behind the step's own append, which signals its dependents at its entry, it saved
+0.02-0.5 % of the step with early ids and cost 0.2-0.8 % at B=1 with early K/V (fe17613 is the
+last commit with that form).
 
 ``trace`` (development): builds the module with the CTA trace stamps (kernels/pkv_trace.cuh) that
 benchmarks/trace_cta.py reads; never for serving.
@@ -55,8 +49,8 @@ from . import plan as planner
 from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
-from .launch import (DEFAULT_WARPS, NO_LAUNCH_EX, DecodeArgs, KernelLaunch, MergeArgs, PDLLaunch, PlanArgs, PTRS,
-                     STRIDES6, arg_block, launch_kernel_ex, load_module, min_chunk_tiles_for, warps_unsupported)
+from .launch import (DEFAULT_WARPS, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs, PTRS, STRIDES6, arg_block,
+                     load_module, min_chunk_tiles_for, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
 
@@ -64,10 +58,6 @@ GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
 PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
 MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
 ENGINE_DTYPES = ("float16", "bfloat16")
-#: DecodeEngine's ``early`` launches: plain, PDL with early item and page ids, PDL with early K/V too
-EARLY_MODES = (0, 1, 2)
-#: Compute capability (major) with programmatic dependent launch (griddepcontrol).
-PDL_MIN_MAJOR = 9
 LOG2E = 1.4426950408889634
 
 
@@ -123,10 +113,6 @@ class DevicePlan:
     host_plan: planner.Plan | None = None
     #: recomputes the host plan this device plan is equal to (for counters; never on the hot path)
     _host_equivalent: Any = None
-    #: the items were written before the kernel that precedes the next decode launch, so an early
-    #: (PDL) launch may read them before griddepcontrol.wait (False after plan and replan_device
-    #: until a decode launch has followed)
-    early_ok: bool = False
     #: warps per CTA of the module that planned it (its launches run only on that module)
     warps: int = DEFAULT_WARPS
     #: name -> (first int32 element of buffers['workspace'], element count, shape, dtype or None for
@@ -184,19 +170,13 @@ class DecodeEngine:
         Smallest work item in 32-token planner tiles (default: one pipeline stage).
     warps : {4, 8}
         Warps per decode CTA (8: head_dim <= 128).
-    early : {0, 1, 2}
-        The decode kernels' launch (module docstring): 0 plain; 1 programmatic dependent launch,
-        item and page ids read before the wait; 2 also the first K/V stages but each item's last
-        page (sm_90+ and a driver with cuLaunchKernelEx).
     trace : bool
         Build with the CTA trace stamps (development; benchmarks/trace_cta.py).
     """
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, *, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, early: int = 0, trace: bool = False):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, trace: bool = False):
         require(isinstance(trace, bool), f"trace must be True or False, got {trace!r}")
-        require(early in EARLY_MODES and not isinstance(early, bool),
-                f"early must be one of {', '.join(map(str, EARLY_MODES))}, got {early!r}")
         reasons = engine_unsupported(spec, warps) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
@@ -211,13 +191,6 @@ class DecodeEngine:
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
-        require(not early or props.major >= PDL_MIN_MAJOR,
-                f"early={early} needs programmatic dependent launch (compute capability >= {PDL_MIN_MAJOR}.0); "
-                f"this device is {props.major}.{props.minor}")
-        require(not early or launch_kernel_ex() is not None, NO_LAUNCH_EX)
-        self.early = early
-        #: the decode launches' ``early`` word once a plan's items may be read early (kernel Params)
-        self._early_bits = {0: 0, 1: 1, 2: 3}[early]
         # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
@@ -290,10 +263,9 @@ class DecodeEngine:
         spec, mod = self.spec, self.module
         args = arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
                          slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
-                         self.scale_log2, 0)
+                         self.scale_log2)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
-        pdl = PDLLaunch(function, grid, mod.threads, mod.smem_bytes, args.address) if self.early else None
-        return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes, pdl=pdl)
+        return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes)
 
     def _upload(self, batch: Batch, host: planner.Plan) -> DevicePlan:
         """A host plan's items (as the kernels read them), page table and merge groups on the
@@ -391,7 +363,6 @@ class DecodeEngine:
         """
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans follow lengths changed on the device")
         self._launch(plan.launches[0], self._stream())
-        plan.early_ok = False
 
     def occupancy(self, launch: KernelLaunch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory."""
@@ -475,12 +446,7 @@ class DecodeEngine:
                 continue
             PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr)
             STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
-            if launch.pdl is not None:
-                args.early = self._early_bits if plan.early_ok else 0
-                launch.pdl(stream)
-                plan.early_ok = True
-            else:
-                self._launch(launch, stream)
+            self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them: a host copy, int32 [n, 4] (plan.Plan.items'

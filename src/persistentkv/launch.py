@@ -6,7 +6,6 @@
 * ``arg_block`` and the ``*Args`` layouts: a kernel's parameter values in one ctypes Structure
   kept alive between launches, so a launch rewrites only its per-call values (tensor pointers and
   strides) and makes one driver call.
-* ``PDLLaunch``: cuLaunchKernelEx with programmatic stream serialization (sm_90+).
 
 Nothing here decides what to launch: the engine does (engine.py).
 """
@@ -37,9 +36,6 @@ WARPS8_MAX_HEAD_DIM = 128
 #: The kernels' functions the engine launches.
 FUNCTIONS = ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
 CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
-#: cuda.h: CUlaunchAttributeID of programmatic dependent launch (cuLaunchKernelEx).
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-NO_LAUNCH_EX = "early needs cuLaunchKernelEx, which this CUDA driver lacks (CUDA 12 drivers have it)"
 
 
 def kernels_dir() -> Path:
@@ -194,8 +190,7 @@ _STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh"
 DecodeArgs = _arg_layout("DecodeArgs", [
     ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("kv_indices", _PTR), ("items", _PTR),
     ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("counters", _PTR), ("slot_offset", _I32),
-    ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32),
-    ("early", _I32)])
+    ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32)])
 #: pkv_merge
 MergeArgs = _arg_layout("MergeArgs", [
     ("groups", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("out", _PTR), ("group_size", _I32),
@@ -208,60 +203,10 @@ PlanArgs = _arg_layout("PlanArgs", [
 
 
 # ----------------------------------------------------------------------------- launches
-class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32 * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-@lru_cache(maxsize=None)
-def launch_kernel_ex():
-    """libcuda's cuLaunchKernelEx, or None where the driver lacks it (looked up once per process).
-
-    It has no ``argtypes``: its only caller, PDLLaunch, passes ctypes objects of the C types (a
-    byref to a CUlaunchConfig, two c_void_p, None for the extra array), which ctypes hands over as
-    they are; declared argument types would convert each of them again on every call."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    return fn
-
-
-class PDLLaunch:
-    """cuLaunchKernelEx with programmatic stream serialization, its config built once per launch;
-    a call rewrites only the stream."""
-
-    __slots__ = ("launch_ex", "attr", "config", "config_ref", "function", "params")
-
-    def __init__(self, function: int, grid: int, threads: int, smem: int, params: int):
-        self.launch_ex = launch_kernel_ex()
-        require(self.launch_ex is not None, NO_LAUNCH_EX)
-        self.attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self.attr.value[0] = 1
-        self.config = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, None, ctypes.pointer(self.attr), 1)
-        self.config_ref = ctypes.byref(self.config)  # kept: the config lives as long as this launch
-        self.function = ctypes.c_void_p(function)
-        self.params = ctypes.c_void_p(params)
-
-    def __call__(self, stream: int) -> None:
-        self.config.hStream = stream
-        status = self.launch_ex(self.config_ref, self.function, self.params, None)
-        if status != 0:
-            raise PKVError(f"cuLaunchKernelEx (programmatic dependent launch) returned CUresult {status}")
-
-
 @dataclass
 class KernelLaunch:
     """One kernel launch of a plan: ``kind`` decode | fused | merge | plan, its grid, its parameter
-    block (per-call values rewritten by run()), and a PDLLaunch when it launches with programmatic
-    dependent launch."""
+    block (per-call values rewritten by run())."""
 
     kind: str
     grid: int
@@ -269,4 +214,3 @@ class KernelLaunch:
     function: int = 0  # CUfunction
     threads: int = 0
     smem: int = 0
-    pdl: Any = None

@@ -7,8 +7,6 @@
                     rows; 4 at head_dim > 128); ``warps=4`` or ``8`` fixes it. Explicit
                     target_items and min_chunk_tiles apply to the 4-warp module; the 8-warp one
                     keeps its own defaults (one wave of its resident CTAs, one 128-token stage).
-                    ``early`` is the engines' launch (engine.DecodeEngine: 0 plain, 1 or 2 with
-                    programmatic dependent launch).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -19,7 +17,6 @@ from ..cache import Batch
 from ..choose import choose_warps
 from ..engine import engine_for, engine_unsupported, gpu_reasons
 from ..errors import PKVError, require
-from ..launch import DEFAULT_WARPS
 from ..spec import AttentionSpec
 
 #: pkv-workqueue's warps choices: "auto" (per step, choose.choose_warps) or a fixed module.
@@ -40,7 +37,7 @@ class _PKVBackend:
         self._engine = None
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
-        return engine_unsupported(spec, self.engine_options.get("warps", DEFAULT_WARPS)) + gpu_reasons()
+        return engine_unsupported(spec, **self.engine_options) + gpu_reasons()
 
     def engine(self, spec: AttentionSpec):
         if self._engine is None or self._engine.spec != spec:
@@ -58,15 +55,13 @@ class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int | str = "auto", early: int = 0):
+                 min_chunk_tiles: int | None = None, warps: int | str = "auto"):
         require(warps in WARPS_CHOICES and not isinstance(warps, bool),
                 f"pkv-workqueue warps must be one of {', '.join(map(str, WARPS_CHOICES))}, got {warps!r}")
         super().__init__(name, target_items=target_items, min_chunk_tiles=min_chunk_tiles)
         # "auto" and 4: the default module, through the same engine_for cache entry as the other backends
         self.warps = warps
         self.engine_options = {"warps": 8} if warps == 8 else {}
-        if early:
-            self.engine_options["early"] = early
         self._engines = {}        # spec -> the 8-warp DecodeEngine (auto)
         self._warps8_error = None  # why the 8-warp module is unavailable here (auto falls back to 4)
 
@@ -78,7 +73,7 @@ class PKVWorkqueue(_PKVBackend):
         w8 = self._engines.get(batch.spec)
         if w8 is None:
             try:
-                w8 = self._engines[batch.spec] = engine_for(batch.spec, **{**self.engine_options, "warps": 8})
+                w8 = self._engines[batch.spec] = engine_for(batch.spec, warps=8)
             except PKVError as exc:  # e.g. a device whose opt-in shared memory is below 192 KB
                 self._warps8_error = str(exc)
                 return engine, self.options

@@ -2,7 +2,8 @@
 
     y = gemv(x, w)                              # F.linear(x, w) for x [1, K]
     a = gemv_silu_mul(h, gate_up)               # silu(h gate^T) * (h up^T), one kernel
-    append_kv(k_flat, v_flat, slots, k, v)      # both index_copy_ calls of a layer, one kernel
+    append_kv(k_flat, v_flat, slots, k, v)      # both index_copy_ calls of a layer, one kernel, which
+                                                # lets a PDL-launched attention after it start at its entry
 
 Why: at B = 1 on an H200, cuBLAS reads the projections' weights at 0.55 (o_proj 4096 x 4096) to
 0.92 (gate_up, lm_head) of their bytes' read time, adds split-K reduce kernels (108 us per step),
@@ -69,9 +70,6 @@ WARP = 32
 APPEND_THREADS = 256
 #: append_kv's grid cap in blocks per SM (a grid-stride loop covers the rest).
 APPEND_BLOCKS_PER_SM = 8
-#: append_kv lets the next kernel start at its entry (griddepcontrol.launch_dependents; a no-op
-#: unless that kernel was launched with programmatic dependent launch). Read at each launch.
-APPEND_SIGNAL = True
 _INT32_MAX = 2**31 - 1
 
 
@@ -401,7 +399,7 @@ def launch_append_kv(k_flat, v_flat, slots, k, v) -> None:
     _launch(k.device, "pkv_append_kv", blocks, APPEND_THREADS,
             (_pointer(k), _pointer(v), _pointer(k_flat), _pointer(v_flat), _pointer(slots), np.int32(rows),
              np.int32(row_chunks), np.int64(k.stride(0) // chunk), np.int64(v.stride(0) // chunk),
-             np.int64(k_flat.stride(0) // chunk), np.int64(k_flat.shape[0]), np.int32(APPEND_SIGNAL)))
+             np.int64(k_flat.stride(0) // chunk), np.int64(k_flat.shape[0])))
 
 
 def gemv(x, w):
