@@ -155,7 +155,8 @@ def print_e2e(path: Path, df: pd.DataFrame) -> None:
 
 def print_step_probe(path: Path, df: pd.DataFrame) -> None:
     """benchmarks/step_probe.py: the step's projections against their weight bytes' read time, its
-    kernels, the steps per kernel choice, and (runs up to b3dd932) the queue's PDL variants."""
+    kernels, the steps per kernel choice, backends' steps in the same rounds (part paired), and
+    (runs up to b3dd932) the queue's PDL variants."""
     print(f"\n{path.stem} (step_probe.py, parts {', '.join(sorted(df['part'].unique()))})")
     lin = df[df["part"] == "linears"]
     if len(lin):
@@ -200,6 +201,20 @@ def print_step_probe(path: Path, df: pd.DataFrame) -> None:
         print("attention per step alone after a no-op kernel of k CTAs between each layer's append and its call "
               "(map<k>), inside the step, the k pooled and their range; median us")
         print(out.round(0).to_string())
+    paired = df[df["part"] == "paired"]
+    if len(paired):
+        order = list(dict.fromkeys(paired["variant"]))  # the backends in the run's order
+        first = order[0]
+        step = paired[paired["name"] == "step"].pivot_table(index=["cell", "repeat"], columns="variant",
+                                                            values="us")[order]
+        ratio = step.div(step[first], axis=0).drop(columns=first)
+        out = step.groupby("cell").median().join(ratio.groupby("cell").median().add_suffix(f" / {first}"))
+        print(f"each backend's graph-replayed step, all in the same rounds (median us; per-round ratio to {first}, "
+              "median)")
+        print(out.round(4).to_string())
+        alone = paired[paired["name"] == "alone"].groupby(["cell", "variant"])["us"].median().unstack("variant")
+        print("attention alone after each layer's append, the appends' own time subtracted (median us per step)")
+        print(alone[order].round(0).to_string())
     pdl = df[(df["part"] == "pdl") & (df["name"] == "step")]
     if len(pdl):
         wide = pdl.pivot_table(index=["cell", "repeat"], columns="variant", values="us")

@@ -95,3 +95,24 @@ def test_each_cell_loop_frees_a_cells_loops_before_the_next_cell_is_built(monkey
     assert all(not grad and is_loop for _, _, _, grad, is_loop, _ in seen)   # autograd off in the body
     assert all(cache == [model] for *_, cache in seen)                       # the other model's weights went
     assert alive_at_build == [[], [False, False]] and all(r() is None for r in built)
+
+
+def test_summarize_dev_prints_part_paired_per_round_ratios(capsys):
+    """Part paired's rows: every backend's step in the same rounds; summarize_dev prints their
+    medians and each backend's per-round ratio to the first one's (the median of the ratios,
+    not the ratio of the medians)."""
+    import pandas as pd
+
+    import summarize_dev
+
+    rows = []
+    for r, (a, b) in enumerate([(100.0, 90.0), (200.0, 190.0), (300.0, 300.0)]):
+        for variant, us in (("A", a), ("B", b)):
+            rows.append(dict(part="paired", cell="8b:1x4096", variant=variant, name="step", repeat=r, us=us))
+            rows.append(dict(part="paired", cell="8b:1x4096", variant=variant, name="alone", repeat=r, us=us / 10))
+    summarize_dev.print_step_probe(Path("step_probe_paired_x.parquet"), pd.DataFrame(rows))
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("8b:1x4096") and "0.95" in ln)
+    # per-round ratios B / A: 0.9, 0.95, 1.0 -> median 0.95 (the medians' ratio would be 190/200)
+    assert line.split()[1:] == ["200.0", "190.0", "0.95"]
+    assert "attention alone" in out
