@@ -30,7 +30,7 @@ the decode kernels with programmatic dependent launch, their item, page ids and 
 read while the preceding kernel finished, made attention timed back to back faster and the full
 decode step slower (benchmarks/NOTES.md, "Tried and rejected"); b3dd932 is the last commit with it.
 Measured again behind the step's own append, which signals its dependents at its entry, it saved
-0.02-0.5 % of the step with early ids and cost 0.2-0.8 % at B=1 with early K/V (fe17613 is the
+0.02-0.5 % of the step with early ids and cost 0.3-0.7 % at B=1 with early K/V (fe17613 is the
 last commit with that form).
 
 ``trace`` (development): builds the module with the CTA trace stamps (kernels/pkv_trace.cuh) that
