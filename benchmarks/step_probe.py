@@ -331,8 +331,11 @@ def each_cell_loops(cells, backends, body):
 def each_cell_loop(cells, backends, body):
     """``body(label, backend, shape, loop)`` for each cell and each backend (parts maps and ctas),
     as each_cell_loops gives them."""
-    each_cell_loops(cells, backends, lambda label, shape, loops: [body(label, backend, shape, loops[backend])
-                                                                  for backend in list(loops)])
+    def each_backend(label, shape, loops):
+        for backend in list(loops):
+            body(label, backend, shape, loops[backend])
+
+    each_cell_loops(cells, backends, each_backend)
 
 
 def loops_of(model_name, where, backends):
@@ -681,9 +684,10 @@ def main() -> int:
     parser.add_argument("--parts", default="linears,kernels")
     parser.add_argument("--kernels", default="flashinfer,pkv", help="kernel choices compared (comma list)")
     parser.add_argument("--steps", default="8b:1x4096,8b:1x32768,8b:16x32768,70b:1x32768,70b:8x32768",
-                        help="the cells of parts steps (model:BxN), evict, maps and ctas (also model:trace@step)")
+                        help="the cells of parts steps (model:BxN), evict, maps, ctas and paired (also model:trace@step)")
     parser.add_argument("--backends", default="pkv-workqueue,flashinfer-tc,vllm-fa3",
-                        help="the evict part's attention backends (comma list; ctas takes its pkv-workqueue ones)")
+                        help="the attention backends of parts evict, maps and paired (comma list; ctas takes its "
+                             "pkv-workqueue ones)")
     parser.add_argument("--traced", action="store_true",
                         help="every part's pkv engines are the CTA-traced module (part maps then prints placements)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
