@@ -262,17 +262,21 @@ def test_shapes_tokens_hit_the_bytes_in_whole_pages():
 
 def test_shapes_grid_from_the_config(config):
     cases, skipped = workload.shapes_cases(config)
-    assert len(cases) == 3 * 2 * 3 * 4 and not skipped
+    # Hkv=1 at B=1 x 1 GiB would need 2M-token rows: over max_tokens_per_row, skipped at both G
+    assert len(cases) == 3 * 2 * 6 * 5 - 2
+    assert len(skipped) == 2 and all("Hkv=1" in s and "B=1 " in s and "1024 MiB" in s for s in skipped)
     assert {c.experiment for c in cases} == {SHAPES_EXPERIMENT}
     assert {(c.spec.num_kv_heads, c.spec.num_qo_heads // c.spec.num_kv_heads) for c in cases} == \
         {(h, g) for h in (1, 2, 8) for g in (4, 8)}
-    assert {c.batch.kv_bytes for c in cases} == {m * MiB for m in (4, 16, 64, 256)}
+    assert {c.batch.kv_bytes for c in cases} == {m * MiB for m in (4, 16, 64, 256, 1024)}
+    lengths = [int(n) for c in cases for n in c.batch.seq_lens]
+    assert min(lengths) == 16 and max(lengths) == 2**20       # Hkv=8 B=64 at 4 MiB; Hkv=2 B=1 at 1 GiB
     assert all(c.spec.head_dim == 128 and c.spec.page_size == 16 and c.spec.dtype == "float16" for c in cases)
     assert all(int(max(c.batch.seq_lens)) <= config["measure"]["bench_shapes"]["max_tokens_per_row"] for c in cases)
     names = {v.name for v in cases[0].variants}
     assert names == {n for n in config["measure"]["backends"] if n in PKV_BACKENDS or n in BASELINES}
     quick, _ = workload.shapes_cases(config, quick=True)
-    assert len(quick) == 8
+    assert len(quick) == 2 * 2 * 2 - 1        # the ends of Hkv, B and bytes, the first G; Hkv=1 B=1 x 1 GiB skipped
     only, _ = workload.shapes_cases(config, ["pkv-workqueue"])
     assert {v.name for v in only[0].variants} == {"pkv-workqueue"}
 
@@ -283,7 +287,7 @@ def test_shapes_grid_skips_what_does_not_fit(config):
     cases, skipped = workload.shapes_grid(small)
     assert skipped and all("over 65536" in s for s in skipped)
     assert all(max(lengths) <= 65536 for _, _, lengths in cases)
-    assert len(cases) + len(skipped) == 72
+    assert len(cases) + len(skipped) == 180
     with pytest.raises(PKVError, match="bench_shapes is missing"):
         workload.shapes_grid({**config, "measure": {k: v for k, v in m.items() if k != "bench_shapes"}})
 

@@ -4,16 +4,15 @@ one-kernel floor per case (GPU).
     persistentkv bench-shapes --config config/config.yaml --out results/nvidia-h200/bench_shapes.parquet
 
 Cases (config ``measure.bench_shapes``): Hkv in {1, 2, 8} x G in {4, 8} (Hq = G x Hkv; head_dim,
-dtype and page from ``spec``) x B in {1, 4, 16}, each B at the tokens per row that make the step
-read 4, 16, 64 and 256 MiB (72 cases). Kernel rows only (CUDA-graph replay, cold L2,
-``measure.bench_repeats`` rounds), every backend and the floor interleaved in each round; the read
-ceiling before and after. Prints per case each backend's kernel time, our best route against the
-best baseline and against the floor.
+dtype and page from ``spec``) x B in {1, 2, 4, 8, 16, 64}, each B at the tokens per row that make the
+step read 4, 16, 64, 256 and 1024 MiB: rows of 16 tokens (Hkv=8, B=64 at 4 MiB) to 1M (Hkv=2, B=1 at
+1 GiB); the two cells whose rows would pass max_tokens_per_row (Hkv=1, B=1 at 1 GiB) are skipped, 178
+cases. Kernel rows only (CUDA-graph replay, cold L2, ``measure.bench_repeats`` rounds), every
+backend and the floor interleaved in each round; the read ceiling before and after. Prints per
+case each backend's kernel time, our best route against the best baseline and against the floor.
 
-Time on one H200 (estimate, not measured): per case ~1-3 s (plans, up to 45 graphs per backend at
-4 MiB, 18 rounds of ~10 graph replays each queued behind a ~0.5 ms spin), so ~2-4 min for the
-72 cases plus the two ceiling measurements (~20 s) and any kernel compilation a new head shape
-needs in a baseline's cache.
+Time on one H200: the 72 cases of the earlier grid (B in {1, 4, 16}, up to 256 MiB) were estimated
+at ~1-3 s each; the log's progress bar says what this grid takes.
 """
 
 from __future__ import annotations

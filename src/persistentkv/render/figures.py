@@ -977,8 +977,13 @@ def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
     palette = sns.color_palette("colorblind", max(len(shapes), 3))
     batches = sorted(frame["batch_size"].unique())
     with style():
-        fig = Figure(figsize=(WIDTH, 2.9), layout="constrained")
-        axes = fig.subplots(1, len(batches), sharey=True, squeeze=False)[0]
+        nrows = 1 if len(batches) <= 3 else 2          # six batch sizes: two rows of three panels
+        ncols = -(-len(batches) // nrows)
+        fig = Figure(figsize=(WIDTH, 2.9 if nrows == 1 else 5.0), layout="constrained")
+        grid = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
+        for ax in grid.flat[len(batches):]:
+            ax.set_visible(False)
+        axes = grid.flat[:len(batches)]
         for ax, b in zip(axes, batches):
             panel = frame[frame["batch_size"] == b]
             for (h, g), c in zip(shapes, palette):
@@ -997,7 +1002,8 @@ def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
             ax.set_title(f"B = {b}")
             ax.set_xlabel("")
         fig.supxlabel("K/V bytes per step (MB, log scale)", fontsize=8)
-        axes[0].set_ylabel("kernel time (us)")
+        for row in grid:
+            row[0].set_ylabel("kernel time (us)")
         handles, labels = axes[0].get_legend_handles_labels()
         from matplotlib.lines import Line2D
 
