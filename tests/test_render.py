@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from persistentkv import claims, cli
@@ -487,7 +488,34 @@ def test_report_shows_the_floor_column_and_the_shapes_section(measured, tmp_path
     assert shapes.count("<tr>") == 1 + 72                                   # the heading and every synthetic case
     assert '<a href="#fig-shapes">' in section  # the figure itself is drawn once, under Figures
     assert html.count('data-figure="shapes"') == 1 and 'alt="The shapes experiment"' in html
+    assert '<a href="#fig-shapes_floor">' in section and html.count('data-figure="shapes_floor"') == 1
     assert 'id="shapes-invariance"' in section and "not measured on" not in section
+
+
+def test_shapes_floor_figure_draws_each_shape_s_fraction_and_the_bands(measured):
+    """fig_shapes_floor: per panel (batch size) one line per (Hkv, G) whose points are floor / ours
+    of data_shapes' rows, and one black segment per FLOOR_BANDS target at its value."""
+    from persistentkv import targets
+
+    _, results, _ = measured
+    frame = figures.data_shapes(results)
+    fig = figures.fig_shapes_floor(frame, "nvidia-h200")
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == frame["batch_size"].nunique() == 3
+    for ax, b in zip(axes, sorted(frame["batch_size"].unique())):
+        assert ax.get_title() == f"B = {b}"
+        panel = frame[frame["batch_size"] == b]
+        lines = [ln for ln in ax.get_lines() if ln.get_label().startswith("Hkv=")]
+        assert len(lines) == panel.groupby(["num_kv_heads", "group_size"]).ngroups == 6
+        for ln in lines:
+            h, g = (int(part.split("=")[1]) for part in ln.get_label().split(", "))
+            rows = panel[(panel["num_kv_heads"] == h) & (panel["group_size"] == g)].sort_values("kv_bytes")
+            np.testing.assert_allclose(ln.get_ydata(), rows["floor"] / rows["ours"])
+            np.testing.assert_allclose(ln.get_xdata(), rows["kv_bytes"] / 1e6)
+        bands = sorted(seg[0][1] for coll in ax.collections for seg in coll.get_segments())
+        assert bands == sorted(t for _, _, t in targets.FLOOR_BANDS)
+    empty = figures.fig_shapes_floor(frame.iloc[:0], "nvidia-h200")
+    assert "not measured on nvidia-h200" in svg_text(empty)
 
 
 def test_report_floor_section_without_rows_says_not_measured(empty, tmp_path):

@@ -898,6 +898,13 @@ FIGURES += (
                "(one plain read of the step's bytes in one kernel, the best of its grids; the median over the "
                "panel's shapes at each size). Both axes log scale.",
                lambda r: fig_shapes(data_shapes(r), r.hw)),
+    FigureSpec("shapes_floor", "The shapes against the one-kernel floor",
+               f"bench_shapes: the one-kernel floor's median time over {targets.ENGINE_BACKEND}'s in each case (1 = as fast as one "
+               "plain read of the step's K/V bytes in one kernel; above 1, faster), one line per shape (Hkv, G), one "
+               "panel per batch size; the black segments are the floor targets, each over the step sizes it covers "
+               "(fixed before the data; none below "
+               f"{targets.FLOOR_BANDS[0][0] // targets.MiB} MiB).",
+               lambda r: fig_shapes_floor(data_shapes(r), r.hw)),
     FigureSpec("e2e", "The full decode step",
                "Per model and kernels variant, each backend's step (median over interleaved rounds of the "
                "captured Llama decode step) split into its attention (solid, timed alone in the same round) "
@@ -969,10 +976,12 @@ def data_shapes(results: Results) -> pd.DataFrame:
     return out[columns].sort_values(["batch_size", "num_kv_heads", "group_size", "kv_bytes"]).reset_index(drop=True)
 
 
-def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
-    title = f"{targets.ENGINE_BACKEND} across shapes, the fastest baseline and the one-kernel floor"
-    if frame.empty or frame["ours"].isna().all():
-        return placeholder(title, not_measured(hw, "bench_shapes"))
+def _shape_panels(frame: pd.DataFrame, title: str, ylabel: str, draw) -> Figure:
+    """bench_shapes' figures: one panel per batch size (two rows of three when there are more
+    than three), sharing both axes, x the step's K/V bytes in MB on a log scale; ``draw(ax,
+    panel, shapes, palette)`` draws one batch size's rows (``shapes``: the (Hkv, G) pairs in
+    legend order, ``palette``: one colour each) and returns extra (handle, label) pairs for the
+    legend, which lists the first panel's labelled lines, then those."""
     shapes = sorted({(int(h), int(g)) for h, g in zip(frame["num_kv_heads"], frame["group_size"])})
     palette = sns.color_palette("colorblind", max(len(shapes), 3))
     batches = sorted(frame["batch_size"].unique())
@@ -984,31 +993,71 @@ def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
         for ax in grid.flat[len(batches):]:
             ax.set_visible(False)
         axes = grid.flat[:len(batches)]
+        extra = []
         for ax, b in zip(axes, batches):
-            panel = frame[frame["batch_size"] == b]
-            for (h, g), c in zip(shapes, palette):
-                part = panel[(panel["num_kv_heads"] == h) & (panel["group_size"] == g)].sort_values("kv_bytes")
-                x = part["kv_bytes"].to_numpy(float) / 1e6
-                ax.plot(x, part["ours"].to_numpy(float), marker="o", ms=3, lw=1.1, color=c,
-                        label=f"Hkv={h}, G={g}")
-                ax.plot(x, part["baseline"].to_numpy(float), ls="--", lw=0.9, color=c, alpha=0.8)
-            fl = panel.groupby("kv_bytes")["floor"].median().dropna()
-            if not fl.empty:
-                ax.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color="black", lw=1.6,
-                        label="one-kernel floor")
+            extra = draw(ax, frame[frame["batch_size"] == b], shapes, palette)
             log_axis(ax, "x")
             ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0,)))  # narrow panels
-            log_axis(ax, "y")
             ax.set_title(f"B = {b}")
             ax.set_xlabel("")
         fig.supxlabel("K/V bytes per step (MB, log scale)", fontsize=8)
         for row in grid:
-            row[0].set_ylabel("kernel time (us)")
+            row[0].set_ylabel(ylabel)
         handles, labels = axes[0].get_legend_handles_labels()
-        from matplotlib.lines import Line2D
-
-        handles.append(Line2D([], [], color="0.4", ls="--", lw=0.9))
-        labels.append("fastest baseline (dashed, per shape)")
+        for handle, label in extra:
+            handles.append(handle)
+            labels.append(label)
         fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=7)
         fig.suptitle(title, fontsize=9)
     return fig
+
+
+def _shape_rows(panel: pd.DataFrame, h: int, g: int) -> tuple[pd.DataFrame, np.ndarray]:
+    part = panel[(panel["num_kv_heads"] == h) & (panel["group_size"] == g)].sort_values("kv_bytes")
+    return part, part["kv_bytes"].to_numpy(float) / 1e6
+
+
+def fig_shapes(frame: pd.DataFrame, hw: str) -> Figure:
+    title = f"{targets.ENGINE_BACKEND} across shapes, the fastest baseline and the one-kernel floor"
+    if frame.empty or frame["ours"].isna().all():
+        return placeholder(title, not_measured(hw, "bench_shapes"))
+    from matplotlib.lines import Line2D
+
+    def draw(ax, panel, shapes, palette):
+        for (h, g), c in zip(shapes, palette):
+            part, x = _shape_rows(panel, h, g)
+            ax.plot(x, part["ours"].to_numpy(float), marker="o", ms=3, lw=1.1, color=c, label=f"Hkv={h}, G={g}")
+            ax.plot(x, part["baseline"].to_numpy(float), ls="--", lw=0.9, color=c, alpha=0.8)
+        fl = panel.groupby("kv_bytes")["floor"].median().dropna()
+        if not fl.empty:
+            ax.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color="black", lw=1.6,
+                    label="one-kernel floor")
+        log_axis(ax, "y")
+        return [(Line2D([], [], color="0.4", ls="--", lw=0.9), "fastest baseline (dashed, per shape)")]
+
+    return _shape_panels(frame, title, "kernel time (us)", draw)
+
+
+def fig_shapes_floor(frame: pd.DataFrame, hw: str) -> Figure:
+    """Per bench_shapes case the one-kernel floor's time over ours (1 = as fast as one plain read of
+    the step's bytes), one line per shape, and targets.FLOOR_BANDS drawn over the sizes they
+    cover."""
+    title = f"{targets.ENGINE_BACKEND} as a fraction of the one-kernel floor, per shape"
+    frame = frame.assign(frac=frame["floor"] / frame["ours"]).dropna(subset=["frac"]) if not frame.empty else frame
+    if frame.empty:
+        return placeholder(title, not_measured(hw, "bench_shapes"))
+    from matplotlib.lines import Line2D
+
+    x_hi = float(frame["kv_bytes"].max()) / 1e6 * 1.5
+
+    def draw(ax, panel, shapes, palette):
+        for (h, g), c in zip(shapes, palette):
+            part, x = _shape_rows(panel, h, g)
+            ax.plot(x, part["frac"].to_numpy(float), marker="o", ms=3, lw=1.1, color=c, label=f"Hkv={h}, G={g}")
+        for lo, hi, target in targets.FLOOR_BANDS:
+            ax.hlines(target, lo / 1e6, hi / 1e6 if hi else x_hi, color="black", lw=1.4)
+        ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
+        ax.set_ylim(0, 1.05)
+        return [(Line2D([], [], color="black", lw=1.4), "target for the sizes it spans")]
+
+    return _shape_panels(frame, title, "floor time / ours", draw)
