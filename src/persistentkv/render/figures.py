@@ -1004,9 +1004,8 @@ def _shape_panels(frame: pd.DataFrame, title: str, ylabel: str, draw) -> Figure:
         for row in grid:
             row[0].set_ylabel(ylabel)
         handles, labels = axes[0].get_legend_handles_labels()
-        for handle, label in extra:
-            handles.append(handle)
-            labels.append(label)
+        handles += [handle for handle, _ in extra]
+        labels += [label for _, label in extra]
         fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=7)
         fig.suptitle(title, fontsize=9)
     return fig
@@ -1043,7 +1042,7 @@ def fig_shapes_floor(frame: pd.DataFrame, hw: str) -> Figure:
     the step's bytes), one line per shape, and targets.FLOOR_BANDS drawn over the sizes they
     cover."""
     title = f"{targets.ENGINE_BACKEND} as a fraction of the one-kernel floor, per shape"
-    frame = frame.assign(frac=frame["floor"] / frame["ours"]).dropna(subset=["frac"]) if not frame.empty else frame
+    frame = frame.assign(frac=frame["floor"] / frame["ours"]).dropna(subset=["frac"])
     if frame.empty:
         return placeholder(title, not_measured(hw, "bench_shapes"))
     from matplotlib.lines import Line2D
