@@ -301,6 +301,26 @@ def test_shapes_config_is_checked_by_the_schema(config):
         configuration.validate_config(bad, ROOT)
 
 
+@pytest.mark.parametrize("change, cells", [
+    ({"kv_mib": [0.001]}, 3 * 2 * 6),                                 # 1 KiB: under one 16-token page at every B
+    ({"kv_mib": [4096], "max_tokens_per_row": 1024, "batch_sizes": [1]}, 3 * 2),  # rows of 0.5M-4M tokens
+])
+def test_a_shapes_grid_where_no_cell_fits_is_refused_when_the_config_loads(config, change, cells):
+    """Not a run that measures nothing: the config check names the key, the count and the first cell."""
+    import copy
+
+    bad = copy.deepcopy(config)
+    bad["measure"]["bench_shapes"].update(change)
+    with pytest.raises(PKVError, match=r"^config: measure\.bench_shapes: no cell of the grid fits: all \d+ would") as info:
+        configuration.validate_config(bad, ROOT)
+    assert f"all {cells} would" in str(info.value) and "(the first: Hkv=1 G=4 B=1 at" in str(info.value)
+    assert f"max_tokens_per_row={bad['measure']['bench_shapes']['max_tokens_per_row']}" in str(info.value)
+    one = copy.deepcopy(bad)
+    one["measure"]["bench_shapes"]["kv_mib"].append(16)          # one size that fits: accepted
+    one["measure"]["bench_shapes"]["max_tokens_per_row"] = 2**20
+    configuration.validate_config(one, ROOT)
+
+
 # -- the separator: each timed call after one small kernel, its own time subtracted -----------------
 class FakeSeparator:
     """A separator stand-in: a launch is ("sep", -1) in the capture (cost: the device's cost(-1))."""

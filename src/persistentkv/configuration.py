@@ -189,6 +189,16 @@ def _cross_checks(config: dict, base_dir: Path) -> None:
             fail(f"measure.gqa_sweep.group_sizes[{index}]",
                  f"{group} does not divide spec.num_qo_heads={num_qo_heads} (Hkv = Hq / G must be an integer)")
 
+    shapes = config["measure"].get("bench_shapes")
+    if shapes is not None:
+        from .measure.workload import shapes_grid  # light (no torch); it imports this module, so here
+
+        cells, skipped = shapes_grid(config)
+        if not cells:
+            fail("measure.bench_shapes", f"no cell of the grid fits: all {len(skipped)} would read rows under one "
+                                         f"page or over max_tokens_per_row={shapes['max_tokens_per_row']} "
+                                         f"(the first: {skipped[0]})")
+
     for where, values in (("ablations.buckets.bucket_tokens", config["ablations"]["buckets"]["bucket_tokens"]),
                           ("ablations.splits.values", config["ablations"]["splits"]["values"])):
         if len(set(values)) != len(values):
