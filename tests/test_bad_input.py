@@ -259,9 +259,8 @@ CASES: list[Bad] = [
         '(2147483520 tokens)'),
     Bad("accepted", "configuration.validate_config", "measure.bench_shapes.kv_mib [0.001] (a run that measures nothing)",
         lambda: config_with(lambda c: c["measure"]["bench_shapes"].update(kv_mib=[0.001])),
-        'config: measure.bench_shapes: no cell of the grid fits: all 36 would read rows under one page or over '
-        'max_tokens_per_row=1048576 (the first: Hkv=1 G=4 B=1 at 0.001 MiB (the tokens per row would be under '
-        'one page or over 1048576))'),
+        'config: measure.bench_shapes: no cell of the grid fits: each of its 36 would read rows under one page or '
+        'over max_tokens_per_row=1048576 (the first: Hkv=1 G=4 B=1 at 0.001 MiB)'),
     Bad("accepted", "configuration.validate_config", "traces[0].num_requests 10**12",
         lambda: config_with(lambda c: c["traces"][0].update(num_requests=10**12)),
         'config: traces[0].num_requests: 1000000000000 exceeds the maximum of 65536'),

@@ -311,9 +311,10 @@ def test_a_shapes_grid_where_no_cell_fits_is_refused_when_the_config_loads(confi
 
     bad = copy.deepcopy(config)
     bad["measure"]["bench_shapes"].update(change)
-    with pytest.raises(PKVError, match=r"^config: measure\.bench_shapes: no cell of the grid fits: all \d+ would") as info:
+    refused = r"^config: measure\.bench_shapes: no cell of the grid fits: each of its \d+ would"
+    with pytest.raises(PKVError, match=refused) as info:
         configuration.validate_config(bad, ROOT)
-    assert f"all {cells} would" in str(info.value) and "(the first: Hkv=1 G=4 B=1 at" in str(info.value)
+    assert f"each of its {cells} would" in str(info.value) and "(the first: Hkv=1 G=4 B=1 at" in str(info.value)
     assert f"max_tokens_per_row={bad['measure']['bench_shapes']['max_tokens_per_row']}" in str(info.value)
     one = copy.deepcopy(bad)
     one["measure"]["bench_shapes"]["kv_mib"].append(16)          # one size that fits: accepted

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from .errors import PKVError, require
-from .spec import MAX_SEQ_LEN, AttentionSpec
+from .spec import MAX_SEQ_LEN, AttentionSpec, shapes_tokens
 from .traces import MAX_TRACE_REQUESTS
 
 #: Default locations, relative to the repository root (the workflow's working directory).
@@ -190,14 +191,18 @@ def _cross_checks(config: dict, base_dir: Path) -> None:
                  f"{group} does not divide spec.num_qo_heads={num_qo_heads} (Hkv = Hq / G must be an integer)")
 
     shapes = config["measure"].get("bench_shapes")
-    if shapes is not None:
-        from .measure.workload import shapes_grid  # light (no torch); it imports this module, so here
-
-        cells, skipped = shapes_grid(config)
-        if not cells:
-            fail("measure.bench_shapes", f"no cell of the grid fits: all {len(skipped)} would read rows under one "
-                                         f"page or over max_tokens_per_row={shapes['max_tokens_per_row']} "
-                                         f"(the first: {skipped[0]})")
+    if shapes is not None:  # the grid of persistentkv bench-shapes: at least one cell must fit
+        base = AttentionSpec(**config["spec"])
+        limit = int(shapes["max_tokens_per_row"])
+        cells = [(h, g, b, mib) for h in shapes["kv_heads"] for g in shapes["group_sizes"]
+                 for b in shapes["batch_sizes"] for mib in shapes["kv_mib"]]
+        if all(shapes_tokens(int(round(float(mib) * 2**20)), int(b),
+                             replace(base, num_kv_heads=int(h), num_qo_heads=int(g) * int(h)), limit) is None
+               for h, g, b, mib in cells):
+            h, g, b, mib = cells[0]
+            fail("measure.bench_shapes",
+                 f"no cell of the grid fits: each of its {len(cells)} would read rows under one page or over "
+                 f"max_tokens_per_row={limit} (the first: Hkv={h} G={g} B={b} at {mib:g} MiB)")
 
     for where, values in (("ablations.buckets.bucket_tokens", config["ablations"]["buckets"]["bucket_tokens"]),
                           ("ablations.splits.values", config["ablations"]["splits"]["values"])):

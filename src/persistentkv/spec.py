@@ -148,3 +148,15 @@ class AttentionSpec:
         unknown = sorted(str(key) for key in set(data) - known)
         require(not unknown, f"unknown AttentionSpec field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def shapes_tokens(nbytes: int, batch_size: int, spec: AttentionSpec, max_tokens: int) -> int | None:
+    """Tokens per row that make B equal rows read ``nbytes`` of K/V: nbytes / (B x kv_bytes_per_token),
+    rounded to the nearest whole page; None when that is under one page or over ``max_tokens``.
+    Worked number: 16 MiB at B=4, Hkv=2, D=128, fp16 (1 KiB per token) -> 4096 tokens per row."""
+    require(nbytes > 0 and batch_size >= 1, f"need positive bytes and batch size, got {nbytes}, {batch_size}")
+    exact = nbytes / (batch_size * spec.kv_bytes_per_token)
+    tokens = int(round(exact / spec.page_size)) * spec.page_size
+    if tokens < spec.page_size or tokens > max_tokens:
+        return None
+    return tokens

@@ -31,7 +31,7 @@ from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
 from ..errors import require
 from ..names import (BASELINES, BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PKV_BACKENDS, PUBLISHED_TRACES,
                      SHAPES_EXPERIMENT, synthetic_name)
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, shapes_tokens
 from ..traces import Trace, read_trace
 
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.
@@ -255,18 +255,6 @@ def seeds_of(cases: list[Case]) -> list[int]:
 
 
 # -- the shapes experiment (persistentkv bench-shapes) --------------------------------------------
-def shapes_tokens(nbytes: int, batch_size: int, spec: AttentionSpec, max_tokens: int) -> int | None:
-    """Tokens per row that make B equal rows read ``nbytes`` of K/V: nbytes / (B x kv_bytes_per_token),
-    rounded to the nearest whole page; None when that is under one page or over ``max_tokens``.
-    Worked number: 16 MiB at B=4, Hkv=2, D=128, fp16 (1 KiB per token) -> 4096 tokens per row."""
-    require(nbytes > 0 and batch_size >= 1, f"need positive bytes and batch size, got {nbytes}, {batch_size}")
-    exact = nbytes / (batch_size * spec.kv_bytes_per_token)
-    tokens = int(round(exact / spec.page_size)) * spec.page_size
-    if tokens < spec.page_size or tokens > max_tokens:
-        return None
-    return tokens
-
-
 def shapes_grid(config: dict, quick: bool = False) -> tuple[list[tuple[AttentionSpec, str, list[int]]], list[str]]:
     """(cases, skipped) of config ``measure.bench_shapes``: per Hkv x G x B x size, the spec (Hq = G x
     Hkv, the rest from ``spec``), the case name (B{b}xN{n}) and its row lengths; ``skipped`` says

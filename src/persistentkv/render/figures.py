@@ -899,8 +899,9 @@ FIGURES += (
                "panel's shapes at each size). Both axes log scale.",
                lambda r: fig_shapes(data_shapes(r), r.hw)),
     FigureSpec("shapes_floor", "The shapes against the one-kernel floor",
-               f"bench_shapes: the one-kernel floor's median time over {targets.ENGINE_BACKEND}'s in each case (1 = as fast as one "
-               "plain read of the step's K/V bytes in one kernel; above 1, faster), one line per shape (Hkv, G), one "
+               f"bench_shapes: the one-kernel floor's median time over {targets.ENGINE_BACKEND}'s in each case "
+               "(1 = as fast as one plain read of the step's K/V bytes in one kernel; above 1, faster), one line per "
+               "shape (Hkv, G), one "
                "panel per batch size; the black segments are the floor targets, each over the step sizes it covers "
                "(fixed before the data; none below "
                f"{targets.FLOOR_BANDS[0][0] // targets.MiB} MiB).",
