@@ -15,7 +15,7 @@ from persistentkv.measure import statistics, workload
 from persistentkv.measure.harness import RunContext, Settings, one_kernel_floor, run_case
 from persistentkv.measure.rows import floor_rows, raw_frame
 from persistentkv.names import BASELINES, CEILING_BACKENDS, FLOOR_BACKEND, PKV_BACKENDS, SHAPES_EXPERIMENT
-from persistentkv.spec import AttentionSpec
+from persistentkv.spec import AttentionSpec, shapes_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -253,11 +253,11 @@ def config():
 
 def test_shapes_tokens_hit_the_bytes_in_whole_pages():
     spec = AttentionSpec(8, 2, 128, 16, "float16")            # 1 KiB per token
-    assert workload.shapes_tokens(16 * MiB, 4, spec, 2**20) == 4096
-    assert workload.shapes_tokens(16 * MiB + 7000, 4, spec, 2**20) == 4096  # nearest page
-    assert workload.shapes_tokens(4 * MiB, 1, AttentionSpec(4, 1, 128, 16, "float16"), 2**20) == 8192
-    assert workload.shapes_tokens(256 * MiB, 1, AttentionSpec(4, 1, 128, 16, "float16"), 2**18) is None
-    assert workload.shapes_tokens(4096, 16, spec, 2**20) is None   # under one page
+    assert shapes_tokens(16 * MiB, 4, spec, 2**20) == 4096
+    assert shapes_tokens(16 * MiB + 7000, 4, spec, 2**20) == 4096  # nearest page
+    assert shapes_tokens(4 * MiB, 1, AttentionSpec(4, 1, 128, 16, "float16"), 2**20) == 8192
+    assert shapes_tokens(256 * MiB, 1, AttentionSpec(4, 1, 128, 16, "float16"), 2**18) is None
+    assert shapes_tokens(4096, 16, spec, 2**20) is None   # under one page
 
 
 def test_shapes_grid_from_the_config(config):

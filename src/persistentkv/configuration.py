@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import yaml
 
 from .errors import PKVError, require
-from .spec import MAX_SEQ_LEN, AttentionSpec, shapes_tokens
+from .spec import MAX_SEQ_LEN, AttentionSpec, shapes_cells
 from .traces import MAX_TRACE_REQUESTS
 
 #: Default locations, relative to the repository root (the workflow's working directory).
@@ -192,17 +191,12 @@ def _cross_checks(config: dict, base_dir: Path) -> None:
 
     shapes = config["measure"].get("bench_shapes")
     if shapes is not None:  # the grid of persistentkv bench-shapes: at least one cell must fit
-        base = AttentionSpec(**config["spec"])
-        limit = int(shapes["max_tokens_per_row"])
-        cells = [(h, g, b, mib) for h in shapes["kv_heads"] for g in shapes["group_sizes"]
-                 for b in shapes["batch_sizes"] for mib in shapes["kv_mib"]]
-        if all(shapes_tokens(int(round(float(mib) * 2**20)), int(b),
-                             replace(base, num_kv_heads=int(h), num_qo_heads=int(g) * int(h)), limit) is None
-               for h, g, b, mib in cells):
-            h, g, b, mib = cells[0]
+        cells = list(shapes_cells(AttentionSpec(**config["spec"]), shapes))
+        if all(tokens is None for *_, tokens in cells):
+            h, g, b, mib = cells[0][:4]
             fail("measure.bench_shapes",
                  f"no cell of the grid fits: each of its {len(cells)} would read rows under one page or over "
-                 f"max_tokens_per_row={limit} (the first: Hkv={h} G={g} B={b} at {mib:g} MiB)")
+                 f"max_tokens_per_row={shapes['max_tokens_per_row']} (the first: Hkv={h} G={g} B={b} at {mib:g} MiB)")
 
     for where, values in (("ablations.buckets.bucket_tokens", config["ablations"]["buckets"]["bucket_tokens"]),
                           ("ablations.splits.values", config["ablations"]["splits"]["values"])):

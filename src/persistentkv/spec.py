@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -160,3 +160,19 @@ def shapes_tokens(nbytes: int, batch_size: int, spec: AttentionSpec, max_tokens:
     if tokens < spec.page_size or tokens > max_tokens:
         return None
     return tokens
+
+
+def shapes_cells(base: AttentionSpec,
+                 grid: Mapping) -> Iterator[tuple[int, int, int, float, AttentionSpec, int | None]]:
+    """Each cell of a bench_shapes grid (config ``measure.bench_shapes``: kv_heads x group_sizes x
+    batch_sizes x kv_mib, in that order) as (Hkv, G, B, MiB, its spec, its tokens per row): the spec
+    is ``base`` with Hkv KV heads and Hq = G x Hkv; the tokens are :func:`shapes_tokens`' (None: the
+    cell does not fit under the grid's max_tokens_per_row or one page)."""
+    limit = int(grid["max_tokens_per_row"])
+    for hkv in grid["kv_heads"]:
+        for g in grid["group_sizes"]:
+            spec = replace(base, num_kv_heads=int(hkv), num_qo_heads=int(g) * int(hkv))
+            for b in grid["batch_sizes"]:
+                for mib in grid["kv_mib"]:
+                    tokens = shapes_tokens(int(round(float(mib) * 2**20)), int(b), spec, limit)
+                    yield int(hkv), int(g), int(b), mib, spec, tokens

@@ -31,7 +31,7 @@ from ..cache import Batch, allocate, batch_for_step, compact_batch, make_batch
 from ..errors import require
 from ..names import (BASELINES, BENCH_BATCHES, BENCH_EXTRA, BENCH_LENGTHS, EXPERIMENTS, PKV_BACKENDS, PUBLISHED_TRACES,
                      SHAPES_EXPERIMENT, synthetic_name)
-from ..spec import AttentionSpec, shapes_tokens
+from ..spec import AttentionSpec, shapes_cells
 from ..traces import Trace, read_trace
 
 #: Traces of the split-sensitivity sweep: the B1 and B8 bimodal-family rows of the paper.
@@ -258,25 +258,22 @@ def seeds_of(cases: list[Case]) -> list[int]:
 def shapes_grid(config: dict, quick: bool = False) -> tuple[list[tuple[AttentionSpec, str, list[int]]], list[str]]:
     """(cases, skipped) of config ``measure.bench_shapes``: per Hkv x G x B x size, the spec (Hq = G x
     Hkv, the rest from ``spec``), the case name (B{b}xN{n}) and its row lengths; ``skipped`` says
-    which cells do not fit (:func:`shapes_tokens`). ``quick``: the ends of Hkv, B and the sizes and
+    which cells do not fit (persistentkv.spec.shapes_cells). ``quick``: the ends of Hkv, B and the sizes and
     the first G (a smoke run)."""
     grid = config["measure"].get("bench_shapes")
     require(grid is not None, "config measure.bench_shapes is missing (the shapes experiment's grid)")
     base = configuration.spec(config)
     ends = (lambda xs: sorted({min(xs), max(xs)})) if quick else (lambda xs: list(xs))
-    heads, groups = ends(grid["kv_heads"]), list(grid["group_sizes"])[:1] if quick else list(grid["group_sizes"])
+    picked = {**grid, "kv_heads": ends(grid["kv_heads"]), "batch_sizes": ends(grid["batch_sizes"]),
+              "kv_mib": ends(grid["kv_mib"]),
+              "group_sizes": list(grid["group_sizes"])[:1] if quick else grid["group_sizes"]}
     cases, skipped = [], []
-    for hkv in heads:
-        for g in groups:
-            spec = replace(base, num_kv_heads=int(hkv), num_qo_heads=int(g) * int(hkv))
-            for b in ends(grid["batch_sizes"]):
-                for mib in ends(grid["kv_mib"]):
-                    n = shapes_tokens(int(round(float(mib) * 2**20)), int(b), spec, int(grid["max_tokens_per_row"]))
-                    if n is None:
-                        skipped.append(f"Hkv={hkv} G={g} B={b} at {mib:g} MiB (the tokens per row would be under one "
-                                       f"page or over {grid['max_tokens_per_row']})")
-                        continue
-                    cases.append((spec, synthetic_name([n] * int(b)), [n] * int(b)))
+    for hkv, g, b, mib, spec, n in shapes_cells(base, picked):
+        if n is None:
+            skipped.append(f"Hkv={hkv} G={g} B={b} at {mib:g} MiB (the tokens per row would be under one page or "
+                           f"over {grid['max_tokens_per_row']})")
+            continue
+        cases.append((spec, synthetic_name([n] * b), [n] * b))
     return cases, skipped
 
 
