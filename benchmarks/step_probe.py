@@ -147,6 +147,20 @@ def captured(fn):
     return graph.replay
 
 
+def loop_graph(loop, mark, what):
+    """The loop's graph of ``what`` (DecodeLoop.capture) from ``mark``, taken out of the loop so a
+    later capture of the same name does not replace it; returns its replay."""
+    loop.rewind(mark)
+    loop.capture(what)
+    return loop._graphs.pop(what).replay
+
+
+def rotated(order, r):
+    """Round ``r``'s order of ``order``: rotated by r, so each graph leads once every len(order) rounds."""
+    k = r % len(order)
+    return order[k:] + order[:k]
+
+
 def part_linears(model_name, rounds, ceiling, kernels, rows):
     import torch
 
@@ -177,7 +191,7 @@ def part_linears(model_name, rounds, ceiling, kernels, rows):
             replays[variant] = captured(calls)
         nbytes = stack[0].numel() * stack.element_size()
         for r in range(rounds):
-            for variant in kernels[r % len(kernels):] + kernels[:r % len(kernels)]:
+            for variant in rotated(list(kernels), r):
                 us = timed_us(replays[variant]) / stack.shape[0]
                 rows.append(dict(part="linears", cell="1", variant=variant, name=name, repeat=r, us=us, bytes=nbytes,
                                  read_gbps=ceiling))
@@ -215,20 +229,16 @@ def part_steps(cells, rounds, kernels, rows):
         for variant in kernels:   # one loop and cache; each choice's graphs captured into their own
             model.kernels = Kernels(variant, shape, "cuda", reserve + 64)
             for what, label in (("step", variant), ("rest", f"rest-{variant}")):
-                loop.rewind(mark)
-                loop.capture(what)
-                graphs[label] = loop._graphs.pop(what)
+                graphs[label] = loop_graph(loop, mark, what)
         for what in ("attention", "appends"):
-            loop.rewind(mark)
-            loop.capture(what)
-            graphs[what] = loop._graphs.pop(what)
+            graphs[what] = loop_graph(loop, mark, what)
         order = list(graphs)
         label = f"{model_key}:{b}x{n}"
         for r in range(rounds):
-            for variant in order[r % len(order):] + order[:r % len(order)]:
+            for variant in rotated(order, r):
                 loop.rewind(mark)
                 rows.append(dict(part="steps", cell=label, variant=variant, name="step", repeat=r,
-                                 us=timed_us(graphs[variant].replay)))
+                                 us=timed_us(graphs[variant])))
         meds = {v: np.median([x["us"] for x in rows if x["part"] == "steps" and x["cell"] == label
                               and x["variant"] == v]) for v in order}
         print(f"step {label}: " + ", ".join(f"{v} {us:.0f} us" for v, us in meds.items()))
@@ -390,9 +400,7 @@ def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     mark = loop.mark()
     graphs = {}
     for what in ("step", "rest"):
-        loop.rewind(mark)
-        loop.capture(what)
-        graphs[what] = loop._graphs.pop(what).replay
+        graphs[what] = loop_graph(loop, mark, what)
     for name, between in betweens.items():
         for attention in (True, False):
             loop.rewind(mark)
@@ -400,7 +408,7 @@ def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     order = list(graphs)
     for r in range(rounds):
         us = {}
-        for what in order[r % len(order):] + order[:r % len(order)]:
+        for what in rotated(order, r):
             loop.rewind(mark)
             us[what] = timed_us(graphs[what])
         named = [(name, us[(True, name)] - us[(False, name)]) for name in betweens]
@@ -433,9 +441,7 @@ def part_paired(cells, rounds, backends, rows, written=lambda: None):
         marks = {b: loop.mark() for b, loop in loops.items()}
         graphs = {}
         for backend, loop in loops.items():
-            loop.rewind(marks[backend])
-            loop.capture("step")
-            graphs[(backend, "step")] = loop._graphs.pop("step").replay
+            graphs[(backend, "step")] = loop_graph(loop, marks[backend], "step")
             loop.rewind(marks[backend])
             graphs[(backend, "alone")] = captured(lambda loop=loop: _appends(loop, shape))
         first = next(iter(loops))
@@ -444,7 +450,7 @@ def part_paired(cells, rounds, backends, rows, written=lambda: None):
         order = list(graphs)
         for r in range(rounds):
             us = {}
-            for key in order[r % len(order):] + order[:r % len(order)]:
+            for key in rotated(order, r):
                 loops[key[0]].rewind(marks[key[0]])
                 us[key] = timed_us(graphs[key])
             for backend in loops:
@@ -575,9 +581,7 @@ def _cta_frames(loop, shape, label, rounds, traced, summary):
     from trace_cta import read_trace, records_frame, reset_trace
 
     mark = loop.mark()
-    loop.rewind(mark)
-    loop.capture("step")
-    graphs = {"in-step": loop._graphs.pop("step").replay}
+    graphs = {"in-step": loop_graph(loop, mark, "step")}
     loop.rewind(mark)
     graphs["alone"] = captured(lambda: _appends(loop, shape))
     L, frames = shape.num_layers, []

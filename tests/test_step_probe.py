@@ -116,3 +116,11 @@ def test_summarize_dev_prints_part_paired_per_round_ratios(capsys):
     # per-round ratios B / A: 0.9, 0.95, 1.0 -> median 0.95 (the medians' ratio would be 190/200)
     assert line.split()[1:] == ["200.0", "190.0", "0.95"]
     assert "attention alone" in out
+
+
+def test_rotated_rounds_lead_with_each_graph_in_turn():
+    """Each graph leads once every len(order) rounds and every round holds each graph once."""
+    order = ["a", "b", "c"]
+    assert [step_probe.rotated(order, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert order == ["a", "b", "c"]                      # the caller's list is left as it was
