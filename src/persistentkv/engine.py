@@ -146,6 +146,23 @@ class DevicePlan:
         flat = self.buffers["workspace"][start:start + count]
         return (flat if dtype is None else flat.view(dtype)).view(shape)
 
+    def update_lengths(self, lengths) -> None:
+        """Follow the rows' lengths changed on the device: a ``workqueue`` plan copies them into its
+        device block table and re-plans on the GPU, on the current stream (no host work, graph-
+        capturable). Other routes are planned on the host and refuse (plan again).
+
+        Parameters
+        ----------
+        lengths : torch.Tensor
+            int32 [B] on the plan's device: each row's new length, within the pages its block
+            table holds (the batch the plan was made for).
+        """
+        require(self.route == "workqueue",
+                f"a {self.route} plan is planned on the host and cannot follow lengths on the device; "
+                f"plan the step again")
+        self.view("packed")[: self.batch_size].copy_(lengths)
+        self.engine.replan_device(self)
+
     def counters(self) -> dict:
         """Workload counters (plan.StepCounters) of this step; computed on demand on the host."""
         host = self.host_plan if self.host_plan is not None else self._host_equivalent()

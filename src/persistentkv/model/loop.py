@@ -226,8 +226,7 @@ def write_lengths(plan, lengths) -> None:
         keys = torch.arange(plan.kv_len, device=lengths.device)
         torch.lt(keys[None, :], lengths[:, None], out=plan.mask.view(plan.batch_size, plan.kv_len))
     else:  # the GPU-planned queue
-        plan.view("packed")[: plan.batch_size].copy_(lengths)
-        plan.engine.replan_device(plan)
+        plan.update_lengths(lengths)
 
 
 class DecodeLoop:
