@@ -218,6 +218,7 @@ struct Params {
   const kv_t* k;         // [pages, P, Hkv, D]: page stride kv_sp, token stride kv_st, head stride D
   const kv_t* v;
   kv_t* out;             // [B, Hq, D] with strides o_sb, o_sh
+  float* lse;            // [B, Hq] contiguous, natural-log LSE of the scaled scores; nullptr: not asked for
   const int* kv_indices; // CSR page ids; a row's pages start at item.page_base
   const int4* items;     // [n, 2] int4 (8 ints per item)
   const int* num_items;  // device item count (GPU-planned launches) or nullptr
@@ -240,9 +241,20 @@ __device__ __forceinline__ void fold(float4& acc, float& den, float w, const flo
   acc.w += w * o.w;
 }
 
-// A merged float4 of query head qh (of the row): out = acc / den, 0 when every split was empty.
-__device__ __forceinline__ void write_merged(const Params& p, int row, int qh, int d, const float4& acc, float den) {
+// ln(2): the LSE is kept in log2 units of the scaled scores and handed out in natural-log units.
+constexpr float LN2 = 0.693147180559945f;
+
+// The row's LSE of query head qh (natural log), from a base-2 state: m2 + log2(den), -inf if empty.
+__device__ __forceinline__ void write_lse(const Params& p, int row, int qh, float lse2) {
+  p.lse[(long long)row * (p.num_kv_heads * p.group_size) + qh] = lse2 * LN2;
+}
+
+// A merged float4 of query head qh (of the row): out = acc / den, 0 when every split was empty;
+// with its LSE (m + log2(den)) when asked for, written once per query head (d == 0).
+__device__ __forceinline__ void write_merged(const Params& p, int row, int qh, int d, const float4& acc, float den,
+                                             float m) {
   const float inv = den > 0.f ? 1.f / den : 0.f;
+  if (p.lse != nullptr && d == 0) write_lse(p, row, qh, den > 0.f ? m + __log2f(den) : NEG_INF);
   kv_t* dst = p.out + row * p.o_sb + (long long)qh * p.o_sh + d;
   dst[0] = to_kv(acc.x * inv);
   dst[1] = to_kv(acc.y * inv);
@@ -310,8 +322,8 @@ __device__ __forceinline__ void fold_each(const Params& p, int base, int n, int 
 // Merge the partial states of one (row, kv head) into its output: slots base, base + stride, ...
 // (n of them). Each thread owns one float4 of one query head's output.
 __device__ void merge_group(const Params& p, int row, int head, int base, int n, int stride = 1) {
-  fold_each(p, base, n, stride, [&](int g, int d, float, float den, const float4& acc) {
-    write_merged(p, row, head * p.group_size + g, d, acc, den);
+  fold_each(p, base, n, stride, [&](int g, int d, float m, float den, const float4& acc) {
+    write_merged(p, row, head * p.group_size + g, d, acc, den, m);
   });
 }
 
@@ -557,6 +569,7 @@ __device__ __forceinline__ void combine_and_store(const Params& p, int slot, con
       kv_t* dst = p.out + it.row * p.o_sb + (long long)(it.head * G + g) * p.o_sh + d;
       dst[0] = to_kv(val.x);
       dst[1] = to_kv(val.y);
+      if (p.lse != nullptr && d == 0) write_lse(p, it.row, it.head * G + g, lse);
     } else {
       *reinterpret_cast<float2*>(p.part_o + ((long long)slot * G + g) * D + d) = val;
       if (d == 0) p.part_lse[(long long)slot * G + g] = lse;
@@ -693,10 +706,15 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
 
 using pkv::Params;
 
+// The GPU planner's block (pkv_plan below): threads, and the most rows its shared arrays hold.
+#define PKV_PLAN_THREADS 1024
+#define PKV_PLAN_MAX_ROWS 4096
+
 // Launch facts the host reads from the module (never restated in Python): dynamic shared
 // memory per decode CTA, threads per CTA, tokens per pipeline stage, pipeline stages (of K and of
-// V each), planner tile.
-extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32};
+// V each), planner tile, the planner's threads and its most rows.
+extern "C" __device__ const int pkv_config[7] = {pkv::SMEM_BYTES, pkv::THREADS, pkv::TILE, pkv::STAGES, 32,
+                                                 PKV_PLAN_THREADS, PKV_PLAN_MAX_ROWS};
 
 // This CTA's slot and item, or return when a GPU-planned launch has fewer items than CTAs. The
 // item is loaded together with the count, not after it: its buffer holds every CTA's slot
@@ -712,8 +730,9 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
   if ((int)blockIdx.x >= pkv_count || it.nsplit < 0 || it.page_base < 0) return
 
 #define PKV_DECODE_ARGS                                                                              \
-  const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, const int *kv_indices, const int4 *items, \
-      const int *num_items, float *part_o, float *part_lse, int *counters, int slot_offset,          \
+  const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, float *lse, const int *kv_indices,         \
+      const int4 *items, const int *num_items, float *part_o, float *part_lse, int *counters,        \
+      int slot_offset,                                                                               \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
       long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
 
@@ -721,7 +740,7 @@ extern "C" __device__ const int pkv_config[5] = {pkv::SMEM_BYTES, pkv::THREADS, 
 // pkv_decode_fused merges in the last CTA of each group.
 #define PKV_DECODE_KERNEL(NAME, FUSED)                                                                 \
   extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) NAME(PKV_DECODE_ARGS) { \
-    Params p{q, k, v, out, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,     \
+    Params p{q, k, v, out, lse, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,     \
              num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                        \
     PKV_TRACE_BEGIN;                                                                                 \
@@ -734,14 +753,16 @@ PKV_DECODE_KERNEL(pkv_decode_fused, true)
 
 // One CTA per merge group: groups[i] = (row, kv head, first slot, num splits).
 extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
-    const int4* groups, const float* part_o, const float* part_lse, kv_t* out, int group_size,
-    long long o_sb, long long o_sh) {
+    const int4* groups, const float* part_o, const float* part_lse, kv_t* out, float* lse, int group_size,
+    int num_kv_heads, long long o_sb, long long o_sh) {
   const int4 grp = groups[blockIdx.x];
   Params p{};
   p.part_o = const_cast<float*>(part_o);
   p.part_lse = const_cast<float*>(part_lse);
   p.out = out;
+  p.lse = lse;
   p.group_size = group_size;
+  p.num_kv_heads = num_kv_heads;
   p.o_sb = o_sb;
   p.o_sh = o_sh;
   pkv::merge_group(p, grp.x, grp.y, grp.z, grp.w);
@@ -758,8 +779,6 @@ extern "C" __global__ void __launch_bounds__(pkv::THREADS) pkv_merge(
 //     (128 tiles): chunk 4 tiles, 32 splits, 256 items; B=4 x 32768: closed 142, chunk 128, S_i = 8.
 //   S_i = ceil(T_i / chunk)
 //   item index of (row i, head h, split s) = Hkv * off_i + h * S_i + s,  off = exclusive scan of S
-#define PKV_PLAN_THREADS 1024
-#define PKV_PLAN_MAX_ROWS 4096
 extern "C" __global__ void __launch_bounds__(PKV_PLAN_THREADS) pkv_plan(
     const int* seq_lens, const int* kv_indptr, int batch, int num_kv_heads, int target_items,
     int min_chunk_tiles, int max_items, int* items, int* num_items) {

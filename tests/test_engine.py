@@ -35,6 +35,7 @@ def cpu_engine(capability=(9, 0), num_sms=H200_SMS, warps=4):
     engine.target_items = occupancy * num_sms
     engine.warps = warps
     engine.scale_log2 = 1.0
+    engine.sm_scale = 1.0
     engine._log2_page = 4
     engine._plan_function = 0
     engine.min_chunk_tiles = min_chunk_tiles_for(warps)
@@ -166,8 +167,9 @@ def test_gpu_plan_uploads_once_and_points_every_launch_at_its_views(lengths, hol
     block = decode.args
     pointers = list(block._params)
     assert pointers[0] == ctypes.addressof(block) and block.address == ctypes.addressof(block._params)
-    assert ctypes.c_int32.from_address(pointers[10]).value == 0 and \
-        ctypes.c_int32.from_address(pointers[11]).value == spec.num_kv_heads
+    names = [name for name, _ in block._fields_ if name != "_params"]
+    assert ctypes.c_int32.from_address(pointers[names.index("slot_offset")]).value == 0 and \
+        ctypes.c_int32.from_address(pointers[names.index("num_kv_heads")]).value == spec.num_kv_heads
 
 
 def test_run_writes_the_call_values_into_the_plans_blocks():
@@ -180,8 +182,147 @@ def test_run_writes_the_call_values_into_the_plans_blocks():
     engine.run(tensor, (cache, cache), plan, tensor, check=False)
     (decode,) = launched
     d = args_of(decode.args)
-    assert (d["q"], d["k"], d["v"], d["out"]) == (0x1000, 0x20000, 0x20000, 0x1000)
+    assert (d["q"], d["k"], d["v"], d["out"], d["lse"]) == (0x1000, 0x20000, 0x20000, 0x1000, 0)
     assert (d["kv_sp"], d["kv_st"], d["q_sb"], d["q_sh"], d["o_sb"], d["o_sh"]) == (16384, 1024, 4096, 128, 4096, 128)
+    # an LSE output is this call's only: the next call without one writes a null pointer again
+    lse = SimpleNamespace(data_ptr=lambda: 0x5000)
+    engine.run(tensor, (cache, cache), plan, tensor, lse=lse, check=False)
+    assert args_of(decode.args)["lse"] == 0x5000
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    assert args_of(decode.args)["lse"] == 0
+
+
+def test_sm_scale_is_the_plans():
+    """plan(sm_scale=) sets the scale its decode launches apply (in log2 units), for that plan only;
+    the engine's default is 1 / sqrt(head_dim); a scale that is not finite and > 0 is refused."""
+    import math
+
+    from persistentkv.engine import LOG2E
+
+    engine, _ = fake_engine()
+    engine.sm_scale, engine.scale_log2 = 1 / math.sqrt(128), np.float32(LOG2E / math.sqrt(128))
+    batch = make_batch(engine.spec, [300, 5000], seed=2)
+    for route in ("workqueue", "split", "buckets"):
+        scaled = engine.plan(batch, route, sm_scale=0.05)
+        default = engine.plan(batch, route)
+        decodes = [l for l in scaled.launches if l.kind in ("decode", "fused")]
+        assert decodes and all(l.args.scale_log2 == pytest.approx(0.05 * LOG2E, rel=1e-6) for l in decodes)
+        assert scaled.sm_scale == 0.05 and default.sm_scale == pytest.approx(1 / math.sqrt(128))
+        assert all(l.args.scale_log2 == pytest.approx(LOG2E / math.sqrt(128), rel=1e-6)
+                   for l in default.launches if l.kind in ("decode", "fused"))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(PKVError, match="sm_scale must be finite and > 0"):
+            engine.plan(batch, "workqueue", sm_scale=bad)
+
+
+def test_merge_launches_write_the_lse_of_the_call():
+    """A host-planned plan's separate merge launch gets the call's output and LSE pointers."""
+    engine, launched = fake_engine()
+    plan = engine.plan(make_batch(engine.spec, [4096, 70], seed=1), "split", num_splits=8)
+    launched.clear()
+    tensor = SimpleNamespace(data_ptr=lambda: 0x1000, stride=lambda: (4096, 128, 1))
+    cache = SimpleNamespace(data_ptr=lambda: 0x20000, stride=lambda: (16384, 1024, 128, 1))
+    engine.run(tensor, (cache, cache), plan, tensor, lse=SimpleNamespace(data_ptr=lambda: 0x7000), check=False)
+    merges = [l for l in launched if l.kind == "merge"]
+    assert merges and all((l.args.out, l.args.lse, l.args.num_kv_heads) == (0x1000, 0x7000, engine.spec.num_kv_heads)
+                          for l in merges)
+
+
+class FakeWorkspace(FakeTensor):
+    """A caller's workspace as plan(workspace=) sees it: a contiguous tensor on the engine's device."""
+
+    def __init__(self, nbytes: int, log: list, device):
+        super().__init__(np.zeros(nbytes // 4, dtype=np.int32), log)
+        self.device, self.nbytes = device, nbytes
+
+    def is_contiguous(self):
+        return True
+
+    def element_size(self):
+        return 4
+
+    def view(self, shape_or_dtype):
+        if shape_or_dtype in (np.uint8, np.int32):
+            return FakeTensor(self.a.view(shape_or_dtype), self.log)
+        return super().view(shape_or_dtype)
+
+
+def test_a_callers_workspace_holds_the_plan_at_the_same_addresses():
+    """plan(workspace=) allocates nothing on the device and puts every part of the plan into the
+    caller's buffer; two plans of the same shape into it share every launch address (what a
+    captured graph needs); workspace_bytes is exactly what a plan uses; too small a buffer, or one
+    for a host-planned route, is refused with one line."""
+    engine, _ = fake_engine()
+    engine.torch.Tensor, engine.torch.uint8 = FakeWorkspace, np.uint8
+    engine.device = "cuda:0"
+    first = make_batch(engine.spec, [4096, 300, 9000], seed=1)
+    second = make_batch(engine.spec, [4090, 290, 8995], seed=2)   # as many pages, other lengths
+    assert first.kv_indices.size == second.kv_indices.size
+    need = engine.workspace_bytes(3, first.kv_indices.size)
+    own = engine.plan(first, "workqueue")
+    assert need == 4 * own.buffers["workspace"].numel()
+    ws = FakeWorkspace(need + 64, engine.torch.log, "cuda:0")
+    engine.torch.log.clear()
+    a = engine.plan(first, "workqueue", workspace=ws)
+    assert [entry[0] for entry in engine.torch.log] == ["pinned", "copy"]  # no device allocation
+    assert a.buffers["workspace"].data_ptr() == ws.data_ptr()
+    b = engine.plan(second, "workqueue", workspace=ws)
+    for la, lb in zip(a.launches, b.launches):
+        assert args_of(la.args) == args_of(lb.args) or la.kind == "plan"
+    assert args_of(a.launches[0].args)["items"] == args_of(b.launches[0].args)["items"]
+    assert b.view("packed").numpy()[:3].tolist() == [4090, 290, 8995]
+    with pytest.raises(PKVError, match=f"workspace holds {need - 4} bytes; this plan needs {need}"):
+        engine.plan(first, "workqueue", workspace=FakeWorkspace(need - 4, [], "cuda:0"))
+    with pytest.raises(PKVError, match="workspace must be a contiguous torch tensor on cuda:0"):
+        engine.plan(first, "workqueue", workspace=FakeWorkspace(need, [], "cuda:1"))
+    with pytest.raises(PKVError, match="workspace= is for the workqueue route"):
+        engine.plan(first, "split", workspace=ws)
+
+
+def test_update_lengths_replans_on_the_device_or_refuses():
+    """update_lengths writes the rows' lengths into a workqueue plan and launches its planner again
+    (nothing on the host); a host-planned plan refuses with one line."""
+    engine, launched = fake_engine()
+    plan = engine.plan(make_batch(engine.spec, [4096, 300], seed=1), "workqueue")
+    launched.clear()
+    plan.update_lengths(FakeTensor(np.array([4000, 299], dtype=np.int32), []))
+    assert launched == [plan.launches[0]]
+    assert plan.view("packed").numpy()[:2].tolist() == [4000, 299]
+    with pytest.raises(PKVError, match="a split plan is planned on the host and cannot follow lengths"):
+        engine.plan(make_batch(engine.spec, [300], seed=1), "split").update_lengths(None)
+
+
+def test_a_second_stream_waits_for_the_plans_last_launch():
+    """run() on a stream other than the plan's last one orders it after that stream first (one
+    event, only on a change, none inside a capture); the plan then belongs to the new stream."""
+    engine, launched = fake_engine()
+    calls = []
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", stream))
+
+    cuda = SimpleNamespace(Event=Event, ExternalStream=lambda ptr, device=None: ("stream", ptr),
+                           is_current_stream_capturing=lambda: capturing[0],
+                           current_stream=lambda device=None: SimpleNamespace(
+                               wait_event=lambda event: calls.append(("wait", current[0]))))
+    engine.torch.cuda = cuda
+    current, capturing = [11], [False]
+    engine._raw_stream = lambda index: current[0]
+    plan = engine.plan(make_batch(engine.spec, [4096], seed=1), "workqueue")
+    assert plan.stream == 11
+    tensor = SimpleNamespace(data_ptr=lambda: 0x1000, stride=lambda: (4096, 128, 1))
+    cache = SimpleNamespace(data_ptr=lambda: 0x20000, stride=lambda: (16384, 1024, 128, 1))
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    assert calls == []                                   # the planner's stream: nothing to wait for
+    current[0] = 22
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    assert calls == [("record", ("stream", 11)), ("wait", 22)] and plan.stream == 22
+    calls.clear()
+    current[0], capturing[0] = 33, True                  # a capture: no wait recorded, the stream followed
+    engine.run(tensor, (cache, cache), plan, tensor, check=False)
+    assert calls == [] and plan.stream == 33
 
 
 def test_view_names_what_a_plan_has():
@@ -361,8 +502,8 @@ def test_run_launches_the_plans_kernels_in_order_and_replan_only_the_planner():
     engine._raw_stream = lambda index: 0
     seen = []
     engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append(function))
-    decode = [KernelLaunch("decode", 4, arg_block(DecodeArgs, *[0] * 21), f) for f in (1, 2)]
-    merge = KernelLaunch("merge", 2, arg_block(MergeArgs, *[0] * 7), 9)
+    decode = [KernelLaunch("decode", 4, arg_block(DecodeArgs, *[0] * 22), f) for f in (1, 2)]
+    merge = KernelLaunch("merge", 2, arg_block(MergeArgs, *[0] * 9), 9)
     fake = SimpleNamespace(data_ptr=lambda: 64, stride=lambda: (24, 12, 8, 1))
     plan = DevicePlan("workqueue", engine.spec, 1, [KernelLaunch("plan", 1, arg_block(PlanArgs, *[0] * 9), 5),
                                                    decode[0], merge, decode[1]])
@@ -402,3 +543,23 @@ def test_parameter_blocks_follow_the_kernels_signatures():
     for layout, text in ((DecodeArgs, decode), (MergeArgs, merge), (PlanArgs, plan)):
         names = [n for n, _ in layout._fields_ if n != "_params"]
         assert names == params(text), layout.__name__
+
+
+def test_engines_are_cached_per_device_and_options(monkeypatch):
+    """engine_for keys its cache on the device as well as the spec and options: an engine made on
+    one GPU is never handed out for another."""
+    from persistentkv import engine as engine_module
+
+    made = []
+
+    class Recorder:
+        def __init__(self, spec, device, **options):
+            made.append((device, options))
+
+    monkeypatch.setattr(engine_module, "DecodeEngine", Recorder)
+    monkeypatch.setattr(engine_module, "_ENGINES", {})
+    spec = AttentionSpec(32, 8, 128, 16, "float16")
+    a, b, c = (engine_module.engine_for(spec, device=d) for d in (0, 1, 0))
+    assert a is c and a is not b
+    assert engine_module.engine_for(spec, device=1, warps=8) is not b
+    assert made == [(0, {}), (1, {}), (1, {"warps": 8})]

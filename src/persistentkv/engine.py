@@ -1,8 +1,8 @@
 """The GPU engine: our decode kernels on torch tensors, in plan/run shape.
 
-    engine = DecodeEngine(spec)                     # compiles (once, cached by CuPy) and loads
-    plan = engine.plan(batch, route="workqueue")   # once per decode step
-    engine.run(q, (k_cache, v_cache), plan, out)   # once per layer; graph-capturable
+    engine = engine_for(spec)                       # compiles (once, cached by CuPy) and loads; per device
+    plan = engine.plan(batch, sm_scale=None)        # once per decode step
+    engine.run(q, (k_cache, v_cache), plan, out, lse=None)   # once per layer; graph-capturable
 
 ``run`` takes torch tensors and passes their device pointers straight to the kernels: no copies,
 no allocation, no host synchronisation, launched on torch's current stream, so a step can be
@@ -10,28 +10,25 @@ captured in a CUDA graph. Routes (names.ENGINE_ROUTES):
 
 * ``workqueue`` (default): the balanced compact queue, planned ON THE GPU by ``pkv_plan`` from the
   device sequence lengths (no host round trip), one fused launch (the last CTA of each
-  (row, kv head) merges; in two levels when it split more than 16 ways). ``replan_device``
-  re-plans it from lengths changed on the device, so a whole step (plan + layers) can be one CUDA
-  graph.
+  (row, kv head) merges; in two levels when it split more than 16 ways).
+  ``plan.update_lengths(lengths)`` re-plans it from lengths changed on the device, so a whole step
+  (plan + layers) can be one CUDA graph; ``plan(..., workspace=)`` puts it in a caller-owned
+  buffer, so plans of one shape share every address and a captured graph serves each of them.
 * ``buckets``: one decode + merge launch pair per exact-length bucket, as published.
 * ``split``: the rectangular B x Hkv x S grid with its empty splits, decode + merge.
 
 Supported: fp16 and bf16; head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
-(powers of two; 8-128 are the tested range); batch up to 4096 rows on the GPU planner (65535
-on the host-planned routes). Anything else is refused in ``DecodeEngine`` or ``plan`` with one
-line.
+(powers of two; 8-128 are the tested range); batch up to the GPU planner's rows
+(``module.plan_max_rows``, 4096) on ``workqueue`` (65535 on the host-planned routes). Anything
+else is refused in ``DecodeEngine`` or ``plan`` with one line.
 
 ``warps`` (default 4) picks the module's CTA shape: 8 warps stream 128-token pipeline stages
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
 SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqueue.
 
-Every kernel launches plainly, after the kernel before it on the stream has completed. Launching
-the decode kernels with programmatic dependent launch, their item, page ids and first K/V stages
-read while the preceding kernel finished, made attention timed back to back faster and the full
-decode step slower (benchmarks/NOTES.md, "Tried and rejected"); b3dd932 is the last commit with it.
-Measured again behind the step's own append, which signals its dependents at its entry, it saved
-0.02-0.5 % of the step with early ids and cost 0.3-0.7 % at B=1 with early K/V (fe17613 is the
-last commit with that form).
+Every kernel launches plainly, after the kernel before it on the stream has completed (launches
+with programmatic dependent launch were measured and rejected: benchmarks/NOTES.md, "Tried and
+rejected").
 
 ``trace`` (development): builds the module with the CTA trace stamps (kernels/pkv_trace.cuh) that
 benchmarks/trace_cta.py reads; never for serving.
@@ -40,6 +37,7 @@ benchmarks/trace_cta.py reads; never for serving.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +47,11 @@ from . import plan as planner
 from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
-from .launch import (DEFAULT_WARPS, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs, PTRS, STRIDES6, arg_block,
-                     load_module, min_chunk_tiles_for, warps_unsupported)
+from .launch import (DEFAULT_WARPS, ENGINE_DTYPES, MAX_GROUP_SIZE, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs,
+                     PTRS, STRIDES6, arg_block, load_module, min_chunk_tiles_for, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
 
-GPU_PLAN_MAX_ROWS = 4096  # PKV_PLAN_MAX_ROWS in the kernel
-PLAN_THREADS = 1024       # PKV_PLAN_THREADS in the kernel
-MAX_GROUP_SIZE = 16       # query heads per kv head: the 16 rows of one mma tile
-ENGINE_DTYPES = ("float16", "bfloat16")
 LOG2E = 1.4426950408889634
 
 
@@ -124,10 +118,17 @@ class DevicePlan:
     engine: Any = field(default=None, repr=False, compare=False)
     #: pages the block table addresses (Batch.num_pages): the cache passed to run() must hold them
     num_pages: int = 0
+    #: the softmax scale its launches apply to q.k (plan()'s sm_scale, 1/sqrt(head_dim) by default)
+    sm_scale: float = 0.0
+    #: the raw CUDA stream its last launch went to (plan()'s, then each run()'s)
+    stream: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self):
         #: what run() launches, in order (the GPU planner's launch is plan()'s and replan_device()'s)
         self.run_launches = tuple(l for l in self.launches if l.kind != "plan")
+        #: held while run() writes this call's pointers into the launches' parameter blocks and
+        #: launches them, so two host threads never interleave their stores
+        self.lock = threading.Lock()
 
     @property
     def num_launches(self) -> int:
@@ -218,7 +219,9 @@ class DecodeEngine:
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._raw_stream = raw if raw is not None else (
             lambda index: torch.cuda.current_stream(index).cuda_stream)
-        self.scale_log2 = float(np.float32(LOG2E / math.sqrt(spec.head_dim)))
+        #: the default softmax scale (plan()'s sm_scale overrides it per plan)
+        self.sm_scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale_log2 = float(np.float32(LOG2E * self.sm_scale))
         self._log2_page = int(math.log2(spec.page_size))
         self._plan_function = self.module.functions["pkv_plan"].ptr
         self._last_check = None
@@ -239,7 +242,7 @@ class DecodeEngine:
         return dev
 
     def plan(self, batch: Batch, route: str = "workqueue", *, num_splits: int = 32, target_items: int | None = None,
-             min_chunk_tiles: int | None = None) -> DevicePlan:
+             min_chunk_tiles: int | None = None, sm_scale: float | None = None, workspace=None) -> DevicePlan:
         """Plan one decode step; once per step, reused by every layer.
 
         Parameters
@@ -252,6 +255,15 @@ class DecodeEngine:
             S of the ``buckets`` and ``split`` routes.
         target_items, min_chunk_tiles : int, optional
             The balanced queue's wave and smallest item (default: the engine's).
+        sm_scale : float, optional
+            The softmax scale applied to q.k (default ``1 / sqrt(head_dim)``); finite and > 0.
+        workspace : torch.Tensor, optional
+            ``workqueue`` only: a caller-owned contiguous CUDA buffer on the engine's device, of
+            any dtype, 16-byte aligned, at least ``workspace_bytes(B, len(kv_indices))`` bytes. The
+            plan lives in it instead of a fresh allocation: plans of the same batch size and
+            block-table length made into one workspace share every address, so a CUDA graph
+            captured over one plan's run() stays valid for the next (FlashInfer's fixed buffers).
+            A workspace serves one plan at a time: planning into it overwrites the last plan.
 
         Returns
         -------
@@ -265,26 +277,33 @@ class DecodeEngine:
             raise PKVError(f"unknown route {route!r}; expected one of {', '.join(ENGINE_ROUTES)}")
         if batch.spec != self.spec:
             raise PKVError(f"batch spec {batch.spec} != engine spec {self.spec}")
+        if sm_scale is None:
+            scale, scale_log2 = self.sm_scale, self.scale_log2
+        else:
+            scale = float(sm_scale)
+            require(math.isfinite(scale) and scale > 0, f"sm_scale must be finite and > 0, got {sm_scale!r}")
+            scale_log2 = float(np.float32(LOG2E * scale))
         if route == "workqueue":
             return self._plan_device(batch, int(target_items or self.target_items),
-                                     int(min_chunk_tiles or self.min_chunk_tiles))
+                                     int(min_chunk_tiles or self.min_chunk_tiles), scale, scale_log2, workspace)
+        require(workspace is None, f"workspace= is for the workqueue route; a {route} plan allocates its own buffers")
         if route == "buckets":
             host = planner.plan_buckets(batch, num_splits=int(num_splits))
         else:
             host = planner.plan_split(batch, num_splits=int(num_splits))
-        return self._upload(batch, host)
+        return self._upload(batch, host, scale, scale_log2)
 
     def _decode_launch(self, kind: str, grid: int, kv_indices: int, items: int, num_items: int, part_o: int,
-                       part_lse: int, counters: int, slot_offset: int) -> KernelLaunch:
-        """A decode launch over the given device addresses (its q/k/v/out and strides are run()'s)."""
+                       part_lse: int, counters: int, slot_offset: int, scale_log2: float) -> KernelLaunch:
+        """A decode launch over the given device addresses (its q/k/v/out/lse and strides are run()'s)."""
         spec, mod = self.spec, self.module
-        args = arg_block(DecodeArgs, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
+        args = arg_block(DecodeArgs, 0, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
                          slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
-                         self.scale_log2)
+                         scale_log2)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
         return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes)
 
-    def _upload(self, batch: Batch, host: planner.Plan) -> DevicePlan:
+    def _upload(self, batch: Batch, host: planner.Plan, scale: float, scale_log2: float) -> DevicePlan:
         """A host plan's items (as the kernels read them), page table and merge groups on the
         device, and its launches."""
         torch, spec = self.torch, self.spec
@@ -306,77 +325,126 @@ class DecodeEngine:
         for launch in host.launches:
             if launch.kind == "merge":
                 args = arg_block(MergeArgs, ptr["merge_groups"] + 16 * launch.start, ptr["part_o"], ptr["part_lse"],
-                                 0, spec.group_size, 0, 0)
+                                 0, 0, spec.group_size, spec.num_kv_heads, 0, 0)
                 launches.append(KernelLaunch("merge", launch.size, args, self.module.functions["pkv_merge"].ptr,
-                                       self.module.threads, 0))
+                                             self.module.threads, 0))
             elif launch.size:
                 launches.append(self._decode_launch(launch.kind, launch.size, ptr["kv_indices"], ptr["items"], 0,
-                                                    ptr["part_o"], ptr["part_lse"], ptr["counters"], launch.start))
+                                                    ptr["part_o"], ptr["part_lse"], ptr["counters"], launch.start,
+                                                    scale_log2))
         return DevicePlan(host.route, spec, batch.batch_size, launches, buffers, host, warps=self.warps, engine=self,
-                          num_pages=batch.num_pages)
+                          num_pages=batch.num_pages, sm_scale=scale, stream=self._stream())
 
-    def _plan_device(self, batch: Batch, target_items: int, min_chunk: int) -> DevicePlan:
-        """The GPU-planned queue. Its host work is what a serving loop pays before each step's
-        first launch, so it makes one device allocation, one asynchronous copy from pinned memory
-        (torch's caching host allocator keeps the staging block until the copy is done), no fill
-        kernel and no tensor views, then launches the planner. Layout of the workspace, in int32
-        elements, each part 16-byte aligned (items are read as int4, states as float4):
+    def _workspace_layout(self, batch_size: int, num_indices: int, target_items: int) -> dict[str, int]:
+        """Offsets (int32 elements) of a GPU-planned plan's workspace, each part 16-byte aligned
+        (items are read as int4, states as float4):
             seq_lens | indptr | indices (one 0 when empty) | counters (zeros) || num_items | items | states
-        everything before || uploaded in that one copy; the planner writes num_items and items,
-        the decode kernel the float32 states (part_o [max_items, G, D], then part_lse [max_items, G])."""
-        B, nnz, spec, torch = batch.batch_size, int(batch.kv_indices.size), self.spec, self.torch
-        if B > GPU_PLAN_MAX_ROWS:
-            raise PKVError(f"batch size {B} exceeds the GPU planner's {GPU_PLAN_MAX_ROWS} rows; "
-                           f"use route buckets or split")
+        everything before || uploaded in one copy; the planner writes num_items and items, the
+        decode kernel the float32 states (part_o [max_items, G, D], then part_lse [max_items, G])."""
+        B, spec = batch_size, self.spec
         max_items = planner.max_workqueue_items(B, spec.num_kv_heads, target_items)
+        n_packed = 2 * B + 1 + num_indices
+        counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
+        num = (counters + max_items + 3) & ~3  # per slot: the fused merge's arrivals
+        items = num + 4
+        states = items + 8 * max_items
+        n_part_o = max_items * spec.group_size * spec.head_dim
+        return {"max_items": max_items, "packed": n_packed, "counters": counters, "num_items": num, "items": items,
+                "states": states, "part_o": n_part_o, "total": states + n_part_o + max_items * spec.group_size}
+
+    def workspace_bytes(self, batch_size: int, num_indices: int, target_items: int | None = None) -> int:
+        """Bytes of the caller-owned ``workspace`` a ``workqueue`` plan of ``batch_size`` rows and
+        ``num_indices`` block-table entries needs (plan(..., workspace=)).
+
+        Parameters
+        ----------
+        batch_size : int
+            Rows of the step (B), at most the GPU planner's rows (``module.plan_max_rows``).
+        num_indices : int
+            Entries of its block table (``len(kv_indices)``: pages over all rows).
+        target_items : int, optional
+            The queue's wave (default: the engine's), as passed to plan().
+
+        Returns
+        -------
+        int
+            Bytes; a larger buffer serves as well.
+        """
+        require(batch_size >= 1 and num_indices >= 0, f"workspace_bytes needs batch_size >= 1 and num_indices >= 0, "
+                                                       f"got {batch_size}, {num_indices}")
+        return 4 * self._workspace_layout(int(batch_size), int(num_indices), int(target_items or self.target_items))[
+            "total"]
+
+    def _caller_workspace(self, workspace, elements: int):
+        """The first ``elements`` int32 of a caller's workspace, or a one-line PKVError."""
+        torch = self.torch
+        require(isinstance(workspace, torch.Tensor) and workspace.device == self.device and workspace.is_contiguous(),
+                f"workspace must be a contiguous torch tensor on {self.device}")
+        require(workspace.data_ptr() % 16 == 0, "workspace must be 16-byte aligned")
+        nbytes = workspace.numel() * workspace.element_size()
+        require(nbytes >= 4 * elements, f"workspace holds {nbytes} bytes; this plan needs {4 * elements} "
+                                        f"(engine.workspace_bytes)")
+        return workspace.view(torch.uint8)[:4 * elements].view(torch.int32)
+
+    def _plan_device(self, batch: Batch, target_items: int, min_chunk: int, scale: float, scale_log2: float,
+                     workspace=None) -> DevicePlan:
+        """The GPU-planned queue. Its host work is what a serving loop pays before each step's
+        first launch, so it makes one device allocation (none with a caller's workspace), one
+        asynchronous copy from pinned memory (torch's caching host allocator keeps the staging
+        block until the copy is done), no fill kernel and no tensor views, then launches the
+        planner (layout: _workspace_layout)."""
+        B, nnz, spec, torch = batch.batch_size, int(batch.kv_indices.size), self.spec, self.torch
+        if B > self.module.plan_max_rows:
+            raise PKVError(f"batch size {B} exceeds the GPU planner's {self.module.plan_max_rows} rows; "
+                           f"use route buckets or split")
+        at = self._workspace_layout(B, nnz, target_items)
+        max_items, n_packed, o_num = at["max_items"], at["packed"], at["num_items"]
         G, D = spec.group_size, spec.head_dim
-        n_packed = 2 * B + 1 + nnz
-        o_counters = (n_packed + 4) & ~3  # at least one index slot, rounded up to 4 ints
-        n_counters = max_items  # per slot: the fused merge's arrivals (a group's, its subgroups')
-        o_num = (o_counters + n_counters + 3) & ~3
-        o_items = o_num + 4
-        o_states = o_items + 8 * max_items
-        n_part_o = max_items * G * D
         staging = torch.empty((o_num,), dtype=torch.int32, pin_memory=True)
         host = staging.numpy()
         np.concatenate((batch.seq_lens, batch.kv_indptr, batch.kv_indices), out=host[:n_packed])
         host[n_packed:] = 0
-        workspace = torch.empty((o_states + n_part_o + max_items * G,), dtype=torch.int32, device=self.device)
+        if workspace is None:
+            workspace = torch.empty((at["total"],), dtype=torch.int32, device=self.device)
+        else:
+            workspace = self._caller_workspace(workspace, at["total"])
         upload = workspace[:o_num]
         upload.copy_(staging, non_blocking=True)
         base = workspace.data_ptr()
-        items, num_items, states = base + 4 * o_items, base + 4 * o_num, base + 4 * o_states
+        items, num_items, states = base + 4 * at["items"], base + 4 * o_num, base + 4 * at["states"]
         plan_args = arg_block(PlanArgs, base, base + 4 * B, B, spec.num_kv_heads, target_items, min_chunk, max_items,
                               items, num_items)
-        launches = [KernelLaunch("plan", 1, plan_args, self._plan_function, PLAN_THREADS, 0),
+        launches = [KernelLaunch("plan", 1, plan_args, self._plan_function, self.module.plan_threads, 0),
                     self._decode_launch("fused", max_items, base + 4 * (2 * B + 1), items, num_items, states,
-                                        states + 4 * n_part_o, base + 4 * o_counters, 0)]
+                                        states + 4 * at["part_o"], base + 4 * at["counters"], 0, scale_log2)]
         f32 = torch.float32
 
         def regions() -> dict:
             return {"packed": (0, n_packed, (n_packed,), None),
                     "kv_indices": (2 * B + 1, max(nnz, 1), (max(nnz, 1),), None),
-                    "counters": (o_counters, n_counters, (n_counters,), None),
-                    "num_items": (o_num, 1, (1,), None), "items": (o_items, 8 * max_items, (max_items, 8), None),
-                    "part_o": (o_states, n_part_o, (max_items, G, D), f32),
-                    "part_lse": (o_states + n_part_o, max_items * G, (max_items, G), f32)}
+                    "counters": (at["counters"], max_items, (max_items,), None),
+                    "num_items": (o_num, 1, (1,), None), "items": (at["items"], 8 * max_items, (max_items, 8), None),
+                    "part_o": (at["states"], at["part_o"], (max_items, G, D), f32),
+                    "part_lse": (at["states"] + at["part_o"], max_items * G, (max_items, G), f32)}
 
+        stream = self._stream()
         plan = DevicePlan("workqueue", spec, B, launches, {"workspace": workspace, "upload": upload}, None,
                           warps=self.warps, _make_regions=regions, engine=self, num_pages=batch.num_pages,
                           _host_equivalent=lambda: planner.plan_workqueue(
-                              batch, target_items=target_items, min_chunk_tiles=min_chunk))
-        self._launch(launches[0], self._stream())
+                              batch, target_items=target_items, min_chunk_tiles=min_chunk),
+                          sm_scale=scale, stream=stream)
+        self._launch(launches[0], stream)
         return plan
 
     def replan_device(self, plan: DevicePlan) -> None:
         """Re-run the GPU planner of a ``workqueue`` plan on the current stream: no host work,
-        graph-capturable.
+        graph-capturable. ``plan.update_lengths(lengths)`` writes new lengths and calls it.
 
         Parameters
         ----------
         plan : DevicePlan
-            A ``workqueue`` plan whose lengths the caller changed on the device, in
-            ``plan.view("packed")[:B]`` (int32 [B]), within the pages its block table holds.
+            A ``workqueue`` plan whose lengths changed on the device, within the pages its block
+            table holds.
         """
         require(plan.route == "workqueue", "only GPU-planned (workqueue) plans follow lengths changed on the device")
         self._launch(plan.launches[0], self._stream())
@@ -395,7 +463,20 @@ class DecodeEngine:
         torch.cuda.graph)."""
         return self._raw_stream(self._device_index)
 
-    def _check(self, q, k, v, out, plan: DevicePlan) -> None:
+    def _follow_stream(self, plan: DevicePlan, stream: int) -> None:
+        """``plan`` last launched on another stream: order this stream after everything queued
+        there so far (its planner, its last run), since the plan's partial states and arrival
+        counters serve one run at a time. Inside a CUDA-graph capture no wait is recorded (an
+        event from outside a capture cannot be waited on in it; torch.cuda.graph synchronises the
+        device before it captures)."""
+        torch = self.torch
+        if plan.stream and not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(plan.stream, device=self.device))
+            torch.cuda.current_stream(self.device).wait_event(event)
+        plan.stream = stream
+
+    def _check(self, q, k, v, out, lse, plan: DevicePlan) -> None:
         """Refuse what the kernels cannot run right (run() calls it when its key changes)."""
         spec = self.spec
         expect_q = (plan.batch_size, spec.num_qo_heads, spec.head_dim)
@@ -404,6 +485,12 @@ class DecodeEngine:
         for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
             require(t.dtype == self.torch_dtype, f"{name} has dtype {t.dtype}, expected {self.torch_dtype}")
             require(t.device == self.device, f"{name} is on {t.device}, expected {self.device}")
+        if lse is not None:
+            expect_lse = (plan.batch_size, spec.num_qo_heads)
+            require(tuple(lse.shape) == expect_lse and lse.dtype == self.torch.float32 and lse.is_contiguous()
+                    and lse.device == self.device,
+                    f"lse must be a contiguous float32 tensor {list(expect_lse)} on {self.device}, got "
+                    f"{lse.dtype} {list(lse.shape)} on {lse.device}")
         kv_shape = (spec.page_size, spec.num_kv_heads, spec.head_dim)
         require(tuple(k.shape[1:]) == kv_shape and k.dim() == 4,
                 f"k_cache has shape {tuple(k.shape)}, expected [num_pages, {', '.join(map(str, kv_shape))}]")
@@ -424,7 +511,7 @@ class DecodeEngine:
                 f"k_cache strides {ks} unsupported: the kernels address a page and a token row in it with "
                 f"32-bit byte offsets (page stride x {esize} B must stay below 4 GiB)")
 
-    def run(self, q, cache, plan: DevicePlan, out, check: bool = True) -> None:
+    def run(self, q, cache, plan: DevicePlan, out, lse=None, check: bool = True) -> None:
         """One layer of decode attention, launched on torch's current stream.
 
         Parameters
@@ -433,37 +520,55 @@ class DecodeEngine:
             [B, Hq, D] of the engine's dtype, on its device; D contiguous, even strides.
         cache : tuple of torch.Tensor
             (K, V), each [num_pages, page_size, Hkv, D] (NHD), strides [8a, 8b, D, 1] elements,
-            16-byte aligned, page stride below 4 GiB; at least ``plan.num_pages`` pages.
+            16-byte aligned, page stride below 4 GiB; at least ``plan.num_pages`` pages. K and V
+            may be views into one buffer (e.g. ``kv[:, 0]`` and ``kv[:, 1]`` of a
+            [pages, 2, P, Hkv, D] cache); they must share strides.
         plan : DevicePlan
-            This step's plan, from this engine (or the engine that planned it).
+            This step's plan, from this engine.
         out : torch.Tensor
-            [B, Hq, D], written in full.
+            [B, Hq, D] of the engine's dtype, written in full.
+        lse : torch.Tensor, optional
+            float32 [B, Hq], contiguous: written with each (row, query head)'s log-sum-exp of the
+            scaled scores, natural log (``logsumexp(sm_scale * q.k)`` over the row's tokens).
         check : bool
             Check the tensors again when anything about them differs from the last call's
             (1.5-3 us of host time); ``False`` skips it for callers that guarantee them (a wrong
             tensor is then a wrong answer, not an error).
+
+        Notes
+        -----
+        A plan's partial states and arrival counters serve one run at a time. run() on a stream
+        other than the plan's last one first orders that stream after the plan's last launch
+        (one event, only when the stream changes), so two streams may share a plan and their runs
+        of it serialise; for runs that overlap, plan once per stream. Host threads may share a
+        plan: its parameter blocks are written and launched under the plan's lock.
         """
         k, v = cache
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        lse_ptr = 0 if lse is None else lse.data_ptr()
         qs, os_, ks = q.stride(), out.stride(), k.stride()
         if check:  # full checks only when anything they look at differs from the last call's
             key = (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
                    v.device, out.shape, os_, out.dtype, out.device, plan.batch_size, plan.num_pages,
-                   (q_ptr | o_ptr) & 3, (k_ptr | v_ptr) & 15)
+                   (q_ptr | o_ptr) & 3, (k_ptr | v_ptr) & 15,
+                   None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device))
             if key != self._last_check:
-                self._check(q, k, v, out, plan)
+                self._check(q, k, v, out, lse, plan)
                 self._last_check = key
         stream = self._raw_stream(self._device_index)
-        for launch in plan.run_launches:
-            args = launch.args
-            if launch.kind == "merge":
-                args.out = o_ptr
-                args.o_sb, args.o_sh = os_[0], os_[1]
+        with plan.lock:
+            if stream != plan.stream:
+                self._follow_stream(plan, stream)
+            for launch in plan.run_launches:
+                args = launch.args
+                if launch.kind == "merge":
+                    args.out, args.lse = o_ptr, lse_ptr
+                    args.o_sb, args.o_sh = os_[0], os_[1]
+                    self._launch(launch, stream)
+                    continue
+                PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+                STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
                 self._launch(launch, stream)
-                continue
-            PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr)
-            STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
-            self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:
         """The plan's items as the kernels see them: a host copy, int32 [n, 4] (plan.Plan.items'
@@ -476,10 +581,24 @@ class DecodeEngine:
 _ENGINES: dict = {}
 
 
-def engine_for(spec: AttentionSpec, **options) -> DecodeEngine:
-    """A cached DecodeEngine per (spec, options) on the current device."""
-    key = (spec, tuple(sorted(options.items())))
+def engine_for(spec: AttentionSpec, device: int | None = None, **options) -> DecodeEngine:
+    """A cached DecodeEngine per (spec, CUDA device, options).
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The shapes and dtype.
+    device : int, optional
+        CUDA device index (default: torch's current device, read at each call).
+    **options
+        DecodeEngine keyword options (``warps``, ``target_items``, ...).
+    """
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    key = (spec, int(device), tuple(sorted(options.items())))
     engine = _ENGINES.get(key)
     if engine is None:
-        engine = _ENGINES[key] = DecodeEngine(spec, **options)
+        engine = _ENGINES[key] = DecodeEngine(spec, int(device), **options)
     return engine

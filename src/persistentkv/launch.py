@@ -33,6 +33,10 @@ DEFAULT_WARPS = 4
 #: Largest head_dim of an 8-warp module: 3 stages of 128 tokens fill 192 KB at 128 (the kernel's
 #: static_assert; 256 would need 256 KB).
 WARPS8_MAX_HEAD_DIM = 128
+#: Query heads per kv head the kernels take: the 16 rows of one mma tile.
+MAX_GROUP_SIZE = 16
+#: Query, cache and output dtypes the kernels compile for (PKV_BF16).
+ENGINE_DTYPES = ("float16", "bfloat16")
 #: The kernels' functions the engine launches.
 FUNCTIONS = ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
 CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
@@ -91,6 +95,9 @@ class Module:
     tile: int
     stages: int
     occupancy: int
+    #: the GPU planner's threads per block and the most rows it plans (PKV_PLAN_THREADS, _MAX_ROWS)
+    plan_threads: int = 1024
+    plan_max_rows: int = 4096
     #: the CuPy RawModule (its globals, e.g. pkv_trace of a trace build)
     raw: Any = field(default=None, repr=False)
 
@@ -121,7 +128,8 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool
             raise PKVError(f"compiling {path.name} for {dtype}/head_dim {head_dim}/warps {warps} failed: "
                            f"{text.splitlines()[-1] if text else type(exc).__name__}") from exc
         raw = module.get_global("pkv_config")
-        smem, threads, tile, stages, plan_tile = cupy.ndarray((5,), dtype=cupy.int32, memptr=raw).get().tolist()
+        smem, threads, tile, stages, plan_tile, plan_threads, plan_max_rows = cupy.ndarray(
+            (7,), dtype=cupy.int32, memptr=raw).get().tolist()
         require(plan_tile == TILE_TOKENS, f"kernel planner tile {plan_tile} != plan.TILE_TOKENS {TILE_TOKENS}")
         require(tile == stage_tokens(warps), f"kernel tile {tile} != {stage_tokens(warps)} tokens for {warps} warps")
         optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
@@ -137,7 +145,7 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool
 
         require(hasattr(driver, "launchKernel"), "this CuPy has no cupy_backends.cuda.api.driver.launchKernel")
         occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
-    return Module(functions, smem, threads, tile, stages, max(1, occupancy), module)
+    return Module(functions, smem, threads, tile, stages, max(1, occupancy), plan_threads, plan_max_rows, module)
 
 
 # ----------------------------------------------------------------------------- parameter blocks
@@ -156,7 +164,7 @@ def _arg_layout(name: str, fields: list) -> type:
     # at strides_offset), so those fields must lie where the stores put them
     names = [f for f, _ in fields]
     if "kv_sp" in names:
-        assert names[:4] == ["q", "k", "v", "out"] and layout.q.offset == 0, name
+        assert names[:5] == ["q", "k", "v", "out", "lse"] and layout.q.offset == 0, name
         stride_names = [n for n, _ in _STRIDES]
         start = names.index("kv_sp")
         assert names[start:start + 6] == stride_names, name
@@ -165,9 +173,10 @@ def _arg_layout(name: str, fields: list) -> type:
     return layout
 
 
-#: run()'s per-call stores into a decode parameter block: the q, k, v, out pointers (its first four
-#: fields) and the six strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh; at layout.strides_offset)
-PTRS = struct.Struct("<4Q")
+#: run()'s per-call stores into a decode parameter block: the q, k, v, out, lse pointers (its first
+#: five fields; lse 0 when not asked for) and the six strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh;
+#: at layout.strides_offset)
+PTRS = struct.Struct("<5Q")
 STRIDES6 = struct.Struct("<6q")
 
 
@@ -188,13 +197,13 @@ def arg_block(layout: type, *values):
 _STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh")]
 #: pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS)
 DecodeArgs = _arg_layout("DecodeArgs", [
-    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("kv_indices", _PTR), ("items", _PTR),
+    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR), ("kv_indices", _PTR), ("items", _PTR),
     ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("counters", _PTR), ("slot_offset", _I32),
     ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32)])
 #: pkv_merge
 MergeArgs = _arg_layout("MergeArgs", [
-    ("groups", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("out", _PTR), ("group_size", _I32),
-    ("o_sb", _I64), ("o_sh", _I64)])
+    ("groups", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("out", _PTR), ("lse", _PTR), ("group_size", _I32),
+    ("num_kv_heads", _I32), ("o_sb", _I64), ("o_sh", _I64)])
 #: pkv_plan
 PlanArgs = _arg_layout("PlanArgs", [
     ("seq_lens", _PTR), ("kv_indptr", _PTR), ("batch", _I32), ("num_kv_heads", _I32), ("target_items", _I32),
