@@ -1,5 +1,5 @@
-"""The library's floors (persistentkv/__init__.py): every import, function-local ones included,
-runs down the floors, and no modules import each other in a circle."""
+"""The library's layers (persistentkv/__init__.py): every import, function-local ones included,
+runs down the layers, and no modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -13,24 +13,24 @@ import persistentkv
 
 PACKAGE = Path(persistentkv.__file__).resolve().parent
 #: Files whose imports are brought onto the table with the kernel cut (engine, plan and their new
-#: neighbours), with why each is skipped; the table already gives them their floors.
+#: neighbours), with why each is skipped; the table already gives them their layers.
 OWNED_ELSEWHERE: dict[str, str] = {}
 _ROW = re.compile(r"^ +(\d+)  +([a-z_ ]+?) +-- ")
 
 
-def floors_table() -> dict[str, int]:
-    """{module or package name under persistentkv: floor} from the package docstring's table."""
-    floors = {}
+def layers_table() -> dict[str, int]:
+    """{module or package name under persistentkv: layer} from the package docstring's table."""
+    layers = {}
     for line in (persistentkv.__doc__ or "").splitlines():
         row = _ROW.match(line)
         if row:
             for name in row.group(2).split():
-                assert name not in floors, f"{name} is on two floors"
-                floors[name] = int(row.group(1))
-    return floors
+                assert name not in layers, f"{name} is on two layers"
+                layers[name] = int(row.group(1))
+    return layers
 
 
-FLOORS = floors_table()
+LAYERS = layers_table()
 
 
 def module_name(path: Path) -> str:
@@ -42,12 +42,12 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def floor_of(module: str) -> int:
-    """A module's floor: its own row, else its package's (a package's modules share its floor)."""
+def layer_of(module: str) -> int:
+    """A module's layer: its own row, else its package's (a package's modules share its layer)."""
     name = module or "persistentkv"
-    if name in FLOORS:
-        return FLOORS[name]
-    return FLOORS[name.split(".")[0]]
+    if name in LAYERS:
+        return LAYERS[name]
+    return LAYERS[name.split(".")[0]]
 
 
 def imports_of(module: str) -> set[str]:
@@ -78,28 +78,28 @@ def imports_of(module: str) -> set[str]:
     return found
 
 
-def test_every_module_has_a_floor():
-    unplaced = sorted(m for m in MODULES if (m or "persistentkv") not in FLOORS and m.split(".")[0] not in FLOORS)
-    assert not unplaced, f"add these to the floors of persistentkv/__init__.py: {unplaced}"
-    stale = sorted(n for n in FLOORS if n != "persistentkv" and n not in MODULES and n not in OWNED_ELSEWHERE)
-    assert not stale, f"the floors name modules that do not exist: {stale}"
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in MODULES if (m or "persistentkv") not in LAYERS and m.split(".")[0] not in LAYERS)
+    assert not unplaced, f"add these to the layers of persistentkv/__init__.py: {unplaced}"
+    stale = sorted(n for n in LAYERS if n != "persistentkv" and n not in MODULES and n not in OWNED_ELSEWHERE)
+    assert not stale, f"the layers name modules that do not exist: {stale}"
 
 
 def test_the_table_parses():
-    assert FLOORS["errors"] == 1 and FLOORS["commands"] > FLOORS["render"] > FLOORS["claims"] > FLOORS["results"]
-    assert len(FLOORS) >= 20
+    assert LAYERS["errors"] == 1 and LAYERS["commands"] > LAYERS["render"] > LAYERS["claims"] > LAYERS["results"]
+    assert len(LAYERS) >= 20
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m.split(".")[0] not in OWNED_ELSEWHERE])
-def test_imports_run_down_the_floors(module):
-    """A module imports from lower floors only; modules of one package may import each other."""
+def test_imports_run_down_the_layers(module):
+    """A module imports from lower layers only; modules of one package may import each other."""
     package = module.split(".")[0] if "." in module or (module and MODULES[module].name == "__init__.py") else None
     upward = []
     for target in sorted(imports_of(module)):
         same_package = package is not None and target.split(".")[0] == package
-        if not same_package and floor_of(target) >= floor_of(module):
-            upward.append(f"{target or 'persistentkv'} (floor {floor_of(target)})")
-    assert not upward, f"{module or 'persistentkv'} (floor {floor_of(module)}) imports {', '.join(upward)}"
+        if not same_package and layer_of(target) >= layer_of(module):
+            upward.append(f"{target or 'persistentkv'} (layer {layer_of(target)})")
+    assert not upward, f"{module or 'persistentkv'} (layer {layer_of(module)}) imports {', '.join(upward)}"
 
 
 def test_no_circles():
@@ -125,10 +125,10 @@ def test_no_circles():
 
 
 def test_the_checker_sees_a_function_local_import_that_climbs(tmp_path, monkeypatch):
-    """The parser must see an import inside a function: a floor-1 module importing render."""
+    """The parser must see an import inside a function: a layer-1 module importing render."""
     fake = tmp_path / "io.py"
     fake.write_text("def f():\n    from .render import figures\n    from . import claims\n")
     monkeypatch.setitem(MODULES, "io", fake)
     assert imports_of("io") == {"render.figures", "claims"}
     with pytest.raises(AssertionError, match="imports claims"):
-        test_imports_run_down_the_floors("io")
+        test_imports_run_down_the_layers("io")

@@ -1,8 +1,8 @@
 """persistentkv: page-aware decode scheduling over a paged KV cache (planner, kernels, policy).
 
-The library's floors, ground first. A module imports only from floors below its own (function-local
-imports too); the modules of one package share its floor and may import each other, never in a
-circle. tests/test_layers.py holds every import to this table.
+The library's import layers, ground first. A module imports only from layers below its own
+(function-local imports too); the modules of one package share its layer and may import each
+other, never in a circle. tests/test_layers.py holds every import to this table.
 
      1  errors names io                   -- user errors, the vocabulary, atomic files
      2  spec hardware analysis            -- the attention shape, the machine, timing statistics
