@@ -198,8 +198,6 @@ _CHILDREN = ("plan", "host_plan", "inner", "delegate_plan")
 
 
 def _children(plan) -> list:
-    if isinstance(plan, tuple):
-        return list(plan)
     return [getattr(plan, a, None) for a in _CHILDREN]
 
 
@@ -470,9 +468,9 @@ def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, se
     warmed-up step/published instances. Failures go to b.skip."""
     batch = case.batch
     if "kernel" in settings.protocols:
-        if not getattr(b.backend, "graph_safe", True):
+        if b.backend.capabilities.graph == "none":
             b.skip["kernel"] = ("unavailable", f"{b.variant.name}.run() is not CUDA-graph capturable "
-                                               "(graph_safe = False); kernel rows need graph replay")
+                                               "(capabilities.graph = 'none'); kernel rows need graph replay")
         else:
             try:
                 for offset in graph_offsets(len(copies)):
