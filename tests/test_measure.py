@@ -312,7 +312,10 @@ class FakeBackend:
         class P:
             def counters(self_inner):
                 return counters
-        return P() if counters is not None else object()
+        plan = P() if counters is not None else types.SimpleNamespace()
+        if self.last_decision is not None:  # a delegating backend's plan names its delegate
+            plan.route = self.last_decision.backend
+        return plan
 
     def run(self, q, cache, plan, out):
         self.log.events.append(("run", self.name, self.role, cache[0].data_ptr()))

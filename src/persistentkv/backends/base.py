@@ -18,8 +18,9 @@ A plan of a backend whose ``capabilities.graph`` is ``"device"`` has one method 
                                   with device work only (capturable in a CUDA graph)
 
 Nothing else of a backend is read by the decode loop (persistentkv.model.loop), the measurement
-harness (persistentkv.measure.harness) or measure-e2e. Optional, for the rows only: a plan's
-``counters()`` (workload counters of our routes).
+harness (persistentkv.measure.harness) or measure-e2e. Optional plan members, for the timing
+rows only: ``counters()`` (workload counters of our routes) and ``route`` (a backend that
+delegates each step, adaptive: the registered name of the backend that runs this plan).
 
 A backend is registered by name with :func:`persistentkv.backends.registry.register` (the
 package's own are listed in registry.py). A backend never copies the KV cache; every backend

@@ -238,26 +238,18 @@ def _find_num_splits(plan, depth: int = 0) -> int | None:
     return None
 
 
-def route_of(name: str, backend, plan) -> str:
-    """The route that ran: the adaptive backend's chosen delegate, else the backend itself.
-
-    For ``adaptive``: ``backend.last_decision.backend``, else ``plan.route`` / ``plan.backend``
-    when it names a registered backend, else "adaptive" (the decision could not be read)."""
-    if name != "adaptive":
-        return name
-    decision = getattr(backend, "last_decision", None) or getattr(plan, "decision", None)
-    chosen = getattr(decision, "backend", None)
+def route_of(name: str, plan) -> str:
+    """The route that ran: the registered backend a delegating backend's plan names as its
+    ``route`` (the adaptive backend's chosen delegate; persistentkv.backends.base), else the
+    backend itself (an engine plan's ``route``, ``workqueue`` ..., names no backend)."""
+    chosen = getattr(plan, "route", None)
     if isinstance(chosen, str) and chosen in registry.names():
         return chosen
-    for attr in ("route", "backend"):
-        value = getattr(plan, attr, None)
-        if isinstance(value, str) and value in registry.names():
-            return value
     return name
 
 
-def plan_fields(variant: Variant, backend, plan) -> dict:
-    route = route_of(variant.name, backend, plan)
+def plan_fields(variant: Variant, plan) -> dict:
+    route = route_of(variant.name, plan)
     fields: dict[str, Any] = {"route": route}
     if route in PKV_BACKENDS:
         counters = _find_counters(plan) or {}
@@ -359,7 +351,7 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
             out = device.empty_out(spec, batch.batch_size)
             backend.run(q, copies.pair(0), plan, out)
             device.synchronize()
-            b = Bound(variant, backend, plan, plan_fields(variant, backend, plan), out)
+            b = Bound(variant, backend, plan, plan_fields(variant, plan), out)
         except Exception as exc:
             if device.is_oom(exc):
                 device.empty_cache()
