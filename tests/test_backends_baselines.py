@@ -70,6 +70,45 @@ def test_registry_names_cover_every_backend():
     assert len(set(names)) == len(names)
 
 
+#: what each backend declares (capabilities.graph): how a captured decode step follows the lengths
+DECLARED_GRAPH = {"pkv-workqueue": "device", "pkv-buckets": "replan", "pkv-split": "replan", "adaptive": "replan",
+                  "flashinfer-cc": "host", "flashinfer-tc": "host", "vllm-fa3": "device", "trtllm-xqa": "device",
+                  "trtllm-native": "none", "torch-sdpa": "device", "numpy": "none"}
+
+
+def test_every_backend_declares_its_capabilities(tmp_path):
+    from persistentkv.backends.base import Backend, Capabilities
+
+    assert set(DECLARED_GRAPH) == set(registry.names())
+    for name, graph in DECLARED_GRAPH.items():
+        backend = registry.create(name, **({"policy_path": tmp_path / "p.json"} if name == "adaptive" else {}))
+        assert isinstance(backend, Backend), name
+        caps = backend.capabilities
+        assert isinstance(caps, Capabilities) and caps.graph == graph, name
+        assert caps.host_arrays == (name == "numpy") and caps.plan_engine == name.startswith("pkv"), name
+    assert registry.create("flashinfer-tc", cuda_graph=False).capabilities.graph == "none"
+    with pytest.raises(PKVError, match="graph must be one of"):
+        Capabilities(dtypes=("float16",), graph="sometimes")
+
+
+def test_torch_sdpa_plan_for_the_reservation_follows_lengths_by_update_lengths():
+    """A torch-sdpa plan made for whole pages (no mask) and told shorter lengths computes what a
+    plan made for those lengths computes."""
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    backend = registry.create("torch-sdpa", device="cpu")
+    full, q, k, v = host_case(spec, [64, 64, 64])
+    plan = backend.plan(full)
+    assert plan.mask is None
+    lengths = torch.tensor([50, 17, 64], dtype=torch.int32)
+    plan.update_lengths(lengths)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    out = torch.empty_like(qt)
+    backend.run(qt, (kt, vt), plan, out)
+    want = paged_attention(qt, kt, vt, torch.from_numpy(full.padded_block_table()), [50, 17, 64],
+                           1 / math.sqrt(spec.head_dim))
+    assert relative_error(out.numpy(), want.numpy()) < 1e-5
+
+
 def test_unknown_backend_is_one_line_error_naming_it():
     with pytest.raises(PKVError, match="unknown backend 'flashinfer'") as info:
         registry.create("flashinfer")
@@ -125,7 +164,7 @@ def test_spec_reasons_are_listed_even_without_a_gpu():
 
 def test_trtllm_native_says_why_it_does_not_run():
     backend = registry.create("trtllm-native")
-    assert backend.graph_safe is False
+    assert backend.capabilities.graph == "none"
     reasons = backend.unavailable(AttentionSpec())
     assert reasons and all(r for r in reasons)
     with pytest.raises(PKVError, match="unavailable"):
@@ -340,7 +379,7 @@ def test_flashinfer_adapter_passes_a_correct_step(fake_flashinfer, name):
     err, plan, batch = drive(backend)
     assert err < 1e-5
     (wrapper,) = _FakeWrapper.created
-    assert wrapper.use_cuda_graph and backend.graph_safe
+    assert wrapper.use_cuda_graph and backend.capabilities.graph == "host"
     assert wrapper.use_tensor_cores == (name == "flashinfer-tc")
     indptr, indices, last, hq, hkv, d, p, _ = wrapper.state
     assert np.array_equal(indptr.numpy(), batch.kv_indptr) and np.array_equal(indices.numpy(), batch.kv_indices)
@@ -367,7 +406,7 @@ def test_flashinfer_graph_wrappers_per_batch_size_and_stale_plans(fake_flashinfe
 def test_flashinfer_plain_wrapper_is_not_graph_safe(fake_flashinfer):
     backend = registry.create("flashinfer-tc", device="cpu", cuda_graph=False)
     err, _, _ = drive(backend)
-    assert err < 1e-5 and backend.graph_safe is False
+    assert err < 1e-5 and backend.capabilities.graph == "none"
     assert not _FakeWrapper.created[0].use_cuda_graph
 
 

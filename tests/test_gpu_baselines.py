@@ -89,7 +89,7 @@ def test_one_plan_serves_two_cache_copies(name):
 def test_graph_replay_equals_eager(name):
     spec = AttentionSpec(dtype="float16")
     backend = backend_or_skip(name, spec)
-    if not getattr(backend, "graph_safe", True):
+    if backend.capabilities.graph == "none":
         pytest.skip(f"{name} is not graph-safe")
     batch, q, k, v = device_inputs(spec, [1, 17, 9000], seed=5)
     plan = backend.plan(batch)

@@ -91,7 +91,7 @@ def test_captured_step_matches_the_float32_loop_with_teacher_forcing(backend, we
     reasons = instance.unavailable(spec)
     if reasons:
         pytest.skip(f"{backend}: {'; '.join(reasons)}")
-    if not getattr(instance, "graph_safe", False):
+    if instance.capabilities.graph == "none":
         pytest.skip(f"{backend} is not graph-safe")
     inputs, ref = reference
     loop = make_loop(instance, weights, "float16")

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persistentkv import configuration
+from persistentkv.backends.base import Capabilities
 from persistentkv.cache import compact_batch, make_batch
 from persistentkv.errors import PKVError
 from persistentkv.names import PUBLISHED_TRACES
@@ -293,9 +294,10 @@ class Log:
 class FakeBackend:
     """Records every plan/run (with the copy it read) into a shared log; behaviour by options."""
 
-    def __init__(self, name, log, role, reasons=(), fail=None, graph_safe=True, counters=None, decision=None):
+    def __init__(self, name, log, role, reasons=(), fail=None, graph="device", counters=None, decision=None):
         self.name, self.log, self.role = name, log, role
-        self.reasons, self.fail, self.graph_safe = list(reasons), fail, graph_safe
+        self.reasons, self.fail = list(reasons), fail
+        self.capabilities = Capabilities(dtypes=("float32",), graph=graph)
         self._counters, self.last_decision = counters, decision
 
     def unavailable(self, spec):
@@ -310,7 +312,10 @@ class FakeBackend:
         class P:
             def counters(self_inner):
                 return counters
-        return P() if counters is not None else object()
+        plan = P() if counters is not None else types.SimpleNamespace()
+        if self.last_decision is not None:  # a delegating backend's plan names its delegate
+            plan.route = self.last_decision.backend
+        return plan
 
     def run(self, q, cache, plan, out):
         self.log.events.append(("run", self.name, self.role, cache[0].data_ptr()))
@@ -730,7 +735,7 @@ def test_unavailable_failed_and_oom_rows_leave_others_measured():
     behaviours = {"trtllm-native": {"reasons": ["tensorrt_llm cannot be imported"]},
                   "vllm-fa3": {"fail": "plan"},
                   "trtllm-xqa": {"fail": "oom"},
-                  "flashinfer-cc": {"graph_safe": False}}
+                  "flashinfer-cc": {"graph": "none"}}
     names = ["trtllm-native", "vllm-fa3", "trtllm-xqa", "flashinfer-cc", "flashinfer-tc"]
     settings_ = Settings(repeats=2, warmup=0)
     ctx = RunContext("r", log=lambda m: None)
@@ -822,7 +827,7 @@ class SkipRowZero:
     """A broken backend: right everywhere except row 0, which it never writes."""
 
     name = "skipper"
-    graph_safe = True
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device")
 
     def __init__(self, inner):
         self.inner = inner

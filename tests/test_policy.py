@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persistentkv.backends.adaptive import AdaptiveBackend, AdaptivePlan
+from persistentkv.backends.base import Capabilities
 from persistentkv.backends.numpy_backend import NumpyBackend
 from persistentkv.cache import allocate, batch_for_step, make_batch, random_cache, random_queries
 from persistentkv.cli import main as cli_main
@@ -431,6 +432,8 @@ def test_threshold_rules_for_uncalibrated_group_size():
 # --------------------------------------------------------------------------- the adaptive backend
 
 class FakeBackend:
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device")
+
     def __init__(self, name, reasons=(), **options):
         self.name, self.reasons, self.options = name, list(reasons), options
         self.planned = 0
@@ -500,8 +503,9 @@ def test_adaptive_plans_and_runs_through_the_delegate(policy_file, kind):
         backend.run(None, None, plan, out)
         assert (out == len(plan.route)).all()
     assert ("flashinfer-tc", {}) in registry.created       # asked, found unavailable, never chosen
-    plan.delegate.graph_safe = False                         # capture safety is the delegate's
-    assert backend.graph_safe is False
+    assert backend.capabilities.graph == "replan"            # a step may change delegate: re-captured
+    plan.delegate.capabilities = Capabilities(dtypes=("float16",), graph="none")
+    assert backend.capabilities.graph == "none"              # capture safety is the delegate's
 
 
 def test_adaptive_end_to_end_on_cpu(policy_file):
@@ -1020,14 +1024,14 @@ def test_adaptive_mixes_fast_path_and_deferred_steps(policy_file, seed):
 
 
 def test_adaptive_runs_our_plans_on_their_engine(policy_file):
-    """A delegate whose plans carry their engine (plan_runs_on_engine, the pkv backends) is run
-    through that engine directly; any other through its own run()."""
+    """A delegate whose plans carry their engine (capabilities.plan_engine, the pkv backends) is
+    run through that engine directly; any other through its own run()."""
     from types import SimpleNamespace
 
     calls = []
 
     class EngineBackend(FakeBackend):
-        plan_runs_on_engine = True
+        capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="replan", plan_engine=True)
 
         def plan(self, batch):
             engine = SimpleNamespace(run=lambda q, cache, plan, out: calls.append(("engine", plan.tag)))

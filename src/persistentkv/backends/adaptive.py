@@ -2,8 +2,11 @@
 
 plan(batch) decides (persistentkv.policy) and returns the delegate's plan wrapped with the
 decision, so the harness can record what ran (``plan.route``, also ``last_decision``); run() hands
-the inner plan untouched to the delegate's run (for our routes, to the engine that made the plan),
-so it stays graph-capturable whenever the delegate's run() is.
+the inner plan untouched to the delegate's run (for a delegate whose capabilities say
+``plan_engine``, our routes, to the engine that made the plan), so it stays graph-capturable
+whenever the delegate's run() is. Its ``capabilities.graph`` is ``replan`` (each step may go to
+another delegate, so a captured step is re-captured when the lengths change), ``none`` while the
+last planned delegate's is.
 
 With the memoised cost model (the default) a step is decided where that costs least. A step the
 memo answers by its one-row fast path (one row, in the length bin of the last one-row step:
@@ -31,11 +34,17 @@ from ..errors import PKVError, require
 from ..policy import POLICIES, Decision, DecisionMemo, Policy, load_policy
 from ..spec import AttentionSpec
 from . import registry
+from .base import Capabilities
 
 
 #: Memo decisions whose delegate AdaptiveBackend remembers by identity; the cache is emptied when
 #: it reaches this size (the memo holds at most policy.MEMO_MAX_ENTRIES decisions at a time).
 MAX_DECISIONS_HELD = 4096
+#: What the adaptive backend declares: the serving dtypes of the routes and baselines its policies
+#: choose among (each delegate's own unavailable() decides a spec); a step re-captured when the
+#: lengths change, or never captured while the last planned delegate cannot be.
+CAPABILITIES = Capabilities(dtypes=("float16", "bfloat16"), graph="replan")
+EAGER_CAPABILITIES = Capabilities(dtypes=("float16", "bfloat16"), graph="none")
 
 
 def _refuse(name: str):
@@ -69,8 +78,8 @@ class AdaptivePlan:
     delegate: the backend object that plans and runs this step
     inner:    ``delegate.plan(batch)``, passed back to ``delegate.run`` unchanged
     run:      what runs it: ``delegate.run``, or for a delegate whose plans carry the engine that
-              made them (``plan_runs_on_engine``, our pkv backends) that engine's run, one Python
-              call fewer per layer
+              made them (``delegate.capabilities.plan_engine``, our pkv backends) that engine's
+              run, one Python call fewer per layer
 
     One is made on every step's host path and its run is called once per layer, so it is plain
     slots (``_route`` ...), each exposed as a property that refuses assignment, and it holds the
@@ -112,7 +121,7 @@ _new_plan = object.__new__
 def _route(delegate: Any) -> tuple:
     """(delegate, whether its plans run on their engine): what a step needs of a delegate, read
     once per decision of the memo rather than on every step."""
-    return delegate, bool(getattr(delegate, "plan_runs_on_engine", False))
+    return delegate, delegate.capabilities.plan_engine
 
 
 class AdaptiveBackend:
@@ -154,7 +163,7 @@ class AdaptiveBackend:
         self._chosen: tuple | None = None
         #: the batch planned on the previous choice, whose own decision is still to be made (defer)
         self._undecided: Batch | None = None
-        #: (decision, delegate) of the last planned step: last_decision and graph_safe read it
+        #: (decision, delegate) of the last planned step: last_decision and capabilities read it
         self._last: tuple = (None, None)
         #: what a fast step needs (_refresh_fast), and how many steps took it (memo hits)
         self._fast: tuple | None = None
@@ -304,7 +313,7 @@ class AdaptiveBackend:
         self._last = (decision, delegate)
         # The AdaptivePlan, built without a call to its constructor. A step of a few hundred
         # microseconds can be host-bound (each run() call's host time near the kernel's), so the
-        # adaptive's own calls per layer count: our plans (plan_runs_on_engine) run on their engine.
+        # adaptive's own calls per layer count: our plans (capabilities.plan_engine) run on their engine.
         plan = _new_plan(AdaptivePlan)
         plan._route = decision.backend
         plan._decision = decision
@@ -360,9 +369,13 @@ class AdaptiveBackend:
         return self._last[0]
 
     @property
-    def graph_safe(self) -> bool:
-        """Whether run() may be captured in a CUDA graph: the last planned delegate's answer."""
-        return bool(getattr(self._last[1], "graph_safe", True))
+    def capabilities(self) -> Capabilities:
+        """:data:`CAPABILITIES`; graph ``none`` while the last planned delegate's run() cannot be
+        captured (before the first plan: ``replan``)."""
+        delegate = self._last[1]
+        if delegate is not None and delegate.capabilities.graph == "none":
+            return EAGER_CAPABILITIES
+        return CAPABILITIES
 
     def run(self, q, cache, plan: AdaptivePlan, out) -> None:
         plan._runner.run(q, cache, plan._inner, out)

@@ -10,9 +10,10 @@ CUDA graphs. FlashInfer supports graphs through ``use_cuda_graph=True`` wrappers
 caller-owned index buffers that ``plan()`` overwrites in place, and a grid padded to the device's
 maximum so that a captured ``run()`` stays valid when a later ``plan()`` changes the lengths. With
 ``cuda_graph=True`` (the default) this backend keeps one such wrapper per batch size, which is what
-a serving stack that replays decode graphs runs, and ``graph_safe`` is True. ``cuda_graph=False``
-gives the plain wrapper (what the paper timed; the harness uses it for the published protocol),
-whose ``run()`` is not promised to be capturable, so ``graph_safe`` is False there.
+a serving stack that replays decode graphs runs, and ``capabilities.graph`` is ``host`` (a host
+``plan()`` rewrites the captured buffers in place). ``cuda_graph=False`` gives the plain wrapper
+(what the paper timed; the harness uses it for the published protocol), whose ``run()`` is not
+promised to be capturable, so ``capabilities.graph`` is ``none`` there.
 
 The plan does not depend on the cache pointer (``plan()`` never sees K/V), so one plan serves
 every rotated copy of the cache.
@@ -29,8 +30,9 @@ from typing import Any
 from ..cache import Batch
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
-from ..env import cuda_reasons, dtype_reasons, missing_module
+from ..env import cuda_reasons, missing_module
 from ..env import torch_dtype
+from .base import Capabilities
 from .torch_sdpa import check_step_tensors
 
 #: FlashInfer's recommended float workspace ("the recommended size is 128MB"); 256 MiB leaves
@@ -39,6 +41,7 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 #: GQA group sizes the CUDA-core decode kernel is instantiated for (DISPATCH_GQA_GROUP_SIZE in
 #: include/flashinfer/utils.cuh); the tensor-core path (prefill kernels) takes any group size.
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
+FLASHINFER_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass
@@ -59,7 +62,7 @@ class FlashInferBackend:
         self.use_tensor_cores = bool(use_tensor_cores)
         self.name = name or ("flashinfer-tc" if self.use_tensor_cores else "flashinfer-cc")
         self.cuda_graph = bool(cuda_graph)
-        self.graph_safe = self.cuda_graph
+        self.capabilities = Capabilities(dtypes=FLASHINFER_DTYPES, graph="host" if self.cuda_graph else "none")
         self.workspace_bytes = int(workspace_bytes)
         self.device = device
         self._workspace = None
@@ -69,7 +72,7 @@ class FlashInferBackend:
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
         reasons = cuda_reasons() + missing_module("flashinfer")
-        reasons += dtype_reasons(spec, ("float16", "bfloat16"), "FlashInfer decode")
+        reasons += self.capabilities.shape_reasons(spec, "FlashInfer decode")
         if not self.use_tensor_cores and spec.group_size not in CUDA_CORE_GROUP_SIZES:
             reasons.append(f"FlashInfer's CUDA-core decode supports GQA group sizes "
                            f"{CUDA_CORE_GROUP_SIZES}, not {spec.group_size}")

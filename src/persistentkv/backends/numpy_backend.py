@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..cache import Batch
@@ -10,11 +12,21 @@ from ..names import PLAN_ROUTES
 from ..plan import Plan, make_plan
 from ..reference import execute_plan
 from ..spec import AttentionSpec
-from ..env import dtype_reasons
+from .base import Capabilities
+
+
+class NumpyPlan(NamedTuple):
+    """A step of the NumPy executor: the host plan and the batch it was made for."""
+
+    plan: Plan
+    batch: Batch
 
 
 class NumpyBackend:
     """CPU executor of any route; accumulates in float32 (float64 for a float64 cache)."""
+
+    #: host arrays, planned on the host every step, never captured
+    capabilities = Capabilities(dtypes=("float16", "float32", "float64"), graph="none", host_arrays=True)
 
     def __init__(self, route: str = "workqueue", name: str = "numpy", **route_options):
         require(isinstance(route, str) and route in PLAN_ROUTES,
@@ -24,11 +36,11 @@ class NumpyBackend:
         self.route_options = route_options or ({"target_items": 64} if route == "workqueue" else {})
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
-        return dtype_reasons(spec, ("float16", "float32", "float64"), "the NumPy executor")
+        return self.capabilities.shape_reasons(spec, "the NumPy executor")
 
-    def plan(self, batch: Batch) -> tuple[Plan, Batch]:
+    def plan(self, batch: Batch) -> NumpyPlan:
         require(isinstance(batch, Batch), f"{self.name}: batch must be a Batch, got {type(batch).__name__}")
-        return make_plan(batch, self.route, **self.route_options), batch
+        return NumpyPlan(make_plan(batch, self.route, **self.route_options), batch)
 
     def run(self, q: np.ndarray, cache, plan, out: np.ndarray) -> None:
         """One layer: q [B, Hq, D], cache (K, V) each [pages, P, Hkv, D], out [B, Hq, D] (written),

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from ..cache import Batch
 from ..choose import choose_warps
-from ..engine import engine_for, engine_unsupported, gpu_reasons
+from ..engine import ENGINE_DTYPES, engine_for, engine_unsupported, gpu_reasons
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
+from .base import Capabilities
 
 #: pkv-workqueue's warps choices: "auto" (per step, choose.choose_warps) or a fixed module.
 WARPS_CHOICES = ("auto", 4, 8)
@@ -25,9 +26,10 @@ WARPS_CHOICES = ("auto", 4, 8)
 
 class _PKVBackend:
     route = "workqueue"
-    graph_safe = True
-    #: run(plan) is plan.engine.run(plan): a wrapper (adaptive) may call the engine directly
-    plan_runs_on_engine = True
+    #: host-planned routes (buckets, split): a captured step is re-captured when the lengths change;
+    #: run() is plan.engine.run(plan), so a wrapper (adaptive) may call the engine directly. The
+    #: shapes the engine takes are its own check (engine.engine_unsupported, which unavailable asks).
+    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="replan", plan_engine=True)
     #: DecodeEngine options (the module's shape), as opposed to the per-step plan options
     engine_options: dict = {}
 
@@ -53,6 +55,8 @@ class _PKVBackend:
 
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
+    #: planned on the GPU: DevicePlan.update_lengths re-plans inside a captured step
+    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="device", plan_engine=True)
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
                  min_chunk_tiles: int | None = None, warps: int | str = "auto"):

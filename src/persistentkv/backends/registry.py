@@ -4,6 +4,8 @@
     create(name, **options)     -> a backend instance (PKVError for an unknown name or a module
                                    that cannot be imported)
     available(spec, names=None) -> {name: reasons}; [] means usable here
+    register(name, factory)     -> a backend from outside the package (persistentkv.backends.base):
+                                   ``factory(**options)`` makes it; ``unregister(name)`` drops it
 
 A missing package (flashinfer, vllm, tensorrt_llm, cupy) never breaks another backend: each
 adapter imports its library inside its methods, and ``available`` turns any failure to create a
@@ -19,8 +21,9 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from ..errors import PKVError
+from ..errors import PKVError, require
 from ..spec import AttentionSpec
 
 
@@ -46,11 +49,36 @@ _ENTRIES: dict[str, Entry] = {
 }
 
 
+#: Backends added at run time by register(): name -> factory(**options).
+_REGISTERED: dict[str, Callable[..., Any]] = {}
+
+
 def names() -> list[str]:
-    return list(_ENTRIES)
+    return [*_ENTRIES, *_REGISTERED]
+
+
+def register(name: str, factory: Callable[..., Any], replace: bool = False) -> None:
+    """Make ``create(name, **options)`` return ``factory(**options)``: a backend written outside
+    the package (a class with the members persistentkv.backends.base documents) needs no edit in
+    it. A name already taken (one of the package's, or registered before) is refused unless
+    ``replace`` (only a registered one can be replaced)."""
+    require(isinstance(name, str) and name.strip() == name and name, f"a backend name must be a non-empty "
+                                                                      f"string without surrounding spaces, got {name!r}")
+    require(callable(factory), f"backend {name}: the factory must be callable, got {type(factory).__name__}")
+    require(name not in _ENTRIES, f"backend {name} is one of the package's own; register another name")
+    require(replace or name not in _REGISTERED, f"backend {name} is registered already (replace=True replaces it)")
+    _REGISTERED[name] = factory
+
+
+def unregister(name: str) -> None:
+    """Drop a backend :func:`register` added."""
+    require(name in _REGISTERED, f"backend {name!r} was not added by register()")
+    del _REGISTERED[name]
 
 
 def _import(name: str):
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     entry = _ENTRIES[name]
     module_name = f"persistentkv.backends.{entry.module}"
     try:
@@ -71,10 +99,10 @@ def create(name: str, **options):
 
     ``adaptive`` also receives this registry (so it can create its delegates) unless given one.
     """
-    if name not in _ENTRIES:
-        raise PKVError(f"unknown backend {name!r}; expected one of {', '.join(_ENTRIES)}")
+    if name not in _ENTRIES and name not in _REGISTERED:
+        raise PKVError(f"unknown backend {name!r}; expected one of {', '.join(names())}")
     factory = _import(name)
-    kwargs = dict(_ENTRIES[name].fixed)
+    kwargs = dict(_ENTRIES[name].fixed) if name in _ENTRIES else {}
     kwargs.update(options)
     if name == "adaptive":
         kwargs.setdefault("registry", sys.modules[__name__])

@@ -25,7 +25,8 @@ import numpy as np
 from ..cache import Batch
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
-from ..env import dtype_reasons, missing_module, torch_dtype
+from ..env import missing_module, torch_dtype
+from .base import Capabilities
 
 def check_step_tensors(spec: AttentionSpec, batch_size: int, q, cache, out, who: str) -> None:
     """One-line errors for q/out/cache shapes and dtypes that do not match the planned step.
@@ -59,6 +60,7 @@ class SdpaPlan:
 
     table:    int64 [B * W] padded block table, flattened (W = widest row's page count)
     mask:     bool [B, 1, 1, W * P] (True = attend) or None when every row fills W * P tokens
+              (update_lengths makes one the first time it is called)
     k_buf:    [B * W, P, Hkv, D] gather buffer for K (reused by every layer); v_buf the same for V
     num_pages: the batch's page-id universe: K and V must have at least this many pages
     """
@@ -73,12 +75,26 @@ class SdpaPlan:
     v_buf: Any
     kv_len: int
 
+    def update_lengths(self, lengths) -> None:
+        """Follow the rows' lengths (int32 [B] on the plan's device, each within the W pages the
+        plan gathers): the key mask becomes ``position < length``, on the device. A plan made
+        without a mask (every row filled its pages) gets one on the first call, so call it once
+        before a CUDA-graph capture (the decode loop's warm-up does)."""
+        import torch
+
+        if self.mask is None:
+            self.mask = torch.empty((self.batch_size, 1, 1, self.kv_len), dtype=torch.bool, device=lengths.device)
+        keys = torch.arange(self.kv_len, device=lengths.device)
+        torch.lt(keys[None, :], lengths[:, None], out=self.mask.view(self.batch_size, self.kv_len))
+
 
 class TorchSdpaBackend:
     """Gather + ``scaled_dot_product_attention``; the gather's bytes and time count."""
 
-    graph_safe = True  # index_select(out=...) and SDPA: no host sync; SDPA's own temporaries
-    #                    come from torch's caching allocator, which a CUDA-graph capture pools.
+    #: index_select(out=...) and SDPA: no host sync; SDPA's own temporaries come from torch's
+    #: caching allocator, which a CUDA-graph capture pools. A plan for the reserved pages follows
+    #: the lengths through its key mask (SdpaPlan.update_lengths).
+    capabilities = Capabilities(dtypes=("float16", "bfloat16", "float32", "float64"), graph="device")
 
     def __init__(self, name: str = "torch-sdpa", device: str | None = None):
         self.name = name
@@ -88,7 +104,7 @@ class TorchSdpaBackend:
         reasons = missing_module("torch")
         if reasons:
             return reasons
-        reasons += dtype_reasons(spec, ("float16", "bfloat16", "float32", "float64"), "torch SDPA")
+        reasons += self.capabilities.shape_reasons(spec, "torch SDPA")
         try:
             self._torch_device()
         except PKVError as exc:  # not a device name, or CUDA asked for where torch sees none

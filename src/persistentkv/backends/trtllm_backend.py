@@ -35,6 +35,7 @@ from ..cache import Batch
 from ..errors import PKVError
 from ..spec import AttentionSpec
 from ..env import cuda_reasons, dtype_reasons, missing_module
+from .base import Capabilities
 from .torch_sdpa import check_step_tensors
 
 #: FlashInfer's XQA reserves the first 8 MiB of the workspace for semaphores; the rest is scratch
@@ -42,6 +43,8 @@ from .torch_sdpa import check_step_tensors
 WORKSPACE_BYTES = 256 * 1024 * 1024
 XQA_PAGE_SIZES = (16, 32, 64, 128)
 XQA_MAJOR_CAPABILITIES = (9, 10, 12)
+#: head_dim a multiple of 16 in [16, 256] (flashinfer/jit/xqa.py)
+XQA_HEAD_DIMS = tuple(range(16, 257, 16))
 
 
 @dataclass
@@ -54,9 +57,16 @@ class XqaPlan:
     seq_lens: Any
     max_seq_len: int
 
+    def update_lengths(self, lengths) -> None:
+        """Follow the rows' lengths (int32 [B] on the device, within the planned block table):
+        ``seq_lens`` takes them (``max_seq_len`` covers the reservation). One device copy."""
+        self.seq_lens.copy_(lengths)
+
 
 class TrtllmXqaBackend:
-    graph_safe = True
+    #: a plan for the reserved pages follows the lengths through seq_lens (XqaPlan.update_lengths)
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", head_dims=XQA_HEAD_DIMS,
+                                page_sizes=XQA_PAGE_SIZES)
 
     def __init__(self, name: str = "trtllm-xqa", workspace_bytes: int = WORKSPACE_BYTES, device: str = "cuda"):
         self.name = name
@@ -73,10 +83,11 @@ class TrtllmXqaBackend:
             if major not in XQA_MAJOR_CAPABILITIES:
                 reasons.append(f"XQA runs on compute capability {XQA_MAJOR_CAPABILITIES}.x, this GPU is {major}.x")
         reasons += missing_module("flashinfer")
-        reasons += dtype_reasons(spec, ("float16", "bfloat16"), "XQA")
-        if spec.page_size not in XQA_PAGE_SIZES:
-            reasons.append(f"XQA supports page sizes {XQA_PAGE_SIZES}, not {spec.page_size}")
-        if spec.head_dim % 16 or not 16 <= spec.head_dim <= 256:
+        caps = self.capabilities
+        reasons += dtype_reasons(spec, caps.dtypes, "XQA")
+        if spec.page_size not in caps.page_sizes:
+            reasons.append(f"XQA supports page sizes {caps.page_sizes}, not {spec.page_size}")
+        if spec.head_dim not in caps.head_dims:
             reasons.append(f"XQA needs head_dim a multiple of 16 in [16, 256], not {spec.head_dim}")
         return reasons
 
@@ -110,7 +121,7 @@ class TrtllmXqaBackend:
 class TrtllmNativeBackend:
     """TensorRT-LLM's own attention op: reported, not run (see the module docstring)."""
 
-    graph_safe = False
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="none")
 
     def __init__(self, name: str = "trtllm-native"):
         self.name = name

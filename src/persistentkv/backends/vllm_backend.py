@@ -32,8 +32,9 @@ from typing import Any
 
 from ..cache import Batch
 from ..spec import AttentionSpec
-from ..env import cuda_reasons, dtype_reasons, missing_module
+from ..env import cuda_reasons, missing_module
 from ..env import torch_dtype
+from .base import Capabilities
 from .torch_sdpa import check_step_tensors
 
 #: vLLM 0.26 AttentionConfig.flash_attn_max_num_splits_for_cuda_graph.
@@ -61,9 +62,16 @@ class VllmPlan:
     scheduler_metadata: Any
     num_splits: int
 
+    def update_lengths(self, lengths) -> None:
+        """Follow the rows' lengths (int32 [B] on the device, within the planned block table):
+        ``seqused_k`` takes them; block table, ``max_seqlen_k`` and the FA3 scheduler metadata
+        stay the ones planned for the reservation. One device copy (capturable)."""
+        self.seqused_k.copy_(lengths)
+
 
 class VllmFA3Backend:
-    graph_safe = True
+    #: a plan for the reserved pages follows the lengths through seqused_k (VllmPlan.update_lengths)
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device")
 
     def __init__(self, name: str = "vllm-fa3", max_num_splits: int = VLLM_CUDA_GRAPH_MAX_SPLITS,
                  device: str = "cuda"):
@@ -87,7 +95,7 @@ class VllmFA3Backend:
             major, minor = torch.cuda.get_device_capability()
             if major != FA3_MAJOR:
                 reasons.append(f"FA3 runs on compute capability 9.x (Hopper), this GPU is {major}.{minor}")
-        return reasons + dtype_reasons(spec, ("float16", "bfloat16"), "vLLM FA3")
+        return reasons + self.capabilities.shape_reasons(spec, "vLLM FA3")
 
     def plan(self, batch: Batch) -> VllmPlan:
         import torch

@@ -163,7 +163,7 @@ def _loops(model, kv, names, rows_of, log):
     for name in names:
         try:
             loop = DecodeLoop(model, kv, name, log=log)
-            require(getattr(loop.backend, "graph_safe", False), f"backend {name} is not graph-safe")
+            require(loop.backend.capabilities.graph != "none", f"backend {name} is not graph-safe")
             rows_of(loop)
             loop.next_tokens()  # plans the step (and fails here, not mid-round, if it cannot)
             loops[name] = loop

@@ -198,8 +198,6 @@ _CHILDREN = ("plan", "host_plan", "inner", "delegate_plan")
 
 
 def _children(plan) -> list:
-    if isinstance(plan, tuple):
-        return list(plan)
     return [getattr(plan, a, None) for a in _CHILDREN]
 
 
@@ -240,26 +238,18 @@ def _find_num_splits(plan, depth: int = 0) -> int | None:
     return None
 
 
-def route_of(name: str, backend, plan) -> str:
-    """The route that ran: the adaptive backend's chosen delegate, else the backend itself.
-
-    For ``adaptive``: ``backend.last_decision.backend``, else ``plan.route`` / ``plan.backend``
-    when it names a registered backend, else "adaptive" (the decision could not be read)."""
-    if name != "adaptive":
-        return name
-    decision = getattr(backend, "last_decision", None) or getattr(plan, "decision", None)
-    chosen = getattr(decision, "backend", None)
+def route_of(name: str, plan) -> str:
+    """The route that ran: the registered backend a delegating backend's plan names as its
+    ``route`` (the adaptive backend's chosen delegate; persistentkv.backends.base), else the
+    backend itself (an engine plan's ``route``, ``workqueue`` ..., names no backend)."""
+    chosen = getattr(plan, "route", None)
     if isinstance(chosen, str) and chosen in registry.names():
         return chosen
-    for attr in ("route", "backend"):
-        value = getattr(plan, attr, None)
-        if isinstance(value, str) and value in registry.names():
-            return value
     return name
 
 
-def plan_fields(variant: Variant, backend, plan) -> dict:
-    route = route_of(variant.name, backend, plan)
+def plan_fields(variant: Variant, plan) -> dict:
+    route = route_of(variant.name, plan)
     fields: dict[str, Any] = {"route": route}
     if route in PKV_BACKENDS:
         counters = _find_counters(plan) or {}
@@ -361,7 +351,7 @@ def run_case(case: Case, device, factory: BackendFactory, settings: Settings, ct
             out = device.empty_out(spec, batch.batch_size)
             backend.run(q, copies.pair(0), plan, out)
             device.synchronize()
-            b = Bound(variant, backend, plan, plan_fields(variant, backend, plan), out)
+            b = Bound(variant, backend, plan, plan_fields(variant, plan), out)
         except Exception as exc:
             if device.is_oom(exc):
                 device.empty_cache()
@@ -470,9 +460,9 @@ def _prepare_protocols(b: Bound, case: Case, device, factory: BackendFactory, se
     warmed-up step/published instances. Failures go to b.skip."""
     batch = case.batch
     if "kernel" in settings.protocols:
-        if not getattr(b.backend, "graph_safe", True):
+        if b.backend.capabilities.graph == "none":
             b.skip["kernel"] = ("unavailable", f"{b.variant.name}.run() is not CUDA-graph capturable "
-                                               "(graph_safe = False); kernel rows need graph replay")
+                                               "(capabilities.graph = 'none'); kernel rows need graph replay")
         else:
             try:
                 for offset in graph_offsets(len(copies)):

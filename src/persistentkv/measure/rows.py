@@ -12,7 +12,7 @@ import math
 
 from ..ceiling import THREADS, ceiling_gbps
 from ..errors import PKVError, require
-from ..names import CPU_ONLY, FLOOR_BACKEND
+from ..names import FLOOR_BACKEND
 from .statistics import frac_of_ceiling
 
 #: column -> pandas dtype, in the order of docs/DATA.md.
@@ -90,12 +90,13 @@ def one_line(text: object) -> str:
 
 def availability(factory, variant, spec, host_only_reason: str) -> tuple[object | None, list[str]]:
     """(backend, reasons): the variant's backend and why it cannot run ``spec`` here ([] when it
-    can). Host-only backends (names.CPU_ONLY) get ``host_only_reason``; a backend whose creation
-    or check raises gets that exception as its reason, never a crash."""
-    if variant.name in CPU_ONLY:
-        return None, [host_only_reason]
+    can). Host-only backends (``capabilities.host_arrays``: run() takes NumPy arrays) get
+    ``host_only_reason``; a backend whose creation or check raises gets that exception as its
+    reason, never a crash."""
     try:
         backend = factory.get(variant)
+        if backend.capabilities.host_arrays:
+            return None, [host_only_reason]
         return backend, [one_line(r) for r in backend.unavailable(spec)]
     except Exception as exc:
         return None, [one_line(exc)]

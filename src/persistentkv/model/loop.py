@@ -12,20 +12,21 @@ index math on the device), then attention runs over ``pos + 1`` tokens. The plan
 step and every layer reuses it. The cache is one tensor ``[L, 2, pages, P, Hkv, D]``: layer l's K
 and V are contiguous ``[pages, P, Hkv, D]`` views (NHD), read in place by every backend.
 
-How a captured step keeps its plan right while the lengths grow (:func:`follow_mode`):
+How a captured step keeps its plan right while the lengths grow is the backend's declared
+``capabilities.graph`` (persistentkv.backends.base; :func:`follow_mode`); the loop reads nothing
+else of a backend but its name, ``unavailable``, ``plan``, ``run`` and ``capabilities.host_arrays``:
 
-* ``device``: the plan is made once for the rows' reserved pages, and the captured step writes
-  each row's real length into it, so the whole step, append and sampling included, replays with no
-  host work and no synchronisation between replays. pkv-workqueue: the lengths go into
-  ``plan.view("packed")`` and ``engine.replan_device`` re-plans on the GPU inside the graph;
-  vllm-fa3: ``seqused_k`` (block table and ``max_seqlen_k`` cover the reservation; the FA3
-  scheduler metadata stays the one planned for it); trtllm-xqa: ``seq_lens``; torch-sdpa: its key
-  mask (it gathers the reserved pages).
+* ``device``: the plan is made once for the rows' reserved pages, and the captured step calls
+  ``plan.update_lengths(lengths)`` with each row's real length, so the whole step, append and
+  sampling included, replays with no host work and no synchronisation between replays
+  (pkv-workqueue re-plans on the GPU; vllm-fa3 and trtllm-xqa copy the lengths; torch-sdpa
+  rewrites its key mask).
 * ``host``: ``backend.plan`` runs on the host before a replay whose lengths changed and rewrites
   the captured buffers in place: FlashInfer's CUDA-graph wrappers, as a FlashInfer-based server
   does (the first plan, for the reservation, sizes the wrapper's index buffer).
 * ``replan``: neither; the host plans every step and a captured step is re-captured whenever the
-  lengths change (pkv-buckets, pkv-split, adaptive, numpy: host-planned items).
+  lengths change (pkv-buckets, pkv-split, adaptive: host-planned items). A backend whose graph is
+  ``none`` (numpy) steps the same way, eagerly only: :meth:`DecodeLoop.capture` refuses it.
 
 Rows arrive and leave (:meth:`DecodeLoop.follow`, driven by a persistentkv.traces step): pages
 come from a seeded free list and return to it, and a change of the batch's rows re-plans and
@@ -42,7 +43,6 @@ import numpy as np
 
 from ..cache import Batch
 from ..errors import require
-from ..names import CPU_ONLY
 from ..traces import PAGE_SEED_OFFSET, TorchCompatibleRNG
 from .llama import Kernels, Sampling, Weights, resolve_device, sample
 from .shape import Footprint, ModelShape, check_fits
@@ -195,38 +195,11 @@ class Model:
         return K.linear(h, w.lm_head)
 
 
-def follow_mode(plan) -> str:
-    """How a captured step follows growing lengths with ``plan`` (module docstring)."""
-    from ..backends.flashinfer_backend import FlashInferPlan
-    from ..backends.torch_sdpa import SdpaPlan
-    from ..backends.trtllm_backend import XqaPlan
-    from ..backends.vllm_backend import VllmPlan
-    from ..engine import DevicePlan
-
-    if isinstance(plan, DevicePlan):
-        return "device" if plan.route == "workqueue" else "replan"
-    if isinstance(plan, (VllmPlan, XqaPlan, SdpaPlan)):
-        return "device"
-    return "host" if isinstance(plan, FlashInferPlan) else "replan"
-
-
-def write_lengths(plan, lengths) -> None:
-    """Put the rows' lengths (int32 [B], device) into a ``device``-mode plan; capturable."""
-    import torch
-
-    from ..backends.torch_sdpa import SdpaPlan
-    from ..backends.trtllm_backend import XqaPlan
-    from ..backends.vllm_backend import VllmPlan
-
-    if isinstance(plan, VllmPlan):
-        plan.seqused_k.copy_(lengths)
-    elif isinstance(plan, XqaPlan):
-        plan.seq_lens.copy_(lengths)
-    elif isinstance(plan, SdpaPlan):
-        keys = torch.arange(plan.kv_len, device=lengths.device)
-        torch.lt(keys[None, :], lengths[:, None], out=plan.mask.view(plan.batch_size, plan.kv_len))
-    else:  # the GPU-planned queue
-        plan.update_lengths(lengths)
+def follow_mode(backend) -> str:
+    """How the loop follows growing lengths with ``backend`` (:data:`FOLLOW_MODES`, module
+    docstring): its ``capabilities.graph``, where ``none`` (never captured) steps as ``replan``."""
+    graph = backend.capabilities.graph
+    return "replan" if graph == "none" else graph
 
 
 class DecodeLoop:
@@ -248,6 +221,8 @@ class DecodeLoop:
         self.spec = model.shape.attention_spec(kv.page_size, kv.dtype_name)
         reasons = self.backend.unavailable(self.spec)
         require(not reasons, f"backend {self.backend.name} cannot run {self.spec}: {'; '.join(reasons)}")
+        #: run() takes host NumPy arrays (read once: _run is called per layer)
+        self.host_arrays = self.backend.capabilities.host_arrays
         require(kv.dtype == model.dtype and kv.device == model.device,
                 f"the cache ({kv.dtype}, {kv.device}) and the model ({model.dtype}, {model.device}) must match")
         self.log = log or (lambda message: None)
@@ -436,17 +411,10 @@ class DecodeLoop:
     def _replan(self, capacity: bool = False) -> None:
         """Plan the step: a device-mode backend for the reservation (once per set of rows), the
         others for the real lengths."""
-        import torch
-
-        if capacity:
+        if capacity:  # every mode: a host-mode backend's first plan sizes its buffers for the reservation
             plan = self.backend.plan(self.batch(capacity=True))
-            self.mode = follow_mode(plan)
+            self.mode = follow_mode(self.backend)
             if self.mode == "device":
-                from ..backends.torch_sdpa import SdpaPlan
-
-                if isinstance(plan, SdpaPlan) and plan.mask is None:  # every row fills its pages
-                    plan.mask = torch.ones((plan.batch_size, 1, 1, plan.kv_len), dtype=torch.bool,
-                                           device=self.kv.device)
                 self.plan, self._planned = plan, None
                 self.replans += 1
                 return
@@ -509,11 +477,11 @@ class DecodeLoop:
         False: the lengths only, as the step without attention needs them)."""
         self.lengths.copy_(self.positions + 1)
         if plan and self.mode == "device":
-            write_lengths(self.plan, self.lengths)
+            self.plan.update_lengths(self.lengths)
 
     def _run(self, q, layer: int, out) -> None:
         k, v = self.kv.layer(layer)
-        if self.backend.name in CPU_ONLY:  # the NumPy executor reads host arrays (CPU tensors' memory)
+        if self.host_arrays:  # e.g. the NumPy executor: host arrays (the CPU tensors' memory)
             self.backend.run(q.numpy(), (k.numpy(), v.numpy()), self.plan, out.numpy())
         else:
             self.backend.run(q, (k, v), self.plan, out)
@@ -600,9 +568,9 @@ class DecodeLoop:
         import torch
 
         require(what in GRAPHS, f"capture what must be one of {', '.join(GRAPHS)}, got {what!r}")
+        require(self.backend.capabilities.graph != "none",
+                f"backend {self.backend.name} is not graph-safe (capabilities.graph is 'none'): it runs eagerly only")
         require(self.kv.device.type == "cuda", "CUDA graphs need the loop on a CUDA device")
-        require(getattr(self.backend, "graph_safe", False),
-                f"backend {self.backend.name} is not graph-safe (graph_safe is not True): it runs eagerly only")
         body = {"step": self._body, "rest": lambda: self._body(attention=False),
                 "attention": self._attention_body, "appends": lambda: self._attention_body(attention=False)}[what]
         marked = self.mark()
