@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import synthetic
 from persistentkv import claims, targets
 from persistentkv.names import PUBLISHED_TRACES
-from persistentkv.render import synthetic
 from persistentkv.results import Results, load_results
 
 HOLDOUT = (20260623, 20260624, 20260625)

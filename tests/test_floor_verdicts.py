@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import synthetic
 from persistentkv import targets
 from persistentkv.measure.rows import raw_frame, raw_row
 from persistentkv.names import FLOOR_BACKEND, SHAPES_EXPERIMENT
-from persistentkv.render import synthetic
 from persistentkv.results import Results
 
 MiB = 2**20

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import synthetic
 from persistentkv import claims, cli
 from persistentkv.errors import PKVError
-from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, report, synthetic, tables
+from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, report, tables
 from persistentkv.results import load_results
 
 REPO = Path(__file__).resolve().parents[1]

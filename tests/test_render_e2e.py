@@ -7,9 +7,10 @@ import re
 
 import pytest
 
+import synthetic
 from persistentkv import claims, targets
 from persistentkv.errors import PKVError
-from persistentkv.render import figures, report, synthetic, tables
+from persistentkv.render import figures, report, tables
 from persistentkv.results import load_results
 
 

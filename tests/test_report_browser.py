@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+import synthetic
 from persistentkv import claims
-from persistentkv.render import FIGURE_NAMES, figures, report, synthetic
+from persistentkv.render import FIGURE_NAMES, figures, report
 from persistentkv.results import load_results
 
 CHROMIUM = Path("/usr/bin/chromium")

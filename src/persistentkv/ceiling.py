@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
 from .errors import PKVError, require
+from .launch import kernels_dir
 
 KERNEL_FILE = "ceiling.cu"
 KERNEL_NAME = "read_ceiling"
@@ -57,14 +57,9 @@ THREADS = 256
 BLOCKS_PER_SM = 8           # 2048 resident threads per SM on sm_80/sm_90
 
 
-def kernels_dir() -> Path:
-    """The repository's kernels/ folder (src/persistentkv/ceiling.py -> ../../kernels)."""
-    return Path(__file__).resolve().parents[2] / "kernels"
-
-
 def kernel_source() -> str:
     path = kernels_dir() / KERNEL_FILE
-    require(path.is_file(), f"{path} is missing (the read-ceiling kernel lives in the repository's kernels/)")
+    require(path.is_file(), f"{path} is missing (the read-ceiling kernel lives in kernels/ with the others)")
     return path.read_text()
 
 

@@ -43,12 +43,23 @@ CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemo
 
 
 def kernels_dir() -> Path:
-    """kernels/ at the repository root (src layout), or $PERSISTENTKV_KERNELS."""
+    """The folder of the CUDA sources (pkv_decode.cu, step_ops.cu, ceiling.cu, pkv_trace.cuh), the
+    first of: $PERSISTENTKV_KERNELS; the installed package's kernels/ (a wheel or ``pip install .``
+    carries them as persistentkv/kernels: setup.py); the source checkout's top-level kernels/ (an
+    editable install, or src/ on PYTHONPATH). Every kernel user (the engine, kernel_build,
+    ceiling, model.step_ops) finds its source here."""
+    from importlib.resources import files
+
     env = os.environ.get("PERSISTENTKV_KERNELS")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
-    require((path / KERNEL_FILE).is_file(),
-            f"kernel source {path / KERNEL_FILE} not found (set PERSISTENTKV_KERNELS to the kernels/ folder)")
-    return path
+    if env:
+        require((Path(env) / KERNEL_FILE).is_file(), f"PERSISTENTKV_KERNELS={env} holds no {KERNEL_FILE}")
+        return Path(env)
+    searched = [Path(str(files("persistentkv") / "kernels")), Path(__file__).resolve().parents[2] / "kernels"]
+    for path in searched:
+        if (path / KERNEL_FILE).is_file():
+            return path
+    raise PKVError(f"kernel sources not found: no {KERNEL_FILE} in {' or in '.join(map(str, searched))} "
+                   "(set PERSISTENTKV_KERNELS to the kernels/ folder)")
 
 
 def stage_tokens(warps: int) -> int:

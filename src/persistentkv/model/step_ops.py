@@ -41,8 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ceiling import cupy_stream, kernels_dir
+from ..ceiling import cupy_stream
 from ..errors import PKVError, require
+from ..launch import kernels_dir
 
 KERNEL_FILE = "step_ops.cu"
 #: dtypes of the gemv entry points (``pkv_gemv_<dtype>_t<T>``).
@@ -91,7 +92,7 @@ ENTRY_POINTS = tuple(gemv_entry(d, t, s) for s in (False, True) for d in DTYPES
 
 def kernel_source() -> str:
     path = kernels_dir() / KERNEL_FILE
-    require(path.is_file(), f"{path} is missing (the step's kernels live in the repository's kernels/)")
+    require(path.is_file(), f"{path} is missing (the step's kernels live in kernels/ with the others)")
     return path.read_text()
 
 

@@ -1,4 +1,4 @@
-"""Synthetic results in the formats of docs/DATA.md, for tests and previews of the renderers only.
+"""Synthetic results in the formats of docs/DATA.md, for the tests of the renderers, claims and targets.
 
 Nothing here is a measurement: every run_id starts with ``synthetic-`` and the provenance names
 the GPU ``SYNTHETIC (test data)``, so a rendered page says so wherever it names its hardware.
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .. import io, plan, traces
-from ..cache import make_batch
-from ..spec import AttentionSpec
+from persistentkv import io, plan, traces
+from persistentkv.cache import make_batch
+from persistentkv.spec import AttentionSpec
 
 GPU = "SYNTHETIC (test data)"
 RUN_ID = "synthetic-run"
@@ -264,7 +264,7 @@ def provenance() -> dict:
                      # as long as a real one (sha256 of the config), so the report's tables are laid out with it
                      "config_hash": hashlib.sha256(b"synthetic").hexdigest(), "seeds": list(HOLDOUT),
                      "started_at": "2026-01-01T00:00:00Z",
-                     "command": "persistentkv.render.synthetic"}}
+                     "command": "tests/synthetic.py"}}
 
 
 def policy() -> dict:
@@ -305,7 +305,7 @@ SHAPES_BACKENDS = ("pkv-workqueue", "flashinfer-tc", "flashinfer-cc", "vllm-fa3"
 def with_floor(frame: pd.DataFrame, seed: int = 3) -> pd.DataFrame:
     """``frame`` plus one-kernel-floor rows (backend names.FLOOR_BACKEND, protocol kernel) for each of its
     kernel cases, one per repeat: the toy floor FLOOR_FIXED_US + bytes at CEILING_GBPS, lognormal noise."""
-    from ..names import FLOOR_BACKEND
+    from persistentkv.names import FLOOR_BACKEND
 
     rng = np.random.default_rng(seed)
     kernel = frame[(frame["protocol"] == "kernel") & (frame["status"] == "ok")
@@ -379,7 +379,7 @@ def e2e_frame(repeats: int = 7, seed: int = 3, run_id: str = E2E_RUN_ID) -> pd.D
     step and its attention in interleaved rounds (a noise factor shared by every backend's round,
     so the pairing by repeat matters), the non-attention part near its weight floor, ceiling rows,
     an unavailable backend and a refused cell."""
-    from ..model.shape import ModelShape
+    from persistentkv.model.shape import ModelShape
 
     rng = np.random.default_rng(seed)
     rows = []
@@ -440,7 +440,7 @@ def e2e_frame(repeats: int = 7, seed: int = 3, run_id: str = E2E_RUN_ID) -> pd.D
 
 def e2e_provenance(complete: bool = True, run_id: str = E2E_RUN_ID) -> dict:
     """A pass's sidecar: the run's record (the synthetic GPU's) with measure-e2e's completeness fields."""
-    record = {**provenance()[RUN_ID], "command": "persistentkv.render.synthetic (e2e)"}
+    record = {**provenance()[RUN_ID], "command": "tests/synthetic.py (e2e)"}
     n = sum(len(c) for c in E2E_CELLS.values()) + len(E2E_TRACE_STEPS) + 1
     return {run_id: {**record, "complete": complete,
                      "configurations": {"done": n if complete else n - 1, "total": n}}}
