@@ -13,8 +13,7 @@ choices compared (persistentkv.model.Kernels):
              kernel choice runs it (Kernels.linear, Kernels.gate_up_silu), one CUDA graph of one
              call per layer's weights (weights stream from HBM, as in the step), the choices'
              graphs replayed in interleaved rounds: us per call and the fraction of the weight
-             bytes' read-ceiling time. (Up to b3dd932 it also timed cuBLASLt as torch's BLAS:
-             no better, 0.53-0.92; runs/step_probe_b3dd932.)
+             bytes' read-ceiling time.
   kernels    one step of --cell under torch.profiler per kernel choice: GPU time per kernel
              name, summed over the step, beside the graph-replayed step.
   steps      the whole graph-replayed step (pkv-workqueue attention) of each --steps cell
@@ -22,8 +21,6 @@ choices compared (persistentkv.model.Kernels):
              cache and one set of rows shared by the choices' graphs, replayed in interleaved
              rounds: step us, the step without attention (rest-<choice>), and its
              attention alone after each layer's append (attention; appends: those alone).
-             Up to 2aa0889 it also ran pkv's arms pkv-unfused and pkv-pdl (the norms folded into
-             the gemvs, and the gemvs with dependent launch; runs/step_probe_2aa0889).
   evict      per --steps cell and --backends backend: attention alone as measure-e2e times it,
              the same with a 256 MB read between each layer's append and its call (each minus
              its graph without the calls), and the step minus the step without attention: does
@@ -46,13 +43,11 @@ choices compared (persistentkv.model.Kernels):
   paired     per --steps cell, every --backends backend's loop on one cache, all their graphs
              replayed in the same rotated rounds: each backend's step, and its attention alone
              after each layer's append (``alone``: that graph minus the appends alone), so two
-             variants of one backend compare per round inside the step. (At fe17613 it also
-             took ``name~nosignal``: the graphs captured with the append not signalling the
-             attention after it; runs/step_probe_paired_fe17613.)
+             variants of one backend compare per round inside the step.
 
-Up to 3153ad5 a third part timed the step with the engine's programmatic-dependent-launch
-variants (runs/step_probe_b3dd932.parquet, part ``pdl``): they lost to the plain launch there,
-and PDL left the engine (benchmarks/NOTES.md, "Tried and rejected").
+Files of benchmarks/runs/ written by this script may hold parts and arms it does not run (part
+``pdl``; cuBLASLt in ``linears``; pkv-unfused and pkv-pdl in ``steps``; ``name~nosignal`` in
+``paired``): benchmarks/NOTES.md says what each measured and which of its rows read them.
 
 Writes step_probe_HHMMSS.parquet to --out ($OUT) after each part: part, cell, variant, name,
 repeat, us, bytes, read_gbps.

@@ -119,7 +119,7 @@ def print_replay_latency(path: Path, df: pd.DataFrame) -> None:
 
 
 def print_host_overhead(path: Path, df: pd.DataFrame) -> None:
-    index = [c for c in ("case", "pdl", "loop_calls") if c in df]  # runs up to 3153ad5 timed PDL on and off
+    index = [c for c in ("case", "pdl", "loop_calls") if c in df]  # older runs time PDL on and off (NOTES)
     table = df.pivot_table(index=index, columns="mode", values="median_us", sort=False)
     print(f"\n{path.stem} (us per run() call on the host, median over loops that each start after a "
           f"synchronisation; benchmarks/host_overhead.py: *_cold = host caches flushed before each loop)")
@@ -156,7 +156,7 @@ def print_e2e(path: Path, df: pd.DataFrame) -> None:
 def print_step_probe(path: Path, df: pd.DataFrame) -> None:
     """benchmarks/step_probe.py: the step's projections against their weight bytes' read time, its
     kernels, the steps per kernel choice, backends' steps in the same rounds (part paired), and
-    (runs up to b3dd932) the queue's PDL variants."""
+    (in the runs that have part pdl) the queue's PDL variants."""
     print(f"\n{path.stem} (step_probe.py, parts {', '.join(sorted(df['part'].unique()))})")
     lin = df[df["part"] == "linears"]
     if len(lin):

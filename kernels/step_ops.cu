@@ -56,7 +56,8 @@ typedef unsigned long long pkv_u64;
 
 #define PKV_MAX_WARPS 32  // 1024 threads: the most a block can hold, so any launch fits part[][]
 #define PKV_MAX_T 4  // the partials' rows (part[][2 * PKV_MAX_T]) keep their T <= 4 size: the T = 1
-                     // entry points' SASS is then byte-identical to the build measured (84305bd)
+                     // entry points' SASS is then byte-identical to the build whose step times
+                     // benchmarks/NOTES.md records ("Tried and rejected", the step gemv at T = 2-4)
 
 struct Fp16 {};
 struct Bf16 {};

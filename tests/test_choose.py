@@ -1,88 +1,243 @@
-"""choose.choose_warps, the one rule that picks a pkv-workqueue step's module (4 or 8 warps),
-and the queue imbalance it rests on: worked numbers and the rule itself on random rows."""
+"""choose.choose_warps, the one rule that picks a pkv-workqueue step's module (4 or 8 warps), and
+the queue imbalance it rests on.
+
+Every expected value here is worked out by hand in the comments (tiles of 32 tokens, Hkv = 8, the
+H200 queues: 132 items of >= 4 tiles at 8 warps, 264 items of >= 2 tiles at 4 warps) or by the
+brute-force oracle below, which follows the documented rule with a plain linear search and shares
+no code with persistentkv.choose or persistentkv.plan."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from persistentkv.choose import _warps_for_tiles, choose_warps, queue_imbalance
 from persistentkv.errors import PKVError
 
+# zipf_b8's step: tiles 412, 442, 457, 480, 507, 516, 554, 606 (ceil(n / 32)); 3974 tiles in all.
+ZIPF_B8 = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
 
-def test_queue_imbalance_worked_numbers():
-    """Longest item over the mean work of the queue's slots (H200 queues: 264 items with 2-tile
-    chunks at 4 warps, 132 with 4-tile chunks at 8 warps; Hkv = 8)."""
-    from persistentkv.choose import queue_imbalance
-    from persistentkv.plan import num_tiles
 
-    zipf = num_tiles(np.array([13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]))
-    assert zipf.sum() == 3974 and zipf.max() == 606
-    # 8 warps: 64 (row, head) groups in 132 slots -> 2 items a row, the longest 303 tiles (9696
-    # tokens) against a mean of 8 * 3974 / 132 tiles; 4 warps: 264 items of at most 138 tiles
-    assert queue_imbalance(zipf, 8, 132, 4) == pytest.approx(303 * 132 / (8 * 3974))
-    assert queue_imbalance(zipf, 8, 264, 2) == pytest.approx(138 * 264 / (8 * 3974))
-    assert queue_imbalance(zipf.tolist(), 8, 264, 2) == queue_imbalance(zipf, 8, 264, 2)
-    # 4 rows of 32 tiles: chunks of 4 tiles, 256 items in 264 slots
-    assert queue_imbalance([32] * 4, 8, 264, 2) == pytest.approx(4 * 264 / (8 * 128))
-    # one tile: the longest item is the whole row, whatever the chunk
+def tiles_of(lens):
+    return [-(-n // 32) for n in lens]
+
+
+# -- an oracle written from the docstrings, not from the code --------------------------------
+
+def oracle_imbalance(tiles, hkv, target, min_chunk):
+    """Longest item x slots / (Hkv x total tiles), for the smallest chunk (>= min_chunk) whose
+    Hkv x sum ceil(T / chunk) items fit the slots: target items a wave, as many waves as it takes
+    for one item per (row, kv head) group to leave at least one slot spare."""
+    tiles = [int(t) for t in tiles]
+    waves = 1
+    while waves * target <= len(tiles) * hkv:
+        waves += 1
+    slots = waves * target
+    total = sum(tiles)
+    chunk = max(min_chunk, -(-hkv * total // slots))  # fewer tiles an item than total / slots never fit
+    while hkv * sum(-(-t // chunk) for t in tiles) > slots:
+        chunk += 1
+    return min(chunk, max(tiles)) * slots / (hkv * total)
+
+
+def oracle_warps(lens, hkv=8, max_imbalance=1.05):
+    if len(lens) == 1:
+        return 8
+    if len(lens) * hkv > 132 and max(lens) <= 4096:
+        return 4
+    if max(lens) == min(lens):
+        return 8
+    tiles = tiles_of(lens)
+    ratio = oracle_imbalance(tiles, hkv, 132, 4) / oracle_imbalance(tiles, hkv, 264, 2)
+    return 4 if ratio > max_imbalance else 8
+
+
+# -- queue_imbalance on cases worked by hand ---------------------------------------------------
+
+def test_queue_imbalance_is_one_when_every_slot_carries_the_same_work():
+    # 4 rows of 64 tiles, 256 slots: 32 groups, chunk 8 gives 8 items a group, 256 items of 8 tiles.
+    assert queue_imbalance([64] * 4, 8, 256, 1) == pytest.approx(1.0)
+    # one row of 33 tiles, 264 slots: one-tile items, 33 a head, 264 in all.
+    assert queue_imbalance([33], 8, 264, 1) == pytest.approx(1.0)
+    assert queue_imbalance(np.array([64] * 4), 8, 256, 1) == pytest.approx(1.0)
+
+
+def test_queue_imbalance_zipf_b8_worked_by_hand():
+    # 8 warps, 132 slots: at most 132 / 8 = 16 items a head over 8 rows, so 2 a row. Chunk 303 does
+    # it (606 / 303 = 2, the rest are shorter); chunk 302 gives the 606-tile row 3 items (17).
+    # Longest item 303 tiles against a mean of 8 x 3974 / 132 tiles a slot.
+    assert queue_imbalance(tiles_of(ZIPF_B8), 8, 132, 4) == pytest.approx(303 * 132 / (8 * 3974))
+    # 4 warps, 264 slots: at most 33 items a head. Chunk 138: 3+4+4+4+4+4+5+5 = 33; chunk 137:
+    # 412 / 137 > 3 gives 4+4+4+4+4+4+5+5 = 34. Longest 138 tiles against 8 x 3974 / 264.
+    assert queue_imbalance(tiles_of(ZIPF_B8), 8, 264, 2) == pytest.approx(138 * 264 / (8 * 3974))
+
+
+def test_queue_imbalance_longest_item_is_at_most_the_row():
+    # one tile of one row: whatever the minimum chunk, the only item is one tile; 264 slots hold
+    # 8 of them.
     assert queue_imbalance([1], 8, 264, 4) == pytest.approx(264 / 8)
-    # 64 rows x 8 heads = 512 groups: 4 waves of 132 slots, one item per group
-    assert queue_imbalance([256] * 64, 8, 132, 4) == pytest.approx(256 * 528 / (8 * 64 * 256))
+    # two rows of 5 tiles under a minimum chunk of 8: one item per group, each 5 tiles.
+    assert queue_imbalance([5, 5], 8, 264, 8) == pytest.approx(5 * 264 / (8 * 10))
 
 
-def test_choose_warps_worked_numbers():
-    from persistentkv.choose import WARPS8_MAX_IMBALANCE, choose_warps
+def test_queue_imbalance_many_waves():
+    # 64 rows x 8 heads = 512 groups > 132: four waves hold them with room (528 slots); 512 items
+    # of one whole row (256 tiles) each, 16 slots empty.
+    assert queue_imbalance([256] * 64, 8, 132, 4) == pytest.approx(528 / 512)
+    # exactly one wave's worth of groups (33 x 8 = 264) still takes a second wave: 528 slots,
+    # 264 groups of 2 tiles split into 1-tile items, 528 of them.
+    assert queue_imbalance([2] * 33, 8, 264, 1) == pytest.approx(1.0)
 
-    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8   # one row
-    assert choose_warps([8192] * 4, 128) == 8 and choose_warps([7] * 16, 128) == 8   # equal rows
-    # more (row, kv head) groups than the 8-warp queue's 132 slots, rows of at most 4K: 4 warps
-    assert choose_warps([1024] * 64, 128) == 4 and choose_warps([4096] * 64, 128) == 4
-    assert choose_warps([7] * 100, 128) == 4 and choose_warps([1024] * 17, 128) == 4    # 136 groups
-    assert choose_warps(list(range(512, 4097, 8)), 128) == 4                           # ragged too
-    assert choose_warps([2048] * 16, 128) == 8                        # 128 groups: one 8-warp wave
-    assert choose_warps([4097] * 64, 128) == 8                        # a longer row: equal rows, 8
-    assert choose_warps([1024] * 64, 128, queue8=(528, 4)) == 8       # an 8-warp queue with room for them
-    assert choose_warps([1024] * 64, 128, num_kv_heads=2) == 8        # 128 groups
-    zipf = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
-    assert choose_warps(zipf, 128) == 4                              # imbalance 1.258 vs 1.146
-    assert choose_warps([50472, 6024, 10088, 10424], 128) == 8       # 1.116 vs 1.082
-    assert choose_warps([49152, 4096, 8192, 6144, 40960, 8192, 6144, 7168], 128) == 4
-    assert choose_warps([8192, 4096], 128) == 4                      # 1.117 vs 1.031
-    assert choose_warps([8192, 8200], 128) == 8                      # 1.061 vs 1.029
-    assert choose_warps([8192, 4096], 128, max_imbalance=1.09) == 8
-    assert choose_warps([8192], 256) == 4                            # no 8-warp module at D=256
-    assert choose_warps(zipf, 128, queue8=(264, 4)) == 8             # an 8-warp queue of as many items
-    assert WARPS8_MAX_IMBALANCE == 1.05
+
+# -- choose_warps on the docstring's worked numbers --------------------------------------------
+
+def test_choose_warps_documented_cases():
+    assert choose_warps([8192], 128) == 8 and choose_warps([1], 64) == 8 and choose_warps([300000], 128) == 8
+    assert choose_warps([8192], 256) == 4 and choose_warps([8192, 100], 256) == 4     # no 8-warp module
+    assert choose_warps([8192] * 4, 128) == 8                                         # equal rows
+    assert choose_warps([2048] * 16, 128) == 8                                        # 128 groups: one wave
+    for n in (1024, 2048, 4096):
+        assert choose_warps([n] * 64, 128) == 4, n                                    # 512 groups, <= 4K
+    assert choose_warps([8192] * 64, 128) == 8                                        # longer rows, equal
+    # zipf_b8: 303 x 132 / (138 x 264) = 303 / 276 = 1.098 > 1.05
+    assert choose_warps(ZIPF_B8, 128) == 4
+    # B=4 (50472, 6024, 10088, 10424), tiles 1578, 189, 316, 326 (2409): 8 warps chunk 163
+    # (10+2+2+2 = 16; 162 gives 326 three items), 4 warps chunk 79 (20+3+4+5 = 32; 78 gives 34):
+    # ratio 163 x 132 / (79 x 264) = 163 / 158 = 1.032 <= 1.05
+    assert choose_warps([50472, 6024, 10088, 10424], 128) == 8
+
+
+def test_choose_warps_small_ragged_cases_worked_by_hand():
+    # (8192, 4096), tiles 256 + 128: 8 warps chunk 26 (10 + 5 = 15 <= 16; 25 gives 11 + 6),
+    # 4 warps chunk 12 (22 + 11 = 33; 11 gives 24 + 12): ratio 26 x 132 / (12 x 264) = 13 / 12.
+    assert choose_warps([8192, 4096], 128) == 4
+    assert choose_warps([8192, 4096], 128, max_imbalance=13 / 12 + 1e-9) == 8
+    assert choose_warps([8192, 4096], 128, max_imbalance=13 / 12 - 1e-9) == 4
+    # (8192, 8200), tiles 256 + 257: 8 warps chunk 33 (8 + 8; 32 gives 8 + 9), 4 warps chunk 16
+    # (16 + 17 = 33; 15 gives 18 + 18): ratio 33 / 32 = 1.031 -> 8.
+    assert choose_warps([8192, 8200], 128) == 8
+    assert choose_warps([8192, 8200], 128, max_imbalance=33 / 32 - 1e-9) == 4
+
+
+def test_choose_warps_flips_at_the_imbalance_ratio():
+    """The answer turns from 4 to 8 exactly where max_imbalance passes the queues' ratio."""
+    assert choose_warps(ZIPF_B8, 128, max_imbalance=303 / 276 - 1e-9) == 4
+    assert choose_warps(ZIPF_B8, 128, max_imbalance=303 / 276 + 1e-9) == 8
+    b4 = [50472, 6024, 10088, 10424]
+    assert choose_warps(b4, 128, max_imbalance=163 / 158 - 1e-9) == 4
+    assert choose_warps(b4, 128, max_imbalance=163 / 158 + 1e-9) == 8
+
+
+def test_choose_warps_many_short_rows_edge():
+    # 17 rows x 8 heads = 136 groups > 132 slots, rows <= 4096 tokens: 4 warps; 16 rows (128
+    # groups) is one 8-warp wave, so the rule of the queues decides (equal rows: 8).
+    assert choose_warps([1024] * 17, 128) == 4 and choose_warps([1024] * 16, 128) == 8
+    assert choose_warps([4096] * 64, 128) == 4 and choose_warps([4097] * 64, 128) == 8
+    # the same rows with fewer kv heads make 128 groups: one wave
+    assert choose_warps([1024] * 64, 128, num_kv_heads=2) == 8
+    # an 8-warp queue with slots for all 512 groups: not many waves, equal rows: 8
+    assert choose_warps([1024] * 64, 128, queue8=(528, 4)) == 8
+    # both paths: 64 rows (plain lists) and 65 (numpy)
+    assert choose_warps([1024] * 65, 128) == 4 and choose_warps(np.full(65, 8192), 128) == 8
+
+
+def test_choose_warps_equal_rows_take_8_whatever_the_queues():
+    # 3 rows of 672 tokens (21 tiles, 63 in all), 24 groups: 8 warps chunk 5 (3 x 5 = 15 items a
+    # head <= 16; 4 gives 18), 4 warps chunk 2 (3 x 11 = 33): ratio 5 x 132 / (2 x 264) = 1.25,
+    # which would say 4; equal rows take 8 before the queues are weighed.
+    assert queue_imbalance([21] * 3, 8, 132, 4) == pytest.approx(5 * 132 / (8 * 63))
+    assert queue_imbalance([21] * 3, 8, 264, 2) == pytest.approx(2 * 264 / (8 * 63))
+    assert choose_warps([672] * 3, 128) == 8
+    # one token less in one row: the same tiles, but the rows differ, so the ratio decides
+    assert choose_warps([672, 672, 671], 128) == 4
+    # under a bound no queue meets, equal rows still take 8 on both paths; ragged rows take 4
+    assert choose_warps([8192] * 3, 128, max_imbalance=0.5) == 8
+    assert choose_warps(np.full(65, 8192), 128, max_imbalance=0.5) == 8
+    assert choose_warps([8192] * 64 + [8193], 128, max_imbalance=0.5) == 4
+
+
+def test_choose_warps_queue_arguments_change_the_answer():
+    # an 8-warp queue of 264 items: the same chunks as the 4-warp queue's but >= 4 tiles; for
+    # zipf_b8 both chunks are far above 4 tiles, so the imbalances are equal: 8.
+    assert choose_warps(ZIPF_B8, 128, queue8=(264, 4)) == 8
+
+
+def test_choose_warps_refuses_no_rows():
     with pytest.raises(PKVError, match="at least one row"):
         choose_warps([], 128)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 64, 65, 512])
-def test_choose_warps_is_the_imbalance_rule_on_both_paths(rows):
-    """Up to 64 rows choose_warps works on Python lists, above it on numpy arrays; both give
-    8 unless queue_imbalance(8-warp queue) > WARPS8_MAX_IMBALANCE x queue_imbalance(4-warp queue),
-    and 8 for equal rows."""
-    from persistentkv.choose import WARPS4_MULTIWAVE_MAX_TOKENS, WARPS8_MAX_IMBALANCE, choose_warps, queue_imbalance
-    from persistentkv.plan import num_tiles
+# -- properties ----------------------------------------------------------------------------------
 
+def random_rows(rng, rows, trial):
+    if trial % 3 == 0:    # near-equal rows, around the threshold
+        return rng.integers(8000, 8000 + 64 * (trial % 9 + 1), size=rows)
+    if trial % 3 == 1:    # short rows: many of them make more groups than the 8-warp slots
+        return rng.integers(1, 4097, size=rows)
+    return rng.integers(1, 1 << 18, size=rows)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 16, 64, 65, 200])
+def test_choose_warps_matches_the_documented_rule(rows):
+    """Against the oracle, on both paths (lists up to 64 rows, numpy above)."""
     rng = np.random.default_rng(rows)
     picked = set()
-    for trial in range(60):
-        seq = rng.integers(1, 1 << 18, size=rows).astype(np.int32)
-        if trial % 3 == 0:  # near-equal rows, around the threshold
-            seq = rng.integers(8000, 8000 + 64 * (trial % 9 + 1), size=rows).astype(np.int32)
-        elif trial % 3 == 1:  # short rows: many of them make more groups than the 8-warp slots
-            seq = rng.integers(1, WARPS4_MULTIWAVE_MAX_TOKENS + 1, size=rows).astype(np.int32)
-        tiles = num_tiles(seq)
-        ratio = queue_imbalance(tiles, 8, 132, 4) / queue_imbalance(tiles, 8, 264, 2)
-        expect = 8 if seq.max() == seq.min() or ratio <= WARPS8_MAX_IMBALANCE else 4
-        if rows * 8 > 132 and seq.max() <= WARPS4_MULTIWAVE_MAX_TOKENS:
-            expect = 4
+    for trial in range(24):
+        seq = random_rows(rng, rows, trial)
+        expect = oracle_warps(seq.tolist())
         assert choose_warps(seq, 128) == expect
         assert choose_warps(seq.tolist(), 128) == expect
+        assert choose_warps(seq.astype(np.int32), 128) == expect
         picked.add(expect)
-    assert choose_warps(np.full(rows, 5000, dtype=np.int32), 128) == 8
     if rows <= 3:
         assert picked == {4, 8}  # the cases exercise both answers
 
 
+@pytest.mark.parametrize("rows", [2, 5, 64, 100])
+def test_queue_imbalance_matches_the_oracle(rows):
+    rng = np.random.default_rng(100 + rows)
+    for trial in range(10):
+        tiles = tiles_of(random_rows(rng, rows, trial).tolist())
+        for target, min_chunk in ((132, 4), (264, 2), (528, 1)):
+            want = oracle_imbalance(tiles, 8, target, min_chunk)
+            assert queue_imbalance(tiles, 8, target, min_chunk) == pytest.approx(want)
+            assert queue_imbalance(np.array(tiles, dtype=np.int64), 8, target, min_chunk) == pytest.approx(want)
+
+
+def test_choose_warps_ignores_row_order():
+    rng = np.random.default_rng(7)
+    for rows in (2, 8, 64, 90):
+        for trial in range(6):
+            seq = random_rows(rng, rows, trial)
+            want = choose_warps(seq, 128)
+            for _ in range(3):
+                assert choose_warps(rng.permutation(seq), 128) == want
+
+
+def test_choose_warps_is_monotone_in_max_imbalance():
+    """A looser bound never turns 8 warps into 4."""
+    rng = np.random.default_rng(11)
+    bounds = [1.0, 1.01, 1.03, 1.05, 1.08, 1.12, 1.2, 1.5, 3.0]
+    for trial in range(30):
+        seq = random_rows(rng, 8, trial)
+        answers = [choose_warps(seq, 128, max_imbalance=b) for b in bounds]
+        assert answers == sorted(answers), (seq.tolist(), answers)
+
+
+def test_memoised_answer_is_the_unmemoised_one():
+    rng = np.random.default_rng(5)
+    cases = [ZIPF_B8, [50472, 6024, 10088, 10424]] + [random_rows(rng, r, 2).tolist() for r in (3, 40, 80)]
+    for lens in cases:
+        _warps_for_tiles.cache_clear()
+        first = choose_warps(lens, 128)
+        hits = _warps_for_tiles.cache_info().hits
+        assert choose_warps(lens, 128) == first                         # from the cache
+        assert _warps_for_tiles.cache_info().hits == hits + 1
+        key = tuple(tiles_of(lens)) if len(lens) <= 64 else np.array(tiles_of(lens), dtype=np.int64).tobytes()
+        assert _warps_for_tiles.__wrapped__(key, 8, (264, 2), (132, 4), 1.05) == first
+        assert first == oracle_warps(lens)
+    # a remembered answer for one queue is not served for another
+    _warps_for_tiles.cache_clear()
+    assert choose_warps(ZIPF_B8, 128) == 4
+    assert choose_warps(ZIPF_B8, 128, queue8=(264, 4)) == 8
+    assert choose_warps(ZIPF_B8, 128, max_imbalance=1.2) == 8

@@ -30,18 +30,16 @@ def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles
 
 #: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages, a queue of one item
 #: per SM) unless its queue's imbalance exceeds the 4-warp queue's (two CTAs per SM, twice the
-#: items, so shorter ones) by more than this factor. From the H200 dev bench of 7ff41ed
-#: (results/nvidia-h200/kernel_dev/bench_warps_waves_7ff41ed.parquet, benchmarks/NOTES.md "Host:
-#: the warps by the queue's balance"): time(8 warps) / time(4 warps) follows ~0.97 x the
-#: imbalance ratio: 0.97-0.99 on equal rows (ratio 1.00-1.02), 0.969 at B=4 6K-50K (1.032), 1.052
-#: and 1.074 at B=8 5.7K-22K and 13K-19K (1.084, 1.098), 1.08 and 1.32 on B8-bimodal and B8-ragged
-#: (1.20, 1.50).
+#: items, so shorter ones) by more than this factor. On the H200, time(8 warps) / time(4 warps)
+#: follows ~0.97 x the imbalance ratio: 0.97-0.99 on equal rows (ratio 1.00-1.02), 0.969 at B=4
+#: 6K-50K (1.032), 1.052 and 1.074 at B=8 5.7K-22K and 13K-19K (1.084, 1.098), 1.08 and 1.32 on
+#: B8-bimodal and B8-ragged (1.20, 1.50) (benchmarks/NOTES.md, "What ships", the 4 or 8 warps row).
 WARPS8_MAX_IMBALANCE = 1.05
 #: More (row, kv head) groups than the 8-warp queue has slots and no row longer than this: 4 warps.
 #: Each group is then one item and the 8-warp queue runs several waves of one CTA per SM, whose
 #: every item pays its first stage's latency with nothing else on the SM, where two 4-warp CTAs
-#: per SM overlap one's ramp with the other's stream. H200 (benchmarks/NOTES.md, "The warps of
-#: many short rows"): 8-warp time / 4-warp time 1.125 at B=64 x 1K, 1.13 at B=32 x 1K, 1.06 at
+#: per SM overlap one's ramp with the other's stream. H200 (benchmarks/NOTES.md, "What ships", the
+#: 4 or 8 warps row): 8-warp time / 4-warp time 1.125 at B=64 x 1K, 1.13 at B=32 x 1K, 1.06 at
 #: B=64 x 2K, 1.02 at B=64 x 4K; one wave (B=16 x 2K, 128 groups) 0.97: 8 warps stay there.
 WARPS4_MULTIWAVE_MAX_TOKENS = 4096
 
@@ -56,7 +54,7 @@ def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tupl
     Worked numbers (Hkv = 8, H200 queues): B=1 -> 8 (any length); B=4 x 8K -> 8; B=16 x 2K (128
     groups) -> 8; B=64 x 1K-4K -> 4, B=64 x 8K -> 8; the zipf_b8 step
     (13184 ... 19392, 8 rows): 8 warps give every row 2 items, the longest 9696 tokens against a
-    mean of 7704 (1.258), 4 warps 4395 against 3852 (1.146): ratio 1.098 -> 4; B=4 (50472, 6024,
+    mean of 7707 (1.258), 4 warps 4416 against 3854 (1.146): ratio 1.098 -> 4; B=4 (50472, 6024,
     10088, 10424): 1.116 against 1.082, ratio 1.032 -> 8; head_dim 256 -> 4."""
     # Runs on every pkv-workqueue step's host path: one row and equal rows return before any
     # planning; ragged rows pay two chunk searches, remembered per tile counts (a decode step's

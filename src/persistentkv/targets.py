@@ -591,8 +591,8 @@ def e2e_verdicts(results: Results) -> dict:
 
 def e2e_in_step(ok: pd.DataFrame) -> list[dict]:
     """Per backend, what its attention costs inside the step beyond its time alone: per cell the
-    median over rounds of step_us - rest_us - attention_us (rest_us: the step without attention,
-    measured since 5623fc5; runs without it give nothing), then the median, lowest and highest over
+    median over rounds of step_us - rest_us - attention_us (rest_us: the step without attention;
+    rows without it give nothing), then the median, lowest and highest over
     the cells. Not a verdict: it says whether attention alone stands for attention in the step."""
     if "rest_us" not in ok.columns:
         return []

@@ -20,15 +20,16 @@ values, not a prefill) and one shared set of weights. Each loop captures two CUD
   step (a launch with programmatic dependent launch may start under the append's tail, as in the
   step, never under the previous attention call's); and the appends alone, replayed right before
   it and subtracted (``append_us``): ``attention_us`` is what the step spends in attention,
-  measured in the same run. Up to 998e0fc the attention graph ran the layers' calls back to back.
+  measured in the same run (the layers' calls back to back would hide part of attention's cost
+  in a step: benchmarks/NOTES.md, "Attention alone, timed after its append").
 
 Rounds interleave the backends (A B C, B C A, ...: the order rotates each round, and each round
 starts behind a ~1 ms spin so that its first graph is not timed with the host's launch of it;
-neither was so up to 7de5b0c): in each round every loop is rewound to the cell's
-state (its positions and tokens restored on the device, outside the timed window) before each of
-its graphs, which replay between two CUDA events each: the step (``step_us``), the rest, the
-appends, the attention; ``non_attention_us`` is step_us - attention_us within the round, and
-step_us - rest_us what attention costs inside the step. The floor of a step
+benchmarks/NOTES.md, "What ships", the rotated rounds row): in each round every loop is rewound
+to the cell's state (its positions and tokens restored on the device, outside the timed window)
+before each of its graphs, which replay between two CUDA events each: the step (``step_us``), the
+rest, the appends, the attention; ``non_attention_us`` is step_us - attention_us within the round,
+and step_us - rest_us what attention costs inside the step. The floor of a step
 is its bytes, weights read once (every layer, the LM head, B embedding rows) plus the K/V of every
 row and layer, at the run's read ceiling (persistentkv.ceiling, measured before and after the
 cases; the higher counts). Beside it, the measured yardstick of the step's weight reads
@@ -184,9 +185,9 @@ ROUND = ("step", "rest", "appends", "attention")
 
 
 #: GPU cycles of the spin queued before each round (~1 ms at the H200's 1.98 GHz): the round's
-#: first graph then starts behind it, not after the host's launch of it. Up to 7de5b0c nothing
-#: was queued, so the first loop of every round (always pkv-workqueue) had the host's launch of
-#: its step graph inside its window: ~150 us of its step_us (benchmarks/NOTES.md).
+#: first graph then starts behind it, not after the host's launch of it. Without it the first
+#: loop of a round has the host's launch of its step graph inside its window: ~150 us of its
+#: step_us (benchmarks/NOTES.md, "What ships", the rotated rounds row).
 ROUND_QUEUE_CYCLES = 2_000_000
 
 
