@@ -45,7 +45,7 @@ def kv_layout(k, v, layout: str):
     buf = torch.stack((k, v), dim=1)
     kk, vv = buf[:, 0], buf[:, 1]
     pages, P, H, D = k.shape
-    assert kk.stride() == vv.stride() == (2 * P * H * D, H * D, D, 1) and not kk.is_contiguous()
+    assert kk.stride() == vv.stride() == (2 * P * H * D, H * D, D, 1)
     return kk, vv
 
 
