@@ -816,6 +816,9 @@ def test_compare_counts_nan_and_unwritten():
     out[1, 1, 1] = np.nan
     got = validation.compare(out, ref, 1e-3)
     assert got["nan_count"] == 1 and got["rel_err"] == math.inf and got["max_abs_err"] == math.inf
+    assert got["max_row_head_err"] == math.inf and (got["worst_row"], got["worst_head"]) == (1, 1)
+    assert got["row_heads_failing"] == 2 and got["reason"] == (
+        "row 1 head 1: rel err inf > 1e-03; 2 of 8 (row, head) over; 1 NaN; 3 elements never written")
 
 
 def test_poison_is_exact_in_both_serving_dtypes():
@@ -865,7 +868,8 @@ def test_validate_case_on_cpu_catches_unwritten_rows_and_reports_unavailable():
         assert by[("torch-sdpa", dtype)]["passed"], by[("torch-sdpa", dtype)]
         bad = by[("skipper", dtype)]
         assert bad["status"] == "ok" and not bad["passed"] and bad["unwritten"] == 8 * 64
-        assert "never written" in bad["reason"]
+        assert "never written" in bad["reason"] and bad["reason"].startswith("row 0 head ")
+        assert bad["worst_row"] == 0 and bad["row_heads_failing"] == 8
         if not torch.cuda.is_available():
             assert by[("flashinfer-tc", dtype)]["status"] == "unavailable"
     assert {r["backend"] for r in validation.failing(rows)} == {"skipper"}
@@ -1048,7 +1052,8 @@ def test_validate_gpu_stopped_part_way_keeps_the_finished_steps(tmp_path, monkey
         if len(seen) == 3:
             raise KeyboardInterrupt
         return [{"backend": "pkv-workqueue", "trace": case.trace, "seed": 0, "step": int(case.step),
-                 "dtype": "float16", "rel_err": 1e-4, "max_abs_err": 1e-4, "rtol": 1e-2, "passed": True,
+                 "dtype": "float16", "rel_err": 1e-4, "max_row_head_err": 3e-4, "worst_row": 0, "worst_head": 0,
+                 "row_heads_failing": 0, "max_abs_err": 1e-4, "rtol": 1e-2, "passed": True,
                  "nan_count": 0, "unwritten": 0, "status": "ok", "reason": ""}]
 
     monkeypatch.setattr(runner, "validate_case", validate_case)

@@ -27,7 +27,7 @@ from persistentkv.policy import (
     COST_FEATURES, POLICIES, DecisionMemo, Policy, StepFeatures, ThresholdRule, cost_features, length_bin_bounds,
     load_policy, paper_decision, paper_policy, route_shape, step_signature, threshold_decision,
 )
-from persistentkv.reference import reference_decode, relative_error
+from persistentkv.reference import gate, reference_decode
 from persistentkv.spec import AttentionSpec
 from persistentkv.traces import generate
 
@@ -526,7 +526,8 @@ def test_adaptive_end_to_end_on_cpu(policy_file):
     assert plan.route in ("pkv-buckets", "pkv-workqueue") and plan.counters() is None
     out = np.full(q.shape, np.nan)
     backend.run(q, (k, v), plan, out)
-    assert relative_error(out, reference_decode(q, k, v, batch)) < 1e-12
+    verdict = gate(out, reference_decode(q, k, v, batch), "float64")
+    assert verdict.passed, verdict.describe()
 
 
 # --------------------------------------------------------------------------- the command

@@ -154,6 +154,36 @@ def test_validation_tells_the_dtypes_apart_with_their_own_tolerance(measured):
     assert rows[("cpu:workqueue", "float16")]["rtol"] == "2.0e-03" and ("cpu:workqueue", "bfloat16") not in rows
 
 
+def test_validation_shows_the_gated_metric_and_marks_older_rows():
+    """The figure and the report show the worst (row, head) error (max_row_head_err); GPU rows
+    recorded before that column existed fall back to their whole-batch rel_err, marked as such."""
+    import types
+
+    import pandas as pd
+
+    gpu = synthetic.validation_frame().drop(columns=["max_row_head_err", "worst_row", "worst_head",
+                                                     "row_heads_failing"])
+    cpu = synthetic.ablation_frames()["validation_cpu"]
+    results = types.SimpleNamespace(validation_gpu=gpu, validation_cpu=cpu, hw="toy")
+    frame = figures.data_validation(results)
+    old = frame[frame["source"] == "gpu"]
+    new = frame[frame["source"] == "cpu"]
+    assert old.loc[old["status"] == "ok", "whole_batch"].all() and not new["whole_batch"].any()
+    np.testing.assert_array_equal(old["err"].dropna(), old["rel_err"].dropna())
+    np.testing.assert_array_equal(new["err"], new["max_row_head_err"])
+    fig = figures.fig_validation(frame, "toy")
+    assert fig.axes[0].get_xlabel() == "worst (row, head) ‖out − ref‖ / ‖ref‖ (log)"
+    assert "○ = whole-batch" in fig._suptitle.get_text()
+    rows = {(r["backend"], r["dtype"]): r for r in report.validation_rows(results)}
+    assert rows[("pkv-workqueue", "float16")]["worst"].endswith(" (whole batch)")
+    assert rows[("cpu:workqueue", "float16")]["worst"] == f"{new['max_row_head_err'].max():.2e}"
+    current = types.SimpleNamespace(validation_gpu=synthetic.validation_frame(), validation_cpu=pd.DataFrame(),
+                                    hw="toy")
+    frame = figures.data_validation(current)
+    assert not frame["whole_batch"].any()
+    assert "○" not in figures.fig_validation(frame, "toy")._suptitle.get_text()
+
+
 def test_recorded_reasons_read_as_sentences():
     """A reason recorded from an exception shows its message, not the exception's class."""
     assert report.reader_text("PKVError: backend adaptive needs a policy file (policy_path); pass --policy") == \

@@ -135,7 +135,8 @@ def test_cli_writes_the_table(tmp_path, capsys):
                                  "--out", str(out), "--no-progress"], capsys)
     assert code == 0, err
     frame = pd.read_parquet(out)
-    for column in ("trace", "seed", "step", "route", "rel_err", "max_abs_err", "rtol", "passed", "nan_count"):
+    for column in ("trace", "seed", "step", "route", "rel_err", "max_row_head_err", "worst_row", "worst_head",
+                   "row_heads_failing", "max_abs_err", "rtol", "passed", "nan_count", "reason"):
         assert column in frame.columns  # docs/DATA.md
     assert frame["passed"].dtype == bool and frame["passed"].all()
     assert (frame["rtol"] == 2e-3).all() and len(frame) == 9
@@ -161,7 +162,9 @@ def test_cli_fails_after_writing_when_a_route_is_wrong(tmp_path, capsys, monkeyp
     frame = pd.read_parquet(out)  # written before failing
     assert not frame.loc[frame["route"] == "buckets", "passed"].any()
     assert frame.loc[frame["route"] != "buckets", "passed"].all()
-    assert err.count("FAILED tiny") == 3
+    assert err.count("FAILED tiny") == 3 and err.count(": row 0 head 0 (") == 3
+    wrong = frame[frame["route"] == "buckets"]
+    assert (wrong["worst_row"] == 0).all() and (wrong["worst_head"] == 0).all() and (wrong["row_heads_failing"] >= 1).all()
 
 
 def test_cli_missing_trace_is_one_line(tmp_path, capsys):

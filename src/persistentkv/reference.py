@@ -8,11 +8,17 @@ exactly as the paper writes it, in its (o, lse) form:
     m = max_s lse_s,  w_s = exp(lse_s - m),  o = sum_s w_s o_s / sum_s w_s   (0 if all splits empty)
 
 so the executor proves a plan right on any machine, and is the ``numpy`` backend.
+
+The gate every correctness check uses: ``gate(out, ref, tol)`` judges each (row, query head)
+alone, ||out[b, h] - ref[b, h]|| / ||ref[b, h]|| <= tol, with ``TOLERANCE[dtype]`` the one table
+of tolerances. (One norm over the whole batch would let a long row, whose output norm is small,
+be badly wrong and pass.)
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -205,9 +211,11 @@ def _real_float64(name: str, value) -> np.ndarray:
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """||out - ref|| / ||ref|| in float64; NaN or inf in ``out`` gives inf.
+    """||out - ref|| / ||ref|| over the whole array, in float64; NaN or inf in ``out`` gives inf.
 
     ``out`` and ``ref`` are real arrays of one shape (no broadcasting); ``ref`` must be finite.
+    One norm over a batch lets a long row (small output norm) be badly wrong and pass: no gate
+    uses it (they judge per (row, head): ``gate``); it stays a column of the validation tables.
     """
     out64, ref64 = _real_float64("out", out), _real_float64("ref", ref)
     require(out64.shape == ref64.shape, f"out has shape {out64.shape} but ref has {ref64.shape}; they must match")
@@ -215,3 +223,91 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     if not np.all(np.isfinite(out64)):
         return math.inf
     return float(np.linalg.norm(out64 - ref64) / max(np.linalg.norm(ref64), 1e-300))
+
+
+#: Error against float64 each cache dtype must meet, per (row, query head): the one table the
+#: code's defaults, the tests and the renderers read (config validation.* rtol keys override it
+#: for the commands).
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+#: The floor of a (row, head)'s reference norm: a zero reference judges ||out|| / TINY_NORM, so a
+#: zero output there has error 0 and any other output a huge one.
+TINY_NORM = 1e-300
+
+
+def tolerance(dtype_or_tol) -> float:
+    """TOLERANCE[name] for a dtype name, else the number itself (a positive finite float)."""
+    if isinstance(dtype_or_tol, str):
+        require(dtype_or_tol in TOLERANCE, f"no tolerance for dtype {dtype_or_tol!r}; known: {', '.join(TOLERANCE)}")
+        return TOLERANCE[dtype_or_tol]
+    ok = isinstance(dtype_or_tol, (int, float, np.integer, np.floating)) and not isinstance(dtype_or_tol, bool)
+    require(ok and math.isfinite(dtype_or_tol) and dtype_or_tol > 0,
+            f"a tolerance must be a dtype name or a positive finite number, got {dtype_or_tol!r}")
+    return float(dtype_or_tol)
+
+
+def row_head_errors(out, ref) -> np.ndarray:
+    """float64 [B, Hq]: ||out[b, h, :] - ref[b, h, :]|| / max(||ref[b, h, :]||, TINY_NORM).
+
+    ``out`` and ``ref`` are real arrays [B, Hq, D] of one shape (anything ``np.asarray`` takes);
+    ``ref`` must be finite. A (row, head) where ``out`` holds NaN or inf has error inf; one whose
+    reference is zero has error 0 when ``out`` is zero there too, else ~||out|| / 1e-300 (fails).
+    """
+    out64, ref64 = _real_float64("out", out), _real_float64("ref", ref)
+    require(out64.shape == ref64.shape, f"out has shape {out64.shape} but ref has {ref64.shape}; they must match")
+    require(out64.ndim == 3, f"out and ref must be [B, Hq, D], got shape {out64.shape}")
+    require(bool(np.isfinite(ref64).all()), "ref holds NaN or inf; a reference must be finite")
+    finite = np.isfinite(out64).all(axis=-1)
+    diff = np.linalg.norm(np.where(np.isfinite(out64), out64, 0.0) - ref64, axis=-1)
+    err = diff / np.maximum(np.linalg.norm(ref64, axis=-1), TINY_NORM)
+    return np.where(finite, err, math.inf)
+
+
+@dataclass(frozen=True)
+class RowGate:
+    """The per-(row, query head) verdict of an output against float64 (``gate``).
+
+    ``max_err`` is the worst (row, head) error, at ``worst_row``/``worst_head`` (-1 for an empty
+    batch); ``failing`` counts the (row, head) over ``tol`` out of ``total``; ``worst_tokens`` is the
+    worst row's length where the caller gave the lengths (else None)."""
+
+    max_err: float
+    worst_row: int
+    worst_head: int
+    failing: int
+    total: int
+    tol: float
+    worst_tokens: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.failing == 0
+
+    def describe(self) -> str:
+        """One line: 'row 17 head 3 (8994 tokens): rel err 4.1e-02 > 1e-02; 12 of 8192 (row, head) over'."""
+        if self.total == 0:
+            return f"no (row, head) to judge (tolerance {self.tol:.0e})"
+        tokens = f" ({self.worst_tokens} tokens)" if self.worst_tokens is not None else ""
+        sign = ">" if self.max_err > self.tol else "<="
+        return (f"row {self.worst_row} head {self.worst_head}{tokens}: rel err {self.max_err:.1e} {sign} "
+                f"{self.tol:.0e}; {self.failing} of {self.total} (row, head) over")
+
+
+def gate_errors(errors, tol, seq_lens=None) -> RowGate:
+    """The RowGate of per-(row, head) errors [B, Hq] (``row_head_errors``) against ``tol`` (a
+    number or a dtype name of TOLERANCE); ``seq_lens`` [B], optional, names the worst row's length."""
+    errors = np.asarray(errors, dtype=np.float64)
+    require(errors.ndim == 2, f"errors must be [B, Hq], got shape {errors.shape}")
+    tol = tolerance(tol)
+    errors = np.where(np.isnan(errors), math.inf, errors)
+    if errors.size == 0:
+        return RowGate(0.0, -1, -1, 0, 0, tol)
+    row, head = np.unravel_index(int(np.argmax(errors)), errors.shape)
+    tokens = None if seq_lens is None else int(np.asarray(seq_lens)[row])
+    return RowGate(float(errors[row, head]), int(row), int(head), int((errors > tol).sum()), int(errors.size), tol,
+                   tokens)
+
+
+def gate(out, ref, tol, seq_lens=None) -> RowGate:
+    """``out`` [B, Hq, D] against the float64 ``ref`` per (row, query head): row_head_errors,
+    judged by gate_errors (passed: every (row, head) within ``tol``)."""
+    return gate_errors(row_head_errors(out, ref), tol, seq_lens)

@@ -4,7 +4,9 @@ For each config trace at the calibration seed, ``validation.cpu.steps_per_trace`
 (traces.sampled_steps, as validate-gpu samples them: the first, the longest, then evenly spaced)
 are planned with the workqueue, buckets and split routes and executed by
 ``reference.execute_plan`` on an FP16 cache laid out on the trace's real (scattered) pages;
-``reference.reference_decode`` (float64, plan-free) is the judge. Writes
+``reference.reference_decode`` (float64, plan-free) is the judge, per (row, query head)
+(``reference.gate``: a run passes when every ||out[b, h] - ref[b, h]|| / ||ref[b, h]|| is within
+``validation.cpu.rtol`` and nothing is NaN; the whole-batch ``rel_err`` is recorded too). Writes
 results/counters/validation_cpu.parquet (docs/DATA.md) and exits 1 after writing it when any row
 fails, so the workflow stops on a wrong plan.
 
@@ -30,7 +32,7 @@ from ..cache import allocate, batch_for_step, compact_batch, random_cache, rando
 from ..counters import buckets_variant, split_variant, to_frame, workqueue_variant
 from ..errors import require
 from ..io import atomic_write_parquet
-from ..reference import execute_plan, reference_decode, relative_error
+from ..reference import execute_plan, gate, reference_decode, relative_error
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace, sampled_steps
 
@@ -38,7 +40,8 @@ from ..traces import Trace, read_trace, sampled_steps
 CACHE_CHUNK_PAGES = 512
 #: results/counters/validation_cpu.parquet: DATA.md's columns, plus the step's shape and S.
 COLUMNS = ("trace", "seed", "step", "route", "num_splits", "batch_size", "max_len", "total_tokens",
-           "rel_err", "max_abs_err", "rtol", "passed", "nan_count")
+           "rel_err", "max_row_head_err", "worst_row", "worst_head", "row_heads_failing", "max_abs_err", "rtol",
+           "passed", "nan_count", "reason")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,13 +68,22 @@ def step_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarr
     return k_cache, v_cache
 
 
-def errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
-    """(relative error, max |out - ref|, NaN count) of out [B, Hq, D] against float64 ref."""
+def errors(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict:
+    """The error columns of out [B, Hq, D] against float64 ref: rel_err (whole batch, not a gate),
+    the per-(row, query head) gate (reference.gate: max_row_head_err, worst_row, worst_head,
+    row_heads_failing), max_abs_err, nan_count, passed (no NaN, every (row, head) within ``rtol``)
+    and reason ('' when passed, else the worst (row, head) and its error; ``seq_lens`` adds the
+    row's length)."""
     out64 = np.asarray(out, dtype=np.float64)
     nan_count = int(np.isnan(out64).sum())
     finite = bool(np.isfinite(out64).all())
     max_abs = float(np.abs(out64 - ref).max()) if finite else math.inf
-    return relative_error(out, ref), max_abs, nan_count
+    verdict = gate(out64, ref, rtol, seq_lens)
+    passed = bool(verdict.passed and nan_count == 0)
+    reason = "" if passed else verdict.describe() + (f"; {nan_count} NaN" if nan_count else "")
+    return {"rel_err": relative_error(out64, ref), "max_row_head_err": verdict.max_err,
+            "worst_row": verdict.worst_row, "worst_head": verdict.worst_head, "row_heads_failing": verdict.failing,
+            "max_abs_err": max_abs, "passed": passed, "nan_count": nan_count, "reason": reason}
 
 
 def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: dict, steps: int,
@@ -90,13 +102,11 @@ def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: 
         ref = reference_decode(q, k_cache, v_cache, batch)
         for variant in variants:
             out = execute_plan(variant.plan(batch), q, k_cache, v_cache, batch)
-            rel_err, max_abs, nan_count = errors(out, ref)
             rows.append({"trace": trace.name, "seed": int(trace.seed), "step": int(step.index),
                          "route": variant.route, "num_splits": int(variant.num_splits),
                          "batch_size": batch.batch_size, "max_len": batch.max_len,
-                         "total_tokens": batch.total_tokens, "rel_err": rel_err, "max_abs_err": max_abs,
-                         "rtol": float(rtol), "passed": bool(rel_err <= rtol and nan_count == 0),
-                         "nan_count": nan_count})
+                         "total_tokens": batch.total_tokens, "rtol": float(rtol),
+                         **errors(out, ref, rtol, batch.seq_lens)})
             if progress is not None:
                 progress.update(1)
         del k_cache, v_cache  # the next step's cache must not coexist with this one
@@ -129,9 +139,8 @@ def run(args: argparse.Namespace) -> int:
     frame = to_frame(rows, COLUMNS)
     atomic_write_parquet(args.out, frame)
     failed = frame[~frame["passed"]]
-    print(f"{args.out}: {len(frame)} runs, {len(frame) - len(failed)} passed, "
-          f"max rel_err {frame['rel_err'].max():.3g} (rtol {rtol:g})")
+    print(f"{args.out}: {len(frame)} runs, {len(frame) - len(failed)} passed, worst (row, head) "
+          f"rel err {frame['max_row_head_err'].max():.3g} (rtol {rtol:g})")
     for row in failed.itertuples():
-        print(f"FAILED {row.trace} seed {row.seed} step {row.step} {row.route}: rel_err {row.rel_err:.3g} > "
-              f"rtol {row.rtol:g}, {row.nan_count} NaN", file=sys.stderr)
+        print(f"FAILED {row.trace} seed {row.seed} step {row.step} {row.route}: {row.reason}", file=sys.stderr)
     return 1 if len(failed) else 0

@@ -5,8 +5,8 @@
     persistentkv validate-gpu --smoke [--config config/config.yaml] [--out smoke.parquet]
 
 The full run checks validation.gpu.steps_per_trace steps of every config trace (calibration seed)
-in float16 and bfloat16 against the rtol of each dtype, writes the table, then exits 1 if any
-backend that ran failed. ``--smoke`` is the one call that shows what works on a new machine: every
+in float16 and bfloat16, each (row, query head) against the rtol of each dtype
+(measure.validation.compare), writes the table, then exits 1 if any backend that ran failed. ``--smoke`` is the one call that shows what works on a new machine: every
 backend on three small cases (correctness in both dtypes + a short kernel/eager timing) and the
 ceilings, as one printed table.
 """

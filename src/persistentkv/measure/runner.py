@@ -20,6 +20,7 @@ from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
 from ..io import atomic_write_parquet
 from ..names import CPU_ONLY, SHAPES_EXPERIMENT
 from ..provenance import collect, new_run_id, sidecar_path, utc_now, write_sidecar
+from ..reference import TOLERANCE
 from ..spec import AttentionSpec
 from ..traces import sampled_steps
 from .device import TorchDevice
@@ -316,7 +317,7 @@ def run_smoke_command(config_path: str | None, out: str | None, policy: str | No
                    for n in names)
     rtols = ({"float16": float(config["validation"]["gpu"]["rtol_float16"]),
               "bfloat16": float(config["validation"]["gpu"]["rtol_bfloat16"])} if config
-             else {"float16": 2e-3, "bfloat16": 1e-2})
+             else {dtype: TOLERANCE[dtype] for dtype in ("float16", "bfloat16")})
     device = _device()
     started = utc_now()
     run_id = new_run_id("smoke", started)

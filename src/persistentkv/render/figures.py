@@ -473,11 +473,16 @@ def fig_policy(frame: pd.DataFrame, hw: str) -> Figure:
 CPU_VALIDATION_DTYPE = "float16"
 #: The order of the validation figure's panels, one per cache dtype (others follow by name).
 DTYPE_ORDER = ("float16", "bfloat16")
+#: The validation metric the gates judge, and its label: the worst (row, query head) error.
+GATED_ERROR = "max_row_head_err"
+GATED_LABEL = "worst (row, head) ‖out − ref‖ / ‖ref‖"
 
 
 def data_validation(results: Results) -> pd.DataFrame:
     """GPU validation rows plus CPU (NumPy executor) rows as backend ``cpu:<route>``.
-    Columns: backend, dtype, rel_err, rtol, passed, status, reason, source."""
+    Columns: backend, dtype, rel_err, max_row_head_err, err, whole_batch, rtol, passed, status,
+    reason, source. ``err`` is the gated metric, max_row_head_err; a row written before that
+    column existed falls back to its whole-batch rel_err there, with ``whole_batch`` True."""
     parts = []
     v = results.validation_gpu
     if not v.empty:
@@ -496,11 +501,17 @@ def data_validation(results: Results) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame()
     frame = pd.concat(parts, ignore_index=True)
-    for col, default in (("status", "ok"), ("reason", ""), ("rtol", np.nan), ("passed", False), ("dtype", "")):
+    for col, default in (("status", "ok"), ("reason", ""), ("rtol", np.nan), ("passed", False), ("dtype", ""),
+                         (GATED_ERROR, np.nan)):
         if col not in frame.columns:
             frame[col] = default
     frame["dtype"] = frame["dtype"].fillna("").astype(str)
-    return frame[["backend", "dtype", "rel_err", "rtol", "passed", "status", "reason", "source"]]
+    gated = pd.to_numeric(frame[GATED_ERROR], errors="coerce")
+    whole = pd.to_numeric(frame["rel_err"], errors="coerce")
+    frame["whole_batch"] = gated.isna() & whole.notna()
+    frame["err"] = gated.where(~frame["whole_batch"], whole)
+    return frame[["backend", "dtype", "rel_err", GATED_ERROR, "err", "whole_batch", "rtol", "passed", "status",
+                  "reason", "source"]]
 
 
 def dtype_order(dtypes) -> list[str]:
@@ -515,7 +526,7 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
         return placeholder(title, not_measured(hw, "validation"))
     backends = _order(frame["backend"])
     dtypes = dtype_order(frame["dtype"])
-    ok = frame[(frame["status"] == "ok") & np.isfinite(pd.to_numeric(frame["rel_err"], errors="coerce"))]
+    ok = frame[(frame["status"] == "ok") & np.isfinite(pd.to_numeric(frame["err"], errors="coerce"))]
     floor = 1e-8
     with style():
         fig = Figure(figsize=(WIDTH, 1.2 + 0.26 * len(backends)), layout="constrained")
@@ -532,8 +543,12 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
                     continue
                 y = i + np.linspace(-0.18, 0.18, len(part)) if len(part) > 1 else np.array([i])
                 passed = part["passed"].astype(bool).to_numpy()
-                err = np.maximum(part["rel_err"].to_numpy(float), floor)
-                ax.scatter(err[passed], y[passed], s=10, color=color(b), alpha=0.8, edgecolors="none")
+                whole = part["whole_batch"].astype(bool).to_numpy()
+                err = np.maximum(part["err"].to_numpy(float), floor)
+                gated = passed & ~whole
+                ax.scatter(err[gated], y[gated], s=10, color=color(b), alpha=0.8, edgecolors="none")
+                ax.scatter(err[passed & whole], y[passed & whole], s=12, facecolors="none", edgecolors=color(b),
+                           linewidths=0.8)
                 ax.scatter(err[~passed], y[~passed], s=22, marker="x", color="#c0392b")
                 rtol = pd.to_numeric(part["rtol"], errors="coerce").dropna()
                 if not rtol.empty:
@@ -542,10 +557,12 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
             label = ", ".join(f"{t:g}" for t in tolerances) if tolerances else "none recorded"
             ax.set_title(f"{dtype or 'dtype not recorded'} (tolerance {label})")
             log_axis(ax, "x")
-            ax.set_xlabel("relative error (log)")
+            ax.set_xlabel(f"{GATED_LABEL} (log)")
         axes[0].set_yticks(range(len(backends)), backends)
         axes[0].set_ylim(len(backends) - 0.5, -0.5)
-        fig.suptitle(f"{title}: ‖out − ref‖ / ‖ref‖; bar = the dtype's tolerance; × = failed", fontsize=9)
+        older = "; ○ = whole-batch ‖out − ref‖ / ‖ref‖ (a row from before the per-(row, head) gate)" \
+            if ok["whole_batch"].astype(bool).any() else ""
+        fig.suptitle(f"{title}: {GATED_LABEL}; bar = the dtype's tolerance; × = failed{older}", fontsize=9)
     return fig
 
 

@@ -72,8 +72,9 @@ def svg_data_uri(path: Path) -> str:
 
 
 def validation_rows(results: Results) -> list[dict]:
-    """Per backend and cache dtype: checks, passed, worst relative error, that dtype's tolerance,
-    status and reasons."""
+    """Per backend and cache dtype: checks, passed, the worst (row, head) relative error (marked
+    "(whole batch)" where rows predating that column give only the whole-batch norm), that
+    dtype's tolerance, status and reasons."""
     frame = figures.data_validation(results)
     if frame.empty:
         return []
@@ -83,14 +84,15 @@ def validation_rows(results: Results) -> list[dict]:
         for dtype in figures.dtype_order(mine["dtype"]):
             part = mine[mine["dtype"] == dtype]
             ok = part[part["status"] == "ok"]
-            err = pd.to_numeric(ok["rel_err"], errors="coerce")
+            err = pd.to_numeric(ok["err"], errors="coerce")
+            whole = " (whole batch)" if ok["whole_batch"].astype(bool).any() else ""
             reasons = sorted({reader_text(r) for r in part["reason"].dropna() if str(r)})
             n_pass = int(ok["passed"].astype(bool).sum())
             status = ("unavailable" if ok.empty and (part["status"] == "unavailable").any() else
                       "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
             out.append({"backend": backend, "dtype": dtype or "—", "source": part["source"].iloc[0],
                         "checks": int(len(ok)), "passed": n_pass,
-                        "worst": f"{err.max():.2e}" if err.notna().any() else "—",
+                        "worst": f"{err.max():.2e}{whole}" if err.notna().any() else "—",
                         "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
                         "status": status, "reasons": "; ".join(reasons)})
     return out
