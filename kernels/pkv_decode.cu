@@ -245,8 +245,12 @@ __device__ __forceinline__ void fold(float4& acc, float& den, float w, const flo
 constexpr float LN2 = 0.693147180559945f;
 
 // The row's LSE of query head qh (natural log), from a base-2 state: m2 + log2(den), -inf if empty.
+// An opaque store: a plain one may alias the float partial states, so the compiler would keep the
+// merge's next state loads behind it (pkv_merge fell from 242 to 110 registers and its separate
+// merge launch ran 1-6 % slower at B=1 up to 32K, paired against the build without an LSE).
 __device__ __forceinline__ void write_lse(const Params& p, int row, int qh, float lse2) {
-  p.lse[(long long)row * (p.num_kv_heads * p.group_size) + qh] = lse2 * LN2;
+  float* dst = p.lse + (long long)row * (p.num_kv_heads * p.group_size) + qh;
+  asm volatile("st.global.f32 [%0], %1;\n" :: "l"(dst), "f"(lse2 * LN2));
 }
 
 // A merged float4 of query head qh (of the row): out = acc / den, 0 when every split was empty;
@@ -517,8 +521,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const kv_t* sQ, co
 // loop) and store the item's result: the output when it is its row's only split (direct), else
 // its partial state (o normalised, lse in log2 units) at ``slot``. Two adjacent dims per thread;
 // each thread derives its row's (M, L) from the WARPS warps' (m, l) itself (broadcast reads) and
-// weighs warp w's O by 2^(m_w - M), so one barrier suffices (the combine of v9-v15 scaled O before
-// a second barrier: 1-2 % slower below ~16K tokens).
+// weighs warp w's O by 2^(m_w - M), so one barrier suffices (scaling O before a second barrier
+// was 1-2 % slower below ~16K tokens: benchmarks/NOTES.md, "What ships").
 __device__ __forceinline__ void combine_and_store(const Params& p, int slot, const Item& it, bool direct,
                                                   WarpState& ws, kv_t* smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
