@@ -560,9 +560,9 @@ def fig_validation(frame: pd.DataFrame, hw: str) -> Figure:
             ax.set_xlabel(f"{GATED_LABEL} (log)")
         axes[0].set_yticks(range(len(backends)), backends)
         axes[0].set_ylim(len(backends) - 0.5, -0.5)
-        older = "; ○ = whole-batch ‖out − ref‖ / ‖ref‖ (a row from before the per-(row, head) gate)" \
+        older = "\n○ = whole-batch ‖out − ref‖ / ‖ref‖ (a row from before the per-(row, head) gate)" \
             if ok["whole_batch"].astype(bool).any() else ""
-        fig.suptitle(f"{title}: {GATED_LABEL}; bar = the dtype's tolerance; × = failed{older}", fontsize=9)
+        fig.suptitle(f"{title}\n{GATED_LABEL}; bar = the dtype's tolerance; × = failed{older}", fontsize=9)
     return fig
 
 
