@@ -43,7 +43,7 @@ def overlap(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two GPU jobs at once need two CPUs here")
-def test_gpus_profile_runs_gpu_jobs_side_by_side_on_slots_of_their_own(tmp_path):
+def test_gpus_profile_runs_gpu_jobs_side_by_side_on_gpus_and_cpus_of_their_own(tmp_path):
     repo, _ = small_repo(tmp_path, target="nvidia-h200", gpu_job_threads=1)
     env = fake_gpu_env(tmp_path, [H200, H200], PKV_FAKE_SLEEP=2, PKV_FAKE_FAIL="--experiment fragmented")
     done = snakemake(repo, "results/nvidia-h200/provenance.json", "--workflow-profile", "workflow/profiles/gpus",
@@ -55,10 +55,10 @@ def test_gpus_profile_runs_gpu_jobs_side_by_side_on_slots_of_their_own(tmp_path)
     assert sorted(p.stem for p in raw.glob("*.json")) == sorted(set(EXPERIMENTS) - {"fragmented"})
     assert not (raw / "fragmented.parquet").exists() and not (repo / "results/nvidia-h200/provenance.json").exists()
     calls = fake_calls(tmp_path)
-    gpu_calls = [c for c in calls if c["slot"].get("gpu_uuid")]
+    gpu_calls = [c for c in calls if c["held"].get("gpu_uuid")]
     # every measurement but the failed one, bench, validate and each of the full decode step's passes
     assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 2 + SMALL_E2E_PASSES
-    assert all(c["cuda_visible_devices"] == c["slot"]["gpu_uuid"] and c["cpus"] == c["slot"]["cpus"]
+    assert all(c["cuda_visible_devices"] == c["held"]["gpu_uuid"] and c["cpus"] == c["held"]["cpus"]
                for c in gpu_calls)
     side_by_side = [(a, b) for a, b in itertools.combinations(gpu_calls, 2) if overlap(a, b)]
     assert side_by_side, "no two GPU jobs ran at the same time"

@@ -193,4 +193,4 @@ def test_the_cpu_dag_runs_through_slurm_and_gpu_jobs_get_a_gpu(cluster, tmp_path
     assert len(calls) == 2
     for call in calls:
         assert call["slurm_job_id"] and call["cuda_visible_devices"] == "GPU-fake-0"
-        assert call["slot"]["gpu_index"] == 0 and call["slot"]["gpu_name"] == "NVIDIA H200"
+        assert call["held"]["gpu_index"] == 0 and call["held"]["gpu_name"] == "NVIDIA H200"

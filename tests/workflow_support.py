@@ -91,7 +91,7 @@ def fake_nvidia_smi(bin_dir: Path, gpus: list[str] | None, calls: Path | None = 
 #: A stand-in `persistentkv` for the GPU commands (and the compile, which needs nvcc): it sleeps
 #: $PKV_FAKE_SLEEP s, writing its --out half-way and the provenance sidecar at the end (a job
 #: stopped in between leaves one of its two outputs), fails where its command line contains
-#: $PKV_FAKE_FAIL, and records its slot, CPUs and times in $PKV_FAKE_CALLS. Other commands run for real.
+#: $PKV_FAKE_FAIL, and records what it holds, its CPUs and times in $PKV_FAKE_CALLS. Other commands run for real.
 FAKE_PERSISTENTKV = r'''#!{python}
 import json, os, sys, time
 from pathlib import Path
@@ -115,7 +115,7 @@ if argv[0] in ("measure", "bench-kernels", "validate-gpu", "measure-e2e"):
     out.with_suffix(".json").write_text(json.dumps({{f"fake-{{os.getpid()}}": {{"gpu": "fake"}}}}))
 record = {{"command": argv[0], "out": str(out), "start": start, "end": time.time(),
           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-          "slot": json.loads(os.environ.get("PERSISTENTKV_SLOT") or "{{}}"),
+          "held": json.loads(os.environ.get("PERSISTENTKV_JOB_RESOURCES") or "{{}}"),
           "cpus": sorted(os.sched_getaffinity(0)), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}}
 with open(os.environ["PKV_FAKE_CALLS"], "a") as calls:
     calls.write(json.dumps(record) + "\n")

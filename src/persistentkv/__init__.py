@@ -7,7 +7,7 @@ other, never in a circle. tests/test_layers.py holds every import to this table.
      1  errors names io                   -- user errors, the vocabulary, atomic files
      2  spec hardware analysis            -- the attention shape, the machine, timing statistics
      3  persistentkv env traces results   -- the package, what can run here, traces, the loader
-     3  slots                             -- a job's GPU and CPUs (the workflow's slot wrapper)
+     3  job_resources                     -- a job's GPU and CPUs (the workflow's job wrapper)
      4  configuration cache provenance    -- the config; the paged cache; what a run ran on
      5  plan                              -- the planner: split counts, work items, merge groups
      6  choose reference counters policy  -- the warps rule, the float64 oracle, counters, decisions

@@ -5,7 +5,7 @@ Cheap on purpose: the Snakefile asks these questions every time the workflow loa
 found through ``nvidia-smi`` (one subprocess with a timeout) and torch is never imported. Only
 ``hardware.target: auto`` probes while the workflow loads; a named target (``nvidia-h200``)
 gives the same DAG on every host that reads it, a login node without a GPU included, and each
-GPU job checks its GPU when it runs (persistentkv.slots).
+GPU job checks its GPU when it runs (persistentkv.job_resources).
 """
 
 from __future__ import annotations

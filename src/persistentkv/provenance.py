@@ -5,7 +5,7 @@ cuda, python, torch, cupy, flashinfer, vllm, git_commit, git_dirty, config_hash,
 command}}``
 
 ``gpu_index`` (nvidia-smi's) and ``cpus`` are what the workflow job was given
-(persistentkv.slots); ``gpu_uuid`` is that GPU's, else the one torch reports. Anything that
+(persistentkv.job_resources); ``gpu_uuid`` is that GPU's, else the one torch reports. Anything that
 cannot be determined is null (never guessed): a missing package's version, clocks without
 nvidia-smi, the git commit of a tree copied without its .git.
 """
@@ -126,14 +126,14 @@ def torch_uuid(device) -> str | None:
 def collect(config: dict, seeds: list[int], started_at: str, device=None, argv: list[str] | None = None,
             root: str | Path = ".") -> dict[str, Any]:
     """Every provenance field (``device``: a persistentkv.measure.device.TorchDevice, or None)."""
-    from .slots import slot_record
+    from .job_resources import held_resources
 
     record: dict[str, Any] = {k: None for k in FIELDS}
-    slot = slot_record()
-    record["cpus"] = slot.get("cpus", sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
+    held = held_resources()
+    record["cpus"] = held.get("cpus", sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     if device is not None and getattr(device, "is_cuda", False):
         record.update(gpu=device.name, sm_count=device.sm_count, l2_bytes=device.l2_bytes)
-        record.update(gpu_index=slot.get("gpu_index"), gpu_uuid=slot.get("gpu_uuid") or torch_uuid(device))
+        record.update(gpu_index=held.get("gpu_index"), gpu_uuid=held.get("gpu_uuid") or torch_uuid(device))
         # torch counts devices after CUDA_VISIBLE_DEVICES, nvidia-smi before it: ask by UUID where known
         record.update(nvidia_smi(record["gpu_uuid"] or device.device.index or 0))
     try:

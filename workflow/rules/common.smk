@@ -15,8 +15,8 @@ CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.base
 def job(command, gpu=None):
     """``command`` as a job's shell command: it holds {threads} CPUs of its own for its lifetime,
     so no two jobs share one, and with ``gpu`` (a results/<hw>/ name) also a GPU of that kind
-    (persistentkv.slots)."""
-    return f"python -m persistentkv.slots --threads {{threads}}{f' --gpu {gpu}' if gpu else ''} -- {command}"
+    (persistentkv.job_resources)."""
+    return f"python -m persistentkv.job_resources --threads {{threads}}{f' --gpu {gpu}' if gpu else ''} -- {command}"
 
 # `snakemake --report` embeds tables as downloads; without a type it labels parquet text/plain.
 mimetypes.add_type("application/vnd.apache.parquet", ".parquet")

@@ -1,4 +1,4 @@
-"""persistentkv.slots: every workflow job holds CPUs of its own, a GPU job also a GPU of the
+"""persistentkv.job_resources: every workflow job holds CPUs of its own, a GPU job also a GPU of the
 target's kind, under locks that die with the job; and what it held reaches the provenance."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from workflow_support import ROOT, fake_nvidia_smi
 
-from persistentkv import hardware, provenance, slots
+from persistentkv import hardware, job_resources, provenance
 from persistentkv.errors import PKVError
 
 CPUS = sorted(os.sched_getaffinity(0))
 two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason=f"needs two CPUs to share out; this process may use {CPUS}")
 
 SHOW = ("import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(0)), "
-        "'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), 'slot': json.loads(os.environ['PERSISTENTKV_SLOT'])}))")
+        "'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+        "'held': json.loads(os.environ['PERSISTENTKV_JOB_RESOURCES'])}))")
 
 
 def env_with(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
@@ -34,15 +35,15 @@ def env_with(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
 
 
 def job(tmp_path: Path, env: dict, *args, command=(sys.executable, "-c", SHOW), wait=True):
-    """``python -m persistentkv.slots ARGS -- COMMAND`` in ``tmp_path`` (its .snakemake/slots/)."""
-    cmd = [sys.executable, "-m", "persistentkv.slots", *args, "--", *command]
+    """``python -m persistentkv.job_resources ARGS -- COMMAND`` in ``tmp_path`` (its .snakemake/job_resources/)."""
+    cmd = [sys.executable, "-m", "persistentkv.job_resources", *args, "--", *command]
     if not wait:
         return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
 
 def holding(tmp_path: Path, env: dict, *args) -> subprocess.Popen:
-    """A job that has taken its slot and sleeps until killed."""
+    """A job that has taken its CPUs (and GPU) and sleeps until killed."""
     proc = job(tmp_path, env, *args, command=(sys.executable, "-c", "print('held', flush=True); "
                                               "import time; time.sleep(60)"), wait=False)
     assert proc.stdout.readline().strip() == "held"
@@ -53,34 +54,34 @@ def holding(tmp_path: Path, env: dict, *args) -> subprocess.Popen:
 
 
 def test_take_cpus_gives_free_cpus_and_frees_them_with_the_holder(tmp_path):
-    cpus, fds = slots.take_cpus([0, 1, 2, 3], 2, tmp_path)
+    cpus, fds = job_resources.take_cpus([0, 1, 2, 3], 2, tmp_path)
     assert cpus == [0, 1]
-    other, other_fds = slots.take_cpus([0, 1, 2, 3], 2, tmp_path)
+    other, other_fds = job_resources.take_cpus([0, 1, 2, 3], 2, tmp_path)
     assert other == [2, 3]  # never one another job holds
     for fd in fds:
         os.close(fd)
-    again, again_fds = slots.take_cpus([0, 1, 2, 3], 2, tmp_path)
+    again, again_fds = job_resources.take_cpus([0, 1, 2, 3], 2, tmp_path)
     assert again == [0, 1]
     for fd in other_fds + again_fds:
         os.close(fd)
 
 
 def test_take_cpus_holds_none_while_it_waits(tmp_path, monkeypatch):
-    cpu0, _ = slots.take_cpus([0], 1, tmp_path)  # another job holds CPU 0
+    cpu0, _ = job_resources.take_cpus([0], 1, tmp_path)  # another job holds CPU 0
 
     class Waited(Exception):
         pass
 
     def wait(what, waited):
         # while it waits for two, CPU 1 is not held: a job holding CPU 0 could take it
-        fd = slots._try_lock(tmp_path / "cpu-1.lock")
+        fd = job_resources._try_lock(tmp_path / "cpu-1.lock")
         assert fd is not None
         os.close(fd)
         raise Waited(what)
 
-    monkeypatch.setattr(slots, "_wait", wait)
+    monkeypatch.setattr(job_resources, "_wait", wait)
     with pytest.raises(Waited, match="2 free CPUs of 2"):
-        slots.take_cpus([0, 1], 2, tmp_path)
+        job_resources.take_cpus([0, 1], 2, tmp_path)
 
 
 @two_cpus
@@ -91,8 +92,8 @@ def test_jobs_run_on_cpus_of_their_own(tmp_path):
         done = job(tmp_path, env, "--threads", "1")
         assert done.returncode == 0, done.stderr
         shown = json.loads(done.stdout)
-        assert shown["cpus"] == shown["slot"]["cpus"] == [CPUS[1]]  # the holder has CPUS[0]
-        assert shown["cvd"] is None and "gpu_uuid" not in shown["slot"]
+        assert shown["cpus"] == shown["held"]["cpus"] == [CPUS[1]]  # the holder has CPUS[0]
+        assert shown["cvd"] is None and "gpu_uuid" not in shown["held"]
     finally:
         holder.kill()
         holder.wait()
@@ -131,10 +132,10 @@ MIXED = [hardware.Gpu(0, "GPU-a", A100), hardware.Gpu(1, "GPU-b", H200), hardwar
 
 
 def test_matching_gpus_are_those_of_the_target_and_visible():
-    assert [g.index for g in slots.matching_gpus("nvidia-h200", MIXED, None)] == [1, 2]
-    assert [g.index for g in slots.matching_gpus("nvidia-h200", MIXED, "2")] == [2]
-    assert [g.index for g in slots.matching_gpus("nvidia-h200", MIXED, "GPU-c,GPU-a")] == [2]
-    assert [g.index for g in slots.matching_gpus("nvidia-a100-sxm4-80gb", MIXED, None)] == [0]
+    assert [g.index for g in job_resources.matching_gpus("nvidia-h200", MIXED, None)] == [1, 2]
+    assert [g.index for g in job_resources.matching_gpus("nvidia-h200", MIXED, "2")] == [2]
+    assert [g.index for g in job_resources.matching_gpus("nvidia-h200", MIXED, "GPU-c,GPU-a")] == [2]
+    assert [g.index for g in job_resources.matching_gpus("nvidia-a100-sxm4-80gb", MIXED, None)] == [0]
 
 
 @pytest.mark.parametrize("gpus, visible, message", [
@@ -145,7 +146,7 @@ def test_matching_gpus_are_those_of_the_target_and_visible():
 ])
 def test_no_gpu_of_the_target_is_a_one_line_error(gpus, visible, message):
     with pytest.raises(PKVError, match=message):
-        slots.matching_gpus("nvidia-h200", gpus, visible)
+        job_resources.matching_gpus("nvidia-h200", gpus, visible)
 
 
 def test_gpu_jobs_get_different_gpus_by_uuid(tmp_path):
@@ -159,8 +160,8 @@ def test_gpu_jobs_get_different_gpus_by_uuid(tmp_path):
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert shown["cvd"] == "GPU-fake-1"  # the holder has GPU 0
-    assert shown["slot"]["gpu_index"] == 1 and shown["slot"]["gpu_uuid"] == "GPU-fake-1"
-    assert shown["slot"]["gpu_name"] == H200 and shown["slot"]["cpus"] == shown["cpus"]
+    assert shown["held"]["gpu_index"] == 1 and shown["held"]["gpu_uuid"] == "GPU-fake-1"
+    assert shown["held"]["gpu_name"] == H200 and shown["held"]["cpus"] == shown["cpus"]
 
 
 @pytest.mark.parametrize("gpus, message", [
@@ -178,9 +179,9 @@ def test_under_slurm_the_allocation_is_the_jobs(tmp_path):
     done = job(tmp_path, env, "--threads", "1", "--gpu", "nvidia-h200")
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
-    assert shown["cvd"] == "GPU-fake-1" and shown["slot"]["gpu_index"] == 1
-    assert shown["cpus"] == shown["slot"]["cpus"] == CPUS  # SLURM's CPUs, not re-pinned
-    assert not (tmp_path / ".snakemake" / "slots").exists()  # nothing locked
+    assert shown["cvd"] == "GPU-fake-1" and shown["held"]["gpu_index"] == 1
+    assert shown["cpus"] == shown["held"]["cpus"] == CPUS  # SLURM's CPUs, not re-pinned
+    assert not (tmp_path / ".snakemake" / "job_resources").exists()  # nothing locked
 
 
 def test_a_missing_command_is_one_line(tmp_path):
@@ -203,13 +204,13 @@ def test_provenance_records_the_jobs_gpu_and_cpus(monkeypatch):
     asked = []
     monkeypatch.setattr(provenance, "nvidia_smi", lambda gpu=0: asked.append(gpu) or {"driver": "x"})
     monkeypatch.setattr(provenance, "torch_uuid", lambda device: "GPU-from-torch")
-    monkeypatch.setenv(slots.SLOT_ENV, json.dumps({"cpus": [3, 4], "gpu_index": 1, "gpu_uuid": "GPU-b",
-                                                   "gpu_name": H200}))
+    monkeypatch.setenv(job_resources.RESOURCES_ENV, json.dumps({"cpus": [3, 4], "gpu_index": 1,
+                                                                 "gpu_uuid": "GPU-b", "gpu_name": H200}))
     record = provenance.collect({}, [1], "2026-01-01T00:00:00Z", FakeDevice())
     assert (record["gpu_uuid"], record["gpu_index"], record["cpus"]) == ("GPU-b", 1, [3, 4])
     # torch's cuda:0 is nvidia-smi's GPU 1 here: the clocks and driver are asked of that GPU by UUID
     assert asked == ["GPU-b"] and record["driver"] == "x"
-    monkeypatch.delenv(slots.SLOT_ENV)
+    monkeypatch.delenv(job_resources.RESOURCES_ENV)
     record = provenance.collect({}, [1], "2026-01-01T00:00:00Z", FakeDevice())
     assert (record["gpu_uuid"], record["gpu_index"], record["cpus"]) == ("GPU-from-torch", None, CPUS)
     assert asked[-1] == "GPU-from-torch"

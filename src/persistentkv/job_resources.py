@@ -1,6 +1,6 @@
 """A workflow job's CPUs, and a GPU job's GPU, held under locks for the job's lifetime.
 
-    python -m persistentkv.slots --threads N [--gpu HW] -- COMMAND [ARGS...]
+    python -m persistentkv.job_resources --threads N [--gpu HW] -- COMMAND [ARGS...]
 
 Every rule's command starts with this (workflow/rules/common.smk). Snakemake counts ``--cores``
 and ``--resources gpu=N`` but does not say which CPUs or which GPU a local job may use
@@ -13,13 +13,13 @@ and ``--resources gpu=N`` but does not say which CPUs or which GPU a local job m
   ``HW`` under a lock and exports ``CUDA_VISIBLE_DEVICES`` as its UUID (an index would count in
   CUDA's device order, which need not be nvidia-smi's); where no such GPU is visible it stops
   with one line;
-- exports ``PERSISTENTKV_SLOT`` (JSON: ``cpus``, and ``gpu_index``/``gpu_uuid``/``gpu_name``),
+- exports ``PERSISTENTKV_JOB_RESOURCES`` (JSON: ``cpus``, and ``gpu_index``/``gpu_uuid``/``gpu_name``),
   which the provenance of GPU runs records;
-- then becomes COMMAND (exec). The locks are ``flock`` locks on files under ``.snakemake/slots/``
+- then becomes COMMAND (exec). The locks are ``flock`` locks on files under ``.snakemake/job_resources/``
   of the working directory, whose descriptors COMMAND inherits: the kernel frees them when the
   job's process exits, however it exits, so a killed run leaves nothing to clean up.
 
-Busy slots are waited for: Snakemake starts no more GPU jobs than ``--resources gpu=N`` allows,
+Busy CPUs and GPUs are waited for: Snakemake starts no more GPU jobs than ``--resources gpu=N`` allows,
 so a wait means another run, or N larger than the GPUs here.
 
 Under SLURM (``SLURM_JOB_ID`` set) the allocation is the job's own: nothing is locked or pinned,
@@ -41,9 +41,9 @@ from . import hardware
 from .errors import PKVError, require
 
 #: Lock files, one per CPU and per GPU UUID (Snakemake's own folder of the working directory).
-SLOTS_DIR = Path(".snakemake") / "slots"
+LOCKS_DIR = Path(".snakemake") / "job_resources"
 #: What the job was given, for persistentkv.provenance.
-SLOT_ENV = "PERSISTENTKV_SLOT"
+RESOURCES_ENV = "PERSISTENTKV_JOB_RESOURCES"
 WAIT_S = 0.5
 
 
@@ -60,12 +60,12 @@ def _try_lock(path: Path) -> int | None:
 
 def _wait(what: str, waited: bool) -> bool:
     if not waited:
-        print(f"slots: waiting for {what}", file=sys.stderr, flush=True)
+        print(f"job_resources: waiting for {what}", file=sys.stderr, flush=True)
     time.sleep(WAIT_S)
     return True
 
 
-def take_gpu(candidates: list[hardware.Gpu], folder: Path = SLOTS_DIR) -> tuple[hardware.Gpu, int]:
+def take_gpu(candidates: list[hardware.Gpu], folder: Path = LOCKS_DIR) -> tuple[hardware.Gpu, int]:
     """The first of ``candidates`` no other job holds, and the descriptor of its lock (waits)."""
     folder.mkdir(parents=True, exist_ok=True)
     waited = False
@@ -77,7 +77,7 @@ def take_gpu(candidates: list[hardware.Gpu], folder: Path = SLOTS_DIR) -> tuple[
         waited = _wait(f"one of {len(candidates)} GPUs held by other jobs", waited)
 
 
-def take_cpus(allowed: list[int], count: int, folder: Path = SLOTS_DIR) -> tuple[list[int], list[int]]:
+def take_cpus(allowed: list[int], count: int, folder: Path = LOCKS_DIR) -> tuple[list[int], list[int]]:
     """``count`` CPUs of ``allowed`` no other job holds (lowest first) and their lock descriptors.
 
     All or none: a job never holds some CPUs while it waits for more, so jobs cannot wait on each
@@ -120,7 +120,7 @@ def matching_gpus(hw: str, gpus: list[hardware.Gpu], cuda_visible: str | None) -
     return matching
 
 
-def prepare(threads: int, hw: str | None, env: dict, folder: Path = SLOTS_DIR) -> tuple[dict, list[int]]:
+def prepare(threads: int, hw: str | None, env: dict, folder: Path = LOCKS_DIR) -> tuple[dict, list[int]]:
     """The job's environment and the lock descriptors it must keep open; pins this process.
 
     ``threads``: Snakemake's count for the job; ``hw``: the results folder of a GPU job, None for a
@@ -145,25 +145,25 @@ def prepare(threads: int, hw: str | None, env: dict, folder: Path = SLOTS_DIR) -
         fds.extend(cpu_fds)
         os.sched_setaffinity(0, cpus)
     record["cpus"] = cpus
-    env[SLOT_ENV] = json.dumps(record, sort_keys=True)
+    env[RESOURCES_ENV] = json.dumps(record, sort_keys=True)
     return env, fds
 
 
-def slot_record(env=os.environ) -> dict:
+def held_resources(env=os.environ) -> dict:
     """What :func:`prepare` gave this job (``cpus``, ``gpu_*``); {} outside a workflow job."""
-    text = env.get(SLOT_ENV)
+    text = env.get(RESOURCES_ENV)
     return json.loads(text) if text else {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m persistentkv.slots", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m persistentkv.job_resources", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, required=True, help="CPUs to hold (Snakemake's {threads})")
     parser.add_argument("--gpu", metavar="HW", help="a GPU job for results/HW/: hold a GPU whose slug is HW")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        require(bool(command), "no command to run: python -m persistentkv.slots --threads N [--gpu HW] -- COMMAND")
+        require(bool(command), "no command to run: python -m persistentkv.job_resources --threads N [--gpu HW] -- COMMAND")
         env, fds = prepare(args.threads, args.gpu, dict(os.environ))
         for fd in fds:
             os.set_inheritable(fd, True)
