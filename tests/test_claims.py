@@ -368,7 +368,7 @@ def test_synthetic_results_judge_end_to_end(tmp_path):
     assert all(r["fair"] is not None and r["pub_event"] is not None for r in rows)
 
 
-def test_adaptive_verdicts_floor_and_geomean():
+def test_adaptive_verdicts_min_ratio_and_geomean():
     # published: adaptive as fast as the best single backend on bucketed_b1, 10 % slower on
     # bimodal_b8; long_context (seed 0, not a holdout seed, still counted): 1.5x FlashInfer.
     raw = pd.concat([
@@ -413,7 +413,7 @@ def bench_case(times: dict, trace: str, kv_bytes: int, frac: float, noise=0.0) -
                   read_ceiling_gbps=4400.0)
 
 
-def test_engine_verdicts_mid_range_ceiling_and_floor():
+def test_engine_verdicts_mid_range_ceiling_and_min_ratio():
     frames = [
         bench_case({"pkv-workqueue": 10.0, "trtllm-xqa": 15.0, "flashinfer-tc": 16.0}, "B1xN4096", 16 << 20, 0.4),
         bench_case({"pkv-workqueue": 22.0, "vllm-fa3": 26.0}, "B1xN16384", 64 << 20, 0.7),
@@ -429,9 +429,9 @@ def test_engine_verdicts_mid_range_ceiling_and_floor():
     # only steps of >= 256 MiB are held to the ceiling target: 64K (90 %, short) and the B=64 step
     assert [(c["case"], c["holds"]) for c in out["ceiling"]] == [("B1xN65536", False), ("B64xN131072", True)]
     assert out["ceiling"][0]["frac"] == pytest.approx(0.90) and out["ceiling_gbps"] == pytest.approx(4400.0)
-    floor = out["floor"]
-    assert floor["cases"] == 4 and floor["below"] == ["B64xN131072"] and not floor["holds"]
-    assert floor["min"]["ratio"] == pytest.approx(0.96) and floor["min"]["baseline"] == "flashinfer-tc"
+    minimum = out["floor"]
+    assert minimum["cases"] == 4 and minimum["below"] == ["B64xN131072"] and not minimum["holds"]
+    assert minimum["min"]["ratio"] == pytest.approx(0.96) and minimum["min"]["baseline"] == "flashinfer-tc"
     said = " ".join(out["sentences"])
     assert "in 1 of 2 cases" in said and "B=1 x 16K" in said and "1 of 2 steps" in said
     assert "B1xN65536 90.0 %" in said and "does not hold" in said

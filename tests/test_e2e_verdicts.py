@@ -42,7 +42,7 @@ def verdicts(rows: list[dict], provenance: dict | None = None) -> dict:
     return targets.e2e_verdicts(results_of(pd.DataFrame(rows), provenance))
 
 
-def test_step_floor_holds_at_the_fastest_baseline_and_fails_below_it():
+def test_step_min_ratio_holds_at_the_fastest_baseline_and_fails_below_it():
     ok = verdicts(cell_rows({"pkv-workqueue": (1005.0, 200.0), "flashinfer-tc": (1000.0, 200.0),
                              "vllm-fa3": (1200.0, 300.0)}))
     (cell,) = ok["cells"]
@@ -154,7 +154,7 @@ def test_rounds_are_resampled_paired_by_repeat():
 
 def test_the_reference_is_the_fastest_of_the_baselines_only():
     """Another backend in the cell (torch-sdpa here, faster than every baseline) is never the
-    reference: the step floor compares ours with the fastest of names.BASELINES."""
+    reference: the step's minimum ratio compares ours with the fastest of names.BASELINES."""
     out = verdicts(cell_rows({"pkv-workqueue": (1000.0, 200.0), "torch-sdpa": (900.0, 100.0),
                               "vllm-fa3": (1150.0, 350.0), "flashinfer-tc": (1100.0, 300.0)}))
     (cell,) = out["cells"]

@@ -97,7 +97,7 @@ def test_the_paper_table_and_macros_come_from_the_verdicts(rendered, tmp_path):
     assert table.count(r"\\") - 2 == len(cells)  # the two header lines, then one line per cell
     assert tables.tex(cells[0]["label"]) in table and f"{cells[0]['ratio']:.3f}" in table
     macros = dict((n, v) for n, v, _ in tables.macros(payload, results))
-    assert macros["pkvEtoeStepFloor"] == f"{targets.E2E_STEP_FLOOR:g}"
+    assert macros["pkvEtoeStepFloor"] == f"{targets.E2E_STEP_MIN_RATIO:g}"
     assert macros["pkvEtoeCells"] == str(len(cells))
     step, gain = payload["e2e"]["step"], payload["e2e"]["gain"]
     assert macros["pkvEtoeStepVerdict"] == ("holds" if step["holds"] else "does not hold")

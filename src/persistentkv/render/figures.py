@@ -840,7 +840,7 @@ def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
             handles["Amdahl"] = right.errorbar(mine["amdahl"], y + 0.12, xerr=a_err, fmt="D", ms=3, lw=1,
                                                color="0.35", mfc="white")
             right.axvline(1.0, color="0.5", lw=0.8)
-            right.axvline(targets.E2E_STEP_FLOOR, color="#b03030", lw=0.8, ls=":")
+            right.axvline(targets.E2E_STEP_MIN_RATIO, color="#b03030", lw=0.8, ls=":")
             right.set_yticks(y, mine["cell"])
             right.set_ylim(len(mine) - 0.5, -0.5)
             right.grid(axis="y", visible=False)
@@ -932,7 +932,7 @@ FIGURES += (
                "time in ms. Right: pkv-workqueue's measured speedup over the fastest baseline "
                "(dots) against the Amdahl prediction from the same run's attention times (diamonds), 95 % "
                "paired bootstrap intervals; the dotted line is the "
-               f"{targets.E2E_STEP_FLOOR:g}x step floor.",
+               f"{targets.E2E_STEP_MIN_RATIO:g}x step floor.",
                lambda r: fig_e2e(data_e2e_split(r), data_e2e_gain(r), r.hw)),
 )
 FIGURE_NAMES = tuple(f.name for f in FIGURES)

@@ -235,16 +235,18 @@ def floor_macros(payload: dict) -> list[tuple[str, str, str]]:
 
 
 def e2e_macros(payload: dict) -> list[tuple[str, str, str]]:
-    """The full decode step's macros (claims.json ``e2e``, targets.e2e_verdicts): its rules' floors,
-    the two verdicts, the lowest cell and the sentences; not measured (n/m) without rows."""
+    """The full decode step's macros (claims.json ``e2e``, targets.e2e_verdicts): its rules' minimum
+    ratios, the two verdicts, the lowest cell and the sentences; not measured (n/m) without rows.
+    The macro names and their comments in macros.tex keep the constants' earlier names
+    (pkvEtoeStepFloor, targets.E2E_STEP_FLOOR): the generated files stay as they were."""
     e = payload.get("e2e") or {}
     step, gain = e.get("step") or {}, e.get("gain") or {}
     low = step.get("min") or {}
     verdict = lambda part: tex("holds" if part["holds"] else "does not hold") if part else tex(claims.NOT_MEASURED)
     sentences = e.get("sentences") or [f"Not measured: no full decode step rows (e2e/pass*.parquet) on {payload['hw']} yet."]
     return [
-        ("pkvEtoeStepFloor", f"{targets.E2E_STEP_FLOOR:g}", "targets.E2E_STEP_FLOOR"),
-        ("pkvEtoeRestFloor", f"{targets.E2E_REST_FLOOR:g}", "targets.E2E_REST_FLOOR"),
+        ("pkvEtoeStepFloor", f"{targets.E2E_STEP_MIN_RATIO:g}", "targets.E2E_STEP_FLOOR"),
+        ("pkvEtoeRestFloor", f"{targets.E2E_REST_MIN_FRACTION:g}", "targets.E2E_REST_FLOOR"),
         ("pkvEtoeTail", f"{100 * targets.E2E_TAIL:g}", "targets.E2E_TAIL, percent"),
         ("pkvEtoeCells", str(step["cells"]) if step else NM, "cells with ours and a baseline"),
         ("pkvEtoeStepVerdict", verdict(step), "every cell's step at least pkvEtoeStepFloor of the fastest baseline's"),
