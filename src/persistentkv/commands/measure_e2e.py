@@ -25,7 +25,8 @@ values, not a prefill) and one shared set of weights. Each loop captures two CUD
 
 Rounds interleave the backends (A B C, B C A, ...: the order rotates each round, and each round
 starts behind a ~1 ms spin so that its first graph is not timed with the host's launch of it;
-benchmarks/NOTES.md, "What ships", the rotated rounds row): in each round every loop is rewound
+benchmarks/NOTES.md, "What ships", the rotated rounds row; persistentkv.measure.steps, which also
+holds the attention-alone graphs, and measure.schedule.round_order): in each round every loop is rewound
 to the cell's state (its positions and tokens restored on the device, outside the timed window)
 before each of its graphs, which replay between two CUDA events each: the step (``step_us``), the
 rest, the appends, the attention; ``non_attention_us`` is step_us - attention_us within the round,
