@@ -154,31 +154,30 @@ def rotated_copies(spec, batch, l2_bytes: int, factor: float = 3.0, max_copies: 
 
 
 def capture(run, copies, calls: int, warmup: int = 3):
-    """A CUDA graph of ``calls`` calls run(copy) cycling over ``copies`` (warmed up on a side stream)."""
-    import torch
+    """The replay of a CUDA graph of ``calls`` calls run(copy) cycling over ``copies``, warmed up
+    on the capture stream (persistentkv.measure.device.capture_graph)."""
+    from persistentkv.measure.device import capture_graph
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    def warm():
         for r in range(min(len(copies), warmup)):
             run(copies[r])
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls_of():
         for c in range(calls):
             run(copies[c % len(copies)])
-    return graph
+
+    return capture_graph(calls_of, warmup=warm)
 
 
 def time_replays(graphs: dict, repeats: int, calls: int, seed: int = 0) -> dict[str, list[float]]:
-    """Microseconds per call of each graph: one warm-up replay each, then ``repeats`` rounds, each
-    replaying every graph once in a shuffled order (CUDA events around each replay)."""
+    """Microseconds per call of each graph ({name: its replay, as capture returns it}): one warm-up
+    replay each, then ``repeats`` rounds, each replaying every graph once in a shuffled order (CUDA
+    events around each replay)."""
     import torch
 
     order = list(graphs)
     for name in order:
-        graphs[name].replay()
+        graphs[name]()
     torch.cuda.synchronize()
     times = {name: [] for name in order}
     rng = np.random.default_rng(seed)
@@ -187,7 +186,7 @@ def time_replays(graphs: dict, repeats: int, calls: int, seed: int = 0) -> dict[
         for name in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graphs[name].replay()
+            graphs[name]()
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) * 1e3 / calls)

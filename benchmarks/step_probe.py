@@ -68,6 +68,9 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from persistentkv.measure.schedule import round_order  # noqa: E402
+from persistentkv.measure.steps import AttentionAlone, add_alone_graphs, time_rounds  # noqa: E402
+
 CONFIG = ROOT / "config" / "config.yaml"
 
 
@@ -117,29 +120,36 @@ def admit_all(loop, batch_size, context, reserve, vocab):
         loop.admit(rid, context - 1, int(tokens[rid]), reserve)
 
 
-def timed_us(replay) -> float:
-    import torch
+def cuda():
+    """The GPU as the measurement harness drives it (persistentkv.measure.device.TorchDevice)."""
+    from persistentkv.measure.device import TorchDevice
 
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3
+    if cuda.device is None:
+        cuda.device = TorchDevice("cuda")
+    return cuda.device
+
+
+cuda.device = None
+
+
+def timed(order_of, replays, rounds, before=None):
+    """[{key: us}] per round: ``replays[key]()`` for each key of ``order_of(r)``, each between two
+    CUDA events and synchronised after (persistentkv.measure.steps.time_rounds), ``before(key)``
+    ahead of its window."""
+    return time_rounds(cuda(), order_of, replays, rounds, before=before, sync_each=True)
 
 
 def captured(fn):
-    """fn() once eagerly, then a CUDA graph of it; returns the graph's replay."""
+    """fn() once eagerly, then a CUDA graph of it (persistentkv.measure.device.capture_graph),
+    replayed once; returns the graph's replay."""
     import torch
 
-    fn()
+    from persistentkv.measure.device import capture_graph
+
+    replay = capture_graph(fn, warmup=fn)
+    replay()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph.replay
+    return replay
 
 
 def loop_graph(loop, mark, what):
@@ -147,13 +157,7 @@ def loop_graph(loop, mark, what):
     later capture of the same name does not replace it; returns its replay."""
     loop.rewind(mark)
     loop.capture(what)
-    return loop._graphs.pop(what).replay
-
-
-def rotated(order, r):
-    """Round ``r``'s order of ``order``: rotated by r, so each graph leads once every len(order) rounds."""
-    k = r % len(order)
-    return order[k:] + order[:k]
+    return loop._graphs.pop(what)
 
 
 def part_linears(model_name, rounds, ceiling, kernels, rows):
@@ -185,11 +189,10 @@ def part_linears(model_name, rounds, ceiling, kernels, rows):
 
             replays[variant] = captured(calls)
         nbytes = stack[0].numel() * stack.element_size()
-        for r in range(rounds):
-            for variant in rotated(list(kernels), r):
-                us = timed_us(replays[variant]) / stack.shape[0]
-                rows.append(dict(part="linears", cell="1", variant=variant, name=name, repeat=r, us=us, bytes=nbytes,
-                                 read_gbps=ceiling))
+        for r, times in enumerate(timed(lambda r: round_order(kernels, r), replays, rounds)):
+            for variant, us in times.items():
+                rows.append(dict(part="linears", cell="1", variant=variant, name=name, repeat=r,
+                                 us=us / stack.shape[0], bytes=nbytes, read_gbps=ceiling))
         for variant in kernels:
             med = np.median([r["us"] for r in rows if r["part"] == "linears" and r["variant"] == variant
                              and r["name"] == name])
@@ -217,6 +220,7 @@ def part_steps(cells, rounds, kernels, rows):
         torch.cuda.empty_cache()
         shape, model, kv, reserve = build(model_name, b, n)
         loop = DecodeLoop(model, kv, "pkv-workqueue")
+        add_alone_graphs(loop)
         admit_all(loop, b, n, reserve, shape.vocab_size)
         loop.next_tokens()
         mark = loop.mark()
@@ -229,11 +233,10 @@ def part_steps(cells, rounds, kernels, rows):
             graphs[what] = loop_graph(loop, mark, what)
         order = list(graphs)
         label = f"{model_key}:{b}x{n}"
-        for r in range(rounds):
-            for variant in rotated(order, r):
-                loop.rewind(mark)
-                rows.append(dict(part="steps", cell=label, variant=variant, name="step", repeat=r,
-                                 us=timed_us(graphs[variant])))
+        for r, times in enumerate(timed(lambda r: round_order(order, r), graphs, rounds,
+                                        before=lambda _: loop.rewind(mark))):
+            for variant, us in times.items():
+                rows.append(dict(part="steps", cell=label, variant=variant, name="step", repeat=r, us=us))
         meds = {v: np.median([x["us"] for x in rows if x["part"] == "steps" and x["cell"] == label
                               and x["variant"] == v]) for v in order}
         print(f"step {label}: " + ", ".join(f"{v} {us:.0f} us" for v, us in meds.items()))
@@ -369,23 +372,6 @@ def backend_of(spec: str):
     return registry.create(name, **{key: int(value) for key, value in pairs})
 
 
-def _appends(loop, shape, attention=True, between=None):
-    """Attention alone as measure-e2e times it: per layer the append of the loop's probe K and V,
-    then ``between()`` if given, then (``attention``) the call; without ``attention`` the lengths
-    are not refreshed into the plan either, as the step without attention leaves them."""
-    q, k, v = loop._probe()
-    if attention:
-        loop._refresh()
-    slots = loop._slots()
-    for l in range(shape.num_layers):
-        k_flat, v_flat = loop.kv.flat(l)
-        loop.model.kernels.append(k_flat, v_flat, slots, k, v)
-        if between is not None:
-            between()
-        if attention:
-            loop._run(q, l, loop.out)
-
-
 def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     """Attention alone as measure-e2e times it (per layer: append, then the call) with
     ``betweens[name]()`` (None: nothing) queued between each append and its call, each minus the
@@ -393,19 +379,16 @@ def _between_times(loop, part, label, backend, shape, rounds, rows, betweens):
     (``in-step``; ``step``, ``rest``): every graph of one loop replayed in rotated rounds.
     Returns the medians by name, and the graphs' replays by (attention, name)."""
     mark = loop.mark()
+    alone = AttentionAlone(loop)
     graphs = {}
     for what in ("step", "rest"):
         graphs[what] = loop_graph(loop, mark, what)
     for name, between in betweens.items():
         for attention in (True, False):
             loop.rewind(mark)
-            graphs[(attention, name)] = captured(lambda a=attention, b=between: _appends(loop, shape, a, b))
+            graphs[(attention, name)] = captured(lambda a=attention, b=between: alone(a, b))
     order = list(graphs)
-    for r in range(rounds):
-        us = {}
-        for what in rotated(order, r):
-            loop.rewind(mark)
-            us[what] = timed_us(graphs[what])
+    for r, us in enumerate(timed(lambda r: round_order(order, r), graphs, rounds, before=lambda _: loop.rewind(mark))):
         named = [(name, us[(True, name)] - us[(False, name)]) for name in betweens]
         named += [("in-step", us["step"] - us["rest"]), ("step", us["step"]), ("rest", us["rest"])]
         for name, value in named:
@@ -434,20 +417,18 @@ def part_paired(cells, rounds, backends, rows, written=lambda: None):
     ``written()`` after each cell (the rows so far to disk)."""
     def body(label, shape, loops):
         marks = {b: loop.mark() for b, loop in loops.items()}
+        alone = {b: AttentionAlone(loop) for b, loop in loops.items()}
         graphs = {}
         for backend, loop in loops.items():
             graphs[(backend, "step")] = loop_graph(loop, marks[backend], "step")
             loop.rewind(marks[backend])
-            graphs[(backend, "alone")] = captured(lambda loop=loop: _appends(loop, shape))
+            graphs[(backend, "alone")] = captured(alone[backend])
         first = next(iter(loops))
         loops[first].rewind(marks[first])
-        graphs[(first, "appends")] = captured(lambda: _appends(loops[first], shape, attention=False))
+        graphs[(first, "appends")] = captured(lambda: alone[first](attention=False))
         order = list(graphs)
-        for r in range(rounds):
-            us = {}
-            for key in rotated(order, r):
-                loops[key[0]].rewind(marks[key[0]])
-                us[key] = timed_us(graphs[key])
+        for r, us in enumerate(timed(lambda r: round_order(order, r), graphs, rounds,
+                                     before=lambda key: loops[key[0]].rewind(marks[key[0]]))):
             for backend in loops:
                 rows.append(dict(part="paired", cell=label, variant=backend, name="step", repeat=r,
                                  us=us[(backend, "step")]))
@@ -578,10 +559,10 @@ def _cta_frames(loop, shape, label, rounds, traced, summary):
     mark = loop.mark()
     graphs = {"in-step": loop_graph(loop, mark, "step")}
     loop.rewind(mark)
-    graphs["alone"] = captured(lambda: _appends(loop, shape))
+    graphs["alone"] = captured(AttentionAlone(loop))
     L, frames = shape.num_layers, []
     for r in range(max(1, rounds // 3)):
-        for what in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
+        for what in round_order(graphs, r):  # two graphs: each leads every other round
             loop.rewind(mark)
             for engine in traced.values():
                 reset_trace(engine)
@@ -656,15 +637,8 @@ def part_kernels(model_name, cell, variant, rows):
                          repeat=int(ev.count), us=us))
     loop.rewind(mark)
     loop.capture("step")
-    times = []
-    for _ in range(15):
-        loop.rewind(mark)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        loop.replay("step")
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+    times = [us["step"] for us in timed(lambda r: ["step"], {"step": lambda: loop.replay("step")}, 15,
+                                        before=lambda _: loop.rewind(mark))]
     rows.append(dict(part="kernels", cell=f"{b}x{n}", variant=f"graph-{variant}", name="step", repeat=15,
                      us=float(np.median(times))))
     top = sorted((r for r in rows if r["part"] == "kernels" and r["variant"] == f"eager-{variant}"),

@@ -80,9 +80,9 @@ def parse_args(argv=None):
     return args
 
 
-def graph_us(graph, calls: int, repeats: int = 7) -> float:
+def graph_us(replay, calls: int, repeats: int = 7) -> float:
     """Median us per call of ``repeats`` replays of one graph (bench_common.time_replays)."""
-    return statistics.median(time_replays({"graph": graph}, repeats, calls)["graph"])
+    return statistics.median(time_replays({"graph": replay}, repeats, calls)["graph"])
 
 
 def read_trace(engine) -> np.ndarray:
@@ -163,11 +163,11 @@ def trace_variant(engine, batch, route: str, q, copies, calls: int):
 
     plan = engine.plan(batch, route)
     out = torch.empty_like(q)
-    graph = capture(lambda kv: engine.run(q, kv, plan, out), copies, calls)
-    traced_us = graph_us(graph, calls)
+    replay = capture(lambda kv: engine.run(q, kv, plan, out), copies, calls)
+    traced_us = graph_us(replay, calls)
     items = len(engine.device_items(plan))
     reset_trace(engine)
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     return items, traced_us, read_trace(engine)
 

@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from step_probe import captured, timed_us  # noqa: E402
+from step_probe import captured, round_order, timed  # noqa: E402
 
 #: (unroll, block_warps, min_blocks_per_sm, target_warps_per_sm); the first is what ships
 CONFIGS = ((4, 8, 2, 16), (8, 8, 2, 16), (4, 8, 2, 32), (8, 8, 2, 32), (4, 4, 4, 16), (8, 4, 4, 32), (2, 8, 2, 32))
@@ -79,13 +79,15 @@ def main() -> int:
             graphs[config, name] = (captured(calls), w.shape[0], w[0].numel() * 2)
         print(f"config {config}: compiled, checked, captured", flush=True)
     rows = []
-    for r in range(args.rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-        for name in MATRICES:
-            for config in order:
-                replay, calls, nbytes = graphs[config, name]
-                rows.append(dict(config="u%d_bw%d_mb%d_tw%d" % config, name=name, repeat=r,
-                                 us=timed_us(replay) / calls, bytes=nbytes))
+    replays = {key: replay for key, (replay, _, _) in graphs.items()}
+
+    def order_of(r):  # per matrix, the configs rotated by r
+        return [(config, name) for name in MATRICES for config in round_order(CONFIGS, r)]
+
+    for r, times in enumerate(timed(order_of, replays, args.rounds)):
+        for (config, name), us in times.items():
+            _, calls, nbytes = graphs[config, name]
+            rows.append(dict(config="u%d_bw%d_mb%d_tw%d" % config, name=name, repeat=r, us=us / calls, bytes=nbytes))
     frame = pd.DataFrame(rows)
     path = Path(args.out) / time.strftime("gemv_tune_%H%M%S.parquet")
     frame.to_parquet(path, index=False)

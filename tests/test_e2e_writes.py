@@ -18,6 +18,7 @@ from persistentkv.ceiling import CeilingSample
 pytest.importorskip("torch", reason="measure-e2e runs its configurations under torch.no_grad()")
 
 from persistentkv.commands import measure_e2e as e2e  # noqa: E402
+from persistentkv.measure.schedule import round_order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "config.yaml"
@@ -172,8 +173,62 @@ def test_every_backend_leads_a_round_in_turn():
     first graph carried the host's launch of it): over len(names) rounds each backend leads once
     and every round holds each backend once."""
     names = ["pkv-workqueue", "flashinfer-tc", "vllm-fa3"]
-    orders = [e2e.round_order(names, r) for r in range(6)]
+    orders = [round_order(names, r) for r in range(6)]
     assert [o[0] for o in orders[:3]] == names and orders[3] == orders[0]
     assert all(sorted(o) == sorted(names) for o in orders)
-    assert e2e.round_order({"a": 1, "b": 2}, 1) == ["b", "a"] and e2e.round_order([], 3) == []
+    assert round_order({"a": 1, "b": 2}, 1) == ["b", "a"] and round_order([], 3) == []
 
+
+
+def test_each_round_queues_behind_the_spin_and_rewinds_each_loop_before_each_graph():
+    """measure-e2e's rounds (persistentkv.measure.steps.time_loop_rounds): each round starts behind
+    the spin, visits the loops in the rotated order, each loop rewound to its mark before each of
+    its ROUND graphs; the warm-up rounds are dropped and every graph gets its own window."""
+    from persistentkv.measure import steps
+
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("event")
+            self.t = len(log)
+
+        def elapsed_ms(self, end):
+            return (end.t - self.t) / 1e3
+
+    class Device:
+        def event(self):
+            return Event()
+
+        def queue_ahead(self, cycles):
+            log.append(("spin", cycles))
+
+        def synchronize(self):
+            log.append("sync")
+
+    class Loop:
+        def __init__(self, name):
+            self.name = name
+
+        def rewind(self, mark):
+            log.append(("rewind", self.name, mark))
+
+        def replay(self, what):
+            log.append((self.name, what))
+
+    loops = {n: Loop(n) for n in ("a", "b", "c")}
+    times = steps.time_loop_rounds(Device(), loops, {n: f"mark-{n}" for n in loops}, rounds=2, warmup=1)
+    rounds = []
+    for entry in log:
+        if isinstance(entry, tuple) and entry[0] == "spin":
+            rounds.append([])
+        rounds[-1].append(entry)
+    assert len(rounds) == 3 and all(r[0] == ("spin", steps.ROUND_QUEUE_CYCLES) and r[-1] == "sync" for r in rounds)
+    for r, entries in enumerate(rounds):
+        want = []
+        for name in round_order(loops, r):
+            for what in steps.ROUND:
+                want += [("rewind", name, f"mark-{name}"), "event", (name, what), "event"]
+        assert entries[1:-1] == want
+    # one window per graph: its two events two log entries apart (the replay between them)
+    assert times == {n: [{what: 2.0 for what in steps.ROUND}] * 2 for n in loops}

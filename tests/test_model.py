@@ -390,19 +390,22 @@ def test_a_replan_drops_the_graphs_that_read_the_old_plan(weights):
 
 
 def test_attention_alone_appends_into_the_next_slot_and_leaves_the_step_unchanged(weights):
-    """DecodeLoop.attention() (measure-e2e's attention-alone graph, eagerly): each layer's append
+    """AttentionAlone (measure-e2e's attention-alone graph, eagerly): each layer's append
     writes the fixed k, v into every row's next slot, positions stay, and the next step, whose own
     append overwrites those slots first, gives the logits it gives without it."""
+    from persistentkv.measure.steps import AttentionAlone
+
     plain, probed = tiny_loop("torch-sdpa", weights), tiny_loop("torch-sdpa", weights)
+    alone = AttentionAlone(probed)
     with torch.no_grad():
         for loop in (plain, probed):
             for rid, p in enumerate(prompts()):
                 loop.prefill(rid, p, reserve=p.size + 4)
             loop.next_tokens()  # the rows' device state (positions) is built here
         before = probed.positions.clone()
-        probed.attention()
+        alone()
         assert torch.equal(probed.positions, before)
-        _, k, v = probed.probe
+        _, k, v = alone.probe
         P = probed.kv.page_size
         for row, pos in enumerate(before.tolist()):
             slot = int(probed.table[row, pos // P]) * P + pos % P

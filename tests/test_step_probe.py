@@ -121,6 +121,6 @@ def test_summarize_dev_prints_part_paired_per_round_ratios(capsys):
 def test_rotated_rounds_lead_with_each_graph_in_turn():
     """Each graph leads once every len(order) rounds and every round holds each graph once."""
     order = ["a", "b", "c"]
-    assert [step_probe.rotated(order, r) for r in range(4)] == [
+    assert [step_probe.round_order(order, r) for r in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert order == ["a", "b", "c"]                      # the caller's list is left as it was

@@ -14,7 +14,7 @@ other, never in a circle. tests/test_layers.py holds every import to this table.
      7  launch calibration                -- the engine's compile and launch layer; policy fitting
      8  engine kernel_build ceiling       -- the GPU: the engine, its ahead-of-time build, the ceiling
      9  backends                          -- one adapter per kernel family, the registry, adaptive
-    10  measure                           -- the timing harness: cases, protocols, rows, runs
+    10  measure                           -- the timing harness: cases, protocols, rows, runs, step rounds
     11  model                             -- the Llama decode loop over any backend
     12  targets                           -- the engine's own targets, judged from rows
     13  claims                            -- the paper's claims, judged from rows

@@ -25,7 +25,8 @@ values, not a prefill) and one shared set of weights. Each loop captures two CUD
 
 Rounds interleave the backends (A B C, B C A, ...: the order rotates each round, and each round
 starts behind a ~1 ms spin so that its first graph is not timed with the host's launch of it;
-benchmarks/NOTES.md, "What ships", the rotated rounds row): in each round every loop is rewound
+benchmarks/NOTES.md, "What ships", the rotated rounds row; persistentkv.measure.steps, which also
+holds the attention-alone graphs, and measure.schedule.round_order): in each round every loop is rewound
 to the cell's state (its positions and tokens restored on the device, outside the timed window)
 before each of its graphs, which replay between two CUDA events each: the step (``step_us``), the
 rest, the appends, the attention; ``non_attention_us`` is step_us - attention_us within the round,
@@ -157,7 +158,9 @@ class Setting:
 
 
 def _loops(model, kv, names, rows_of, log):
-    """{name: DecodeLoop} for every backend that can run here; {name: reason} for the others."""
+    """{name: DecodeLoop} for every backend that can run here, with its attention-alone graphs
+    (persistentkv.measure.steps); {name: reason} for the others."""
+    from ..measure.steps import add_alone_graphs
     from ..model import DecodeLoop
 
     loops, refused = {}, {}
@@ -165,6 +168,7 @@ def _loops(model, kv, names, rows_of, log):
         try:
             loop = DecodeLoop(model, kv, name, log=log)
             require(loop.backend.capabilities.graph != "none", f"backend {name} is not graph-safe")
+            add_alone_graphs(loop)
             rows_of(loop)
             loop.next_tokens()  # plans the step (and fails here, not mid-round, if it cannot)
             loops[name] = loop
@@ -177,67 +181,6 @@ def _one_line(exc: BaseException) -> str:
     from ..measure.rows import one_line
 
     return one_line(exc)
-
-
-#: The graphs of a round, in the order each loop replays them: the appends right before the
-#: attention they are subtracted from.
-ROUND = ("step", "rest", "appends", "attention")
-
-
-#: GPU cycles of the spin queued before each round (~1 ms at the H200's 1.98 GHz): the round's
-#: first graph then starts behind it, not after the host's launch of it. Without it the first
-#: loop of a round has the host's launch of its step graph inside its window: ~150 us of its
-#: step_us (benchmarks/NOTES.md, "What ships", the rotated rounds row).
-ROUND_QUEUE_CYCLES = 2_000_000
-
-
-def round_order(names, r: int) -> list:
-    """The loops' order in round ``r``: rotated by one each round, so no backend is always first."""
-    names = list(names)
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
-
-
-def _time_rounds(loops, rounds: int, warmup: int, marks, queue_ahead) -> dict[str, list[dict[str, float]]]:
-    """{graph: us} of every ROUND graph per round for each loop, rounds interleaved across loops
-    (:func:`round_order`), each round queued behind ``queue_ahead(ROUND_QUEUE_CYCLES)``."""
-    import torch
-
-    times = {name: [] for name in loops}
-    for r in range(warmup + rounds):
-        events = {}
-        queue_ahead(ROUND_QUEUE_CYCLES)
-        for name in round_order(loops, r):
-            loop = loops[name]
-            timed = {}
-            for what in ROUND:
-                loop.rewind(marks[name])
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                loop.replay(what)
-                end.record()
-                timed[what] = (start, end)
-            events[name] = timed
-        torch.cuda.synchronize()
-        if r >= warmup:
-            for name, timed in events.items():
-                times[name].append({what: s.elapsed_time(e) * 1e3 for what, (s, e) in timed.items()})
-    return times
-
-
-def _capture(loops) -> dict[str, str]:
-    """Capture each loop's ROUND graphs where they are not ready; a loop whose capture fails
-    leaves ``loops`` and is returned with the reason."""
-    failed = {}
-    for name, loop in list(loops.items()):
-        try:
-            for what in ROUND:
-                if not loop.graph_ready(what):
-                    loop.capture(what)
-        except Exception as exc:
-            failed[name] = _one_line(exc)
-            del loops[name]
-    return failed
 
 
 def _timed_rows(setting, loops, times, batch_size, lengths, step, peak) -> list[dict]:
@@ -293,13 +236,16 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
 
 
 def _time_step(ctx, setting, loops, batch_size: int, lengths, step: int) -> list[dict]:
-    """Capture what is not captured, then the interleaved rounds of every loop at this state."""
+    """Capture what is not captured, then the interleaved rounds of every loop at this state
+    (persistentkv.measure.steps)."""
     import torch
 
-    failed = _capture(loops)
+    from ..measure.steps import capture_missing, time_loop_rounds
+
+    failed = capture_missing(loops)
     rows = _refused_rows(setting, failed, batch_size, lengths, step, failed, "failed")
     marks = {name: loop.mark() for name, loop in loops.items()}
-    times = _time_rounds(loops, ctx.rounds, ctx.warmup, marks, ctx.device.queue_ahead)
+    times = time_loop_rounds(ctx.device, loops, marks, ctx.rounds, ctx.warmup)
     return rows + _timed_rows(setting, loops, times, batch_size, lengths, step, torch.cuda.max_memory_allocated())
 
 

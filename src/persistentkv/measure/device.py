@@ -7,7 +7,8 @@ Everything the protocols need from a device, and nothing more:
     queue_ahead(cycles)    keep the stream busy for ``cycles`` GPU cycles (a spin kernel), so what
                            the host queues next starts without waiting for the host (no-op on CPU)
     capture(fn)            record ``fn``'s launches into a CUDA graph; returns a replay callable
-                           (on the CPU: ``fn`` is run once, as capture runs it, and replay runs it)
+                           (on the CPU: ``fn`` is run once, as capture runs it, and replay runs it);
+                           :func:`capture_graph` below, which every graph of the library shares
     l2_bytes, name, sm_count, free_bytes(), empty_cache(), is_oom(exc)
     make_copies(batch, copies, seed)   R copies of a case's K/V as views of one tensor
     queries(spec, B, seed), empty_out(spec, B)
@@ -87,6 +88,52 @@ def require_cuda() -> None:
         raise PKVError(message)
 
 
+def capture_graph(fn: Callable[[], None], device=None, *, warmup: Callable[[], None] | None = None,
+                  stream=None, free_cached: bool = True) -> Callable[[], None]:
+    """A CUDA graph of ``fn``'s launches on ``device``; returns its replay (every graph of the
+    library and the benchmarks is captured here; the tests keep their own).
+
+    warmup       run first on the capture stream, which waits for the current stream and which
+                 the current stream then waits for: lazy initialisation (cuBLAS handles, JIT
+                 modules, seeded inputs) must not happen inside a capture (None: no warm-up)
+    stream       the side stream to capture on (None: a new one)
+    free_cached  True: capture inside the ``torch.cuda.graph`` context, which synchronises and
+                 frees the allocator's cached memory first (the decode loop's graphs, the
+                 benchmarks'); False: ``capture_begin``/``capture_end`` between two
+                 synchronisations, nothing freed (the harness's many graphs per case:
+                 TorchDevice.capture). Either way the graph gets its own private memory pool
+                 (replays come in any order).
+    """
+    import torch
+
+    stream = torch.cuda.Stream(device) if stream is None else stream
+    if warmup is not None:
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            warmup()
+        current.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if free_cached:
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+        return graph.replay
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:
+                pass
+            raise
+        graph.capture_end()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
 class TorchDevice:
     """torch on ``device`` ("cuda" or "cpu"). ``l2_bytes`` overrides the device's L2 size."""
 
@@ -131,28 +178,11 @@ class TorchDevice:
         if not self.is_cuda:
             fn()
             return fn
-        torch = self.torch
         # capture_begin/end on our own side stream rather than the torch.cuda.graph context, which
-        # runs gc.collect() and empty_cache() per capture: a case captures up to copies x backends
-        # graphs. Each graph gets its own private memory pool (replays come in any order).
+        # frees the allocator's cache per capture: a case captures up to copies x backends graphs.
         if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        stream = self._capture_stream
-        self.synchronize()
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            try:
-                fn()
-            except BaseException:
-                try:
-                    graph.capture_end()
-                except Exception:
-                    pass
-                raise
-            graph.capture_end()
-        self.synchronize()
-        return graph.replay
+            self._capture_stream = self.torch.cuda.Stream(self.device)
+        return capture_graph(fn, self.device, stream=self._capture_stream, free_cached=False)
 
     def separator(self, nbytes: int) -> Callable[[], None]:
         """A launcher of one small copy kernel (``nbytes``, at least 16, from one buffer into another

@@ -35,122 +35,22 @@ re-captures (``recaptures`` counts it).
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
 from ..cache import Batch
 from ..errors import require
-from ..traces import PAGE_SEED_OFFSET, TorchCompatibleRNG
-from .llama import Kernels, Sampling, Weights, resolve_device, sample
-from .shape import Footprint, ModelShape, check_fits
+from .llama import Kernels, Sampling, Weights, sample
+from .pages import PagedKV
+from .shape import ModelShape
 
 FOLLOW_MODES = ("device", "host", "replan")
-#: What DecodeLoop.capture captures: ``step``, the whole step; ``rest``, the step without its
-#: attention (each layer's append kept, the plan's device refresh left out); ``attention``, the
-#: step's attention alone, each layer's call after that layer's append (on fixed inputs), the
-#: refresh first; ``appends``, those appends alone (what measure-e2e subtracts from ``attention``).
-GRAPHS = ("step", "rest", "attention", "appends")
-
-
-class PagePool:
-    """Physical page ids of one cache, reserved per row and given back when it leaves.
-
-    The free list starts as a seeded permutation (``seed + 99``, as persistentkv.cache
-    allocates), so a row's pages are scattered; released pages go to its end. Loops that share a
-    cache share its rows: a second reservation of a row takes the pages it already holds (the
-    same bytes for every backend), and they return when the last holder releases them.
-    """
-
-    def __init__(self, num_pages: int, page_size: int, seed: int = 0):
-        require(num_pages >= 1, f"a page pool needs at least one page, got {num_pages}")
-        self.num_pages, self.page_size = int(num_pages), int(page_size)
-        perm = TorchCompatibleRNG(int(seed) + PAGE_SEED_OFFSET).randperm(self.num_pages)
-        self._free = deque(int(p) for p in perm)
-        self._owned: dict[int, np.ndarray] = {}
-        self._holders: dict[int, int] = {}
-
-    def reserve(self, rid: int, tokens: int) -> np.ndarray:
-        """int32 [ceil(tokens / P)] pages for row ``rid``, in logical order."""
-        count = math.ceil(int(tokens) / self.page_size)
-        if rid in self._owned:
-            held = self._owned[rid]
-            require(held.size == count, f"row {rid} holds {held.size} pages; another reservation asks for {count}")
-            self._holders[rid] += 1
-            return held
-        require(count <= len(self._free), f"row {rid} needs {count} pages for {tokens} tokens; "
-                                          f"{len(self._free)} of {self.num_pages} are free")
-        pages = np.array([self._free.popleft() for _ in range(count)], dtype=np.int32)
-        self._owned[rid], self._holders[rid] = pages, 1
-        return pages
-
-    def release(self, rid: int) -> None:
-        require(rid in self._owned, f"row {rid} holds no pages")
-        self._holders[rid] -= 1
-        if not self._holders[rid]:
-            del self._holders[rid]
-            self._free.extend(int(p) for p in self._owned.pop(rid))
-
-    def pages(self, rid: int) -> np.ndarray:
-        return self._owned[rid]
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-
-class PagedKV:
-    """One paged cache per layer: ``cache`` [L, 2, pages, P, Hkv, D] of ``dtype`` on ``device``.
-
-    ``layer(l)`` is layer l's (K, V), each [pages, P, Hkv, D] (strides [P*Hkv*D, Hkv*D, D, 1]:
-    what every backend reads; the engine's page stride stays far below 4 GiB);
-    ``flat(l)`` the same as [pages * P, Hkv, D], the rows the append writes.
-    """
-
-    def __init__(self, shape: ModelShape, num_pages: int, page_size: int, dtype, device, seed: int = 0):
-        import torch
-
-        self.shape, self.page_size, self.dtype = shape, int(page_size), dtype
-        self.device = resolve_device(device)
-        if self.device.type == "cuda":
-            from ..measure.device import TorchDevice
-
-            item = torch.empty((), dtype=dtype).element_size()
-            size = 2 * shape.num_layers * int(num_pages) * self.page_size * shape.num_kv_heads * shape.head_dim * item
-            check_fits(Footprint(0, size, 0), TorchDevice(str(self.device)).free_bytes(),
-                       f"a paged cache of {num_pages} pages x {shape.num_layers} layers")
-        # zeros, not empty: torch-sdpa gathers whole pages and its masked-out slots still multiply
-        # their V (0 x NaN of stale memory is NaN)
-        self.cache = torch.zeros((shape.num_layers, 2, int(num_pages), self.page_size, shape.num_kv_heads,
-                                  shape.head_dim), dtype=dtype, device=self.device)
-        self.pool = PagePool(num_pages, page_size, seed)
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.cache.shape[2])
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def layer(self, l: int):
-        return self.cache[l, 0], self.cache[l, 1]
-
-    def flat(self, l: int):
-        s = self.shape
-        return (self.cache[l, 0].view(-1, s.num_kv_heads, s.head_dim),
-                self.cache[l, 1].view(-1, s.num_kv_heads, s.head_dim))
-
-    def fill_random(self, seed: int) -> None:
-        """Standard normals in every page (speed runs: the prompt's K/V instead of a prefill)."""
-        import torch
-
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(seed))
-        for l in range(self.shape.num_layers):
-            self.cache[l].normal_(generator=gen)
+#: The graphs DecodeLoop captures of its own: ``step``, the whole step; ``rest``, the step without
+#: its attention (each layer's append kept, the plan's device refresh left out). Other bodies over
+#: the loop's rows join them through :meth:`DecodeLoop.add_graph` (measure-e2e's attention-alone
+#: graphs: persistentkv.measure.steps).
+GRAPHS = ("step", "rest")
 
 
 class Model:
@@ -234,11 +134,12 @@ class DecodeLoop:
         self.mode = None
         self._planned = None     # host lengths the current plan was made for (host and replan modes)
         self._graphs: dict[str, Any] = {}
+        self._bodies: dict[str, Callable[[], None]] = {"step": self._body, "rest": lambda: self._body(attention=False)}
         self.recaptures = 0
         self.replans = 0
         self.tokens = self.positions = self.lengths = self.keys = self.table = None
         self._token_rows: list[int] = []
-        self.out = self.logits = self.probe = None
+        self.out = self.logits = None
 
     # -- rows ---------------------------------------------------------------------------------
     def admit(self, rid: int, cached: int, token: int, reserve: int) -> None:
@@ -390,7 +291,6 @@ class DecodeLoop:
         self.keys = self._upload(self.rows, torch.int64)
         self.out = torch.empty((B, s.num_heads, s.head_dim), dtype=self.model.dtype, device=dev)
         self.logits = torch.empty((B, s.vocab_size), dtype=torch.float32, device=dev)
-        self.probe = None
         self.model.kernels.reserve_positions(int(table.shape[1]) * self.kv.page_size)
         self._replan(capacity=True)
         if self._graphs:
@@ -471,40 +371,46 @@ class DecodeLoop:
         self.positions.copy_(positions)
         self.positions_host = host.copy()
 
-    # -- the step -----------------------------------------------------------------------------
-    def _refresh(self, plan: bool = True) -> None:
+    # -- the step's pieces (a body over the loop's rows: the step below, measure-e2e's graphs) ---
+    def refresh(self, plan: bool = True) -> None:
         """lengths = positions + 1, into the plan when it follows them on the device (``plan``
         False: the lengths only, as the step without attention needs them)."""
         self.lengths.copy_(self.positions + 1)
         if plan and self.mode == "device":
             self.plan.update_lengths(self.lengths)
 
-    def _run(self, q, layer: int, out) -> None:
+    def attend(self, layer: int, q) -> None:
+        """Layer ``layer``'s attention on ``q`` [B, Hq, D] over its cache with the step's plan, into
+        the loop's ``out`` [B, Hq, D]."""
         k, v = self.kv.layer(layer)
         if self.host_arrays:  # e.g. the NumPy executor: host arrays (the CPU tensors' memory)
-            self.backend.run(q.numpy(), (k.numpy(), v.numpy()), self.plan, out.numpy())
+            self.backend.run(q.numpy(), (k.numpy(), v.numpy()), self.plan, self.out.numpy())
         else:
-            self.backend.run(q, (k, v), self.plan, out)
+            self.backend.run(q, (k, v), self.plan, self.out)
 
-    def _slots(self):
+    def slots(self):
         """Each row's cache row for its position: the last page's slot (index math on the device)."""
         P, pos = self.kv.page_size, self.positions
         return self.table.gather(1, (pos // P)[:, None]).squeeze(1) * P + pos % P
+
+    def append(self, layer: int, slots, k, v) -> None:
+        """Write k, v [B, Hkv, D] into layer ``layer``'s cache rows ``slots`` (:meth:`slots`)."""
+        k_flat, v_flat = self.kv.flat(layer)
+        self.model.kernels.append(k_flat, v_flat, slots, k, v)
 
     def _body(self, attention: bool = True) -> None:
         """The step; ``attention`` False: the step without attention (the rest graph), the plan's
         device refresh left out with it (it is the backend's), each layer's append kept."""
         import torch
 
-        self._refresh(plan=attention)
+        self.refresh(plan=attention)
         pos = self.positions
-        slots = self._slots()
+        slots = self.slots()
 
         def attend(l, q, k, v):
-            k_flat, v_flat = self.kv.flat(l)
-            self.model.kernels.append(k_flat, v_flat, slots, k, v)
+            self.append(l, slots, k, v)
             if attention:
-                self._run(q, l, self.out)
+                self.attend(l, q)
             return self.out
 
         logits = self.model.forward(self.tokens, pos, attend)
@@ -512,34 +418,6 @@ class DecodeLoop:
         s = self.sampling
         self.tokens.copy_(sample(self.logits, s.top_k, s.seed, self.keys, pos, s.temperature))
         torch.add(pos, 1, out=pos)
-
-    def _probe(self):
-        """Fixed q [B, Hq, D] and k, v [B, Hkv, D] (seeded) for the attention-alone graphs."""
-        import torch
-
-        if self.probe is None:
-            s = self.model.shape
-            gen = torch.Generator(device=self.kv.device)
-            gen.manual_seed(0)
-            B = len(self.rows)
-            self.probe = tuple(torch.randn((B, h, s.head_dim), generator=gen, device=self.kv.device,
-                                           dtype=self.model.dtype)
-                               for h in (s.num_heads, s.num_kv_heads, s.num_kv_heads))
-        return self.probe
-
-    def _attention_body(self, attention: bool = True) -> None:
-        """The step's attention alone, each layer's call after that layer's append as in the step
-        (on a fixed q, k, v), the plan's refresh first; ``attention`` False: the appends alone (the
-        separator graph, timed and subtracted by measure-e2e)."""
-        q, k, v = self._probe()
-        if attention:
-            self._refresh()
-        slots = self._slots()
-        for l in range(self.model.shape.num_layers):
-            k_flat, v_flat = self.kv.flat(l)
-            self.model.kernels.append(k_flat, v_flat, slots, k, v)
-            if attention:
-                self._run(q, l, self.out)
 
     def step(self):
         """One eager decode step: tokens and positions advance on the device and the host.
@@ -554,36 +432,32 @@ class DecodeLoop:
         self.positions_host += 1
         return self.logits
 
-    def attention(self) -> None:
-        """One eager run of the step's attention alone (positions do not advance): each layer's
-        append writes fixed k, v into the rows' next slot (which the next step's append
-        overwrites before anything reads it), then attention reads positions + 1 tokens."""
-        self._prepare()
-        self._attention_body()
-
     # -- CUDA graphs --------------------------------------------------------------------------
-    def capture(self, what: str = "step") -> None:
-        """Capture ``what`` (:data:`GRAPHS`) in a CUDA graph, after one eager warm-up whose effects
-        are rewound."""
-        import torch
+    def add_graph(self, name: str, body: Callable[[], None]) -> None:
+        """Capture, replay and drop ``body`` as ``name`` beside the loop's own :data:`GRAPHS`: a
+        body over the rows' current state that leaves the positions where they are (replaying it
+        does not advance them). Its graph goes with the others when the rows or the plan change,
+        and the next :meth:`replay` of it re-captures."""
+        require(name not in GRAPHS, f"{name!r} is one of the loop's own graphs")
+        self._bodies[name] = body
 
-        require(what in GRAPHS, f"capture what must be one of {', '.join(GRAPHS)}, got {what!r}")
+    def capture(self, what: str = "step") -> None:
+        """Capture ``what`` (:data:`GRAPHS`, or a body of :meth:`add_graph`) in a CUDA graph, after
+        one eager warm-up whose effects are rewound."""
+        from ..measure.device import capture_graph
+
+        require(what in self._bodies, f"capture what must be one of {', '.join(self._bodies)}, got {what!r}")
         require(self.backend.capabilities.graph != "none",
                 f"backend {self.backend.name} is not graph-safe (capabilities.graph is 'none'): it runs eagerly only")
         require(self.kv.device.type == "cuda", "CUDA graphs need the loop on a CUDA device")
-        body = {"step": self._body, "rest": lambda: self._body(attention=False),
-                "attention": self._attention_body, "appends": lambda: self._attention_body(attention=False)}[what]
+        body = self._bodies[what]
         marked = self.mark()
-        stream = torch.cuda.Stream(self.kv.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-        with torch.cuda.stream(stream):
-            body()  # lazy initialisation (cuBLAS handles, JIT modules) must not happen inside capture
-            self.rewind(marked)
-        torch.cuda.current_stream(self.kv.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+
+        def warmup():  # lazy initialisation (cuBLAS handles, JIT modules) must not happen inside capture
             body()
-        self._graphs[what] = graph
+            self.rewind(marked)
+
+        self._graphs[what] = capture_graph(body, self.kv.device, warmup=warmup)
 
     def replay(self, what: str = "step") -> None:
         """Replay the captured ``what``; a ``replan``-mode loop re-plans when the lengths changed
@@ -592,7 +466,7 @@ class DecodeLoop:
         self._prepare()
         if what not in self._graphs:
             self.capture(what)
-        self._graphs[what].replay()
+        self._graphs[what]()
         if what in ("step", "rest"):
             self.positions_host += 1
 
