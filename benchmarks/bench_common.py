@@ -5,7 +5,7 @@ check-then-time loop, the tables and paired ratios, and the rows' atomic increme
 How a case is timed (time_case), the same for every variant, ours and the baselines':
   1. R views of one KV tensor, R x the case's bytes >= 3 x L2 (rotated_copies): consecutive calls
      read different copies, so each call's K/V comes from HBM (cold L2); --warm keeps one copy;
-  2. every variant's output checked against float64 (tests/gpu_support.reference_torch64);
+  2. every variant's output checked against float64 per (row, head) (tests/gpu_support);
   3. one CUDA graph per variant of --calls calls cycling over the copies (capture);
   4. --repeats rounds, each replaying every graph once in a shuffled order (time_replays): the
      variants of a round run interleaved, side by side, so paired_ratios can compare them round
@@ -246,11 +246,11 @@ def time_case(spec, batch, variants: dict, ceiling: float, args, case: str | Non
     """Check every variant (name -> (plan, make_run)) against float64, then time them interleaved
     (module docstring). A variant that fails prints its reason and is left out.
 
-    Returns (parquet rows, median us per variant, rel err per variant, floor us).
+    Returns (parquet rows, median us per variant, worst (row, head) rel err per variant, floor us).
     """
     import torch
 
-    from gpu_support import TOLERANCE, reference_torch64, rel_err
+    from gpu_support import TOLERANCE, reference_torch64, row_head_errors_torch
 
     B, N = batch.batch_size, int(batch.seq_lens.max())
     case = case or f"B={B} N={N}"
@@ -266,19 +266,19 @@ def time_case(spec, batch, variants: dict, ceiling: float, args, case: str | Non
             out = torch.full_like(q, float("nan"))
             run(copies[0], plan, out)
             torch.cuda.synchronize()
-            errors[name] = math.nan if name in NOT_ATTENTION else rel_err(out, ref)
+            errors[name] = math.nan if name in NOT_ATTENTION else float(row_head_errors_torch(out, ref).max())
             graphs[name] = capture(lambda kv, r=run, p=plan, o=out: r(kv, p, o), copies, args.calls)
             keep.append((plan, out))  # the graph reads the plan and writes into out: both outlive it
             wrong = "" if name in NOT_ATTENTION or errors[name] <= TOLERANCE[spec.dtype] else "  WRONG"
             print(f"  {name}: " + ("not attention, not checked" if name in NOT_ATTENTION else
-                                   f"rel err {errors[name]:.1e}{wrong}"))
+                                   f"worst (row, head) rel err {errors[name]:.1e}{wrong}"))
         except Exception as exc:
             print(f"  {name}: failed ({first_line(exc)})")
             torch.cuda.synchronize()
     times = time_replays(graphs, args.repeats, args.calls) if graphs else {}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     rows = [{"case": case, "batch_size": B, "seq_len": N, "variant": name, "repeat": i, "time_us": t,
-             "rel_err": errors[name], "kv_bytes": batch.kv_bytes, "floor_us": floor,
+             "max_row_head_err": errors[name], "kv_bytes": batch.kv_bytes, "floor_us": floor,
              "read_ceiling_gbps": ceiling, "copies": len(copies)}
             for name, ts in times.items() for i, t in enumerate(ts)]
     del graphs, copies, keep
