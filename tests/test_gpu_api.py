@@ -145,7 +145,6 @@ def test_update_lengths_inside_a_graph(warps):
     device holds then."""
     import torch
 
-
     engine = engine_of(SPEC, warps)
     batch, q, k, v = device_case(SPEC, [4096, 100, 20000], seed=9)
     plan = engine.plan(batch, "workqueue")
