@@ -204,3 +204,40 @@ def test_raw_stream_reader_is_torchs_private_call_else_the_public_one(monkeypatc
         assert launch.current_raw_stream(1) == 2001
     finally:
         launch.raw_stream_reader.cache_clear()
+
+
+# ----------------------------------------------------------------------------- the modules that launch
+def recording_launch(seen: list):
+    def launch_kernel(function, grid, threads, args, stream, smem=0):
+        seen.append((function, grid, threads, [(type(a), a.value) for a in args], stream, smem))
+
+    return launch_kernel
+
+
+def test_step_ops_launch_the_kernels_parameters_in_their_types(monkeypatch):
+    """gemv: (x, w, y pointers; int n, chunks, split); append_kv: (k, v, k_flat, v_flat, slots
+    pointers; int rows, row_chunks; long long strides and slot count), kernels/step_ops.cu."""
+    torch = pytest.importorskip("torch")
+    from persistentkv.model import step_ops
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    monkeypatch.setattr(step_ops, "_function", lambda index, name: name)
+    monkeypatch.setattr(step_ops, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(step_ops, "current_raw_stream", lambda index: 42)
+    monkeypatch.setattr(step_ops, "launch_kernel", recording_launch(seen))
+    x, w = torch.zeros((1, 4096), dtype=torch.float16), torch.zeros((4096, 4096), dtype=torch.float16)
+    out = step_ops.launch_gemv(x, w)
+    shape = step_ops.gemv_shape(2048, 4096, 132)
+    u64, i32, i64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64
+    assert seen.pop() == ("pkv_gemv_float16_t1", shape.blocks, shape.threads,
+                          [(u64, x.data_ptr()), (u64, w.data_ptr()), (u64, out.data_ptr()), (i32, 4096), (i32, 512),
+                           (i32, shape.split)], 42, 0)
+    k_flat, v_flat = torch.zeros((64, 8, 128), dtype=torch.float16), torch.zeros((64, 8, 128), dtype=torch.float16)
+    qkv = torch.zeros((2, 3, 8, 128), dtype=torch.float16)
+    k, v, slots = qkv[:, 1], qkv[:, 2], torch.tensor([3, 9], dtype=torch.int64)
+    step_ops.launch_append_kv(k_flat, v_flat, slots, k, v)
+    assert seen.pop() == ("pkv_append_kv", step_ops.append_blocks(2 * 2 * 128, 132), step_ops.APPEND_THREADS,
+                          [(u64, k.data_ptr()), (u64, v.data_ptr()), (u64, k_flat.data_ptr()),
+                           (u64, v_flat.data_ptr()), (u64, slots.data_ptr()), (i32, 2), (i32, 128), (i64, 384),
+                           (i64, 384), (i64, 128), (i64, 64)], 42, 0)
