@@ -10,6 +10,7 @@ import sys
 import types
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from persistentkv import launch
@@ -241,3 +242,21 @@ def test_step_ops_launch_the_kernels_parameters_in_their_types(monkeypatch):
                           [(u64, k.data_ptr()), (u64, v.data_ptr()), (u64, k_flat.data_ptr()),
                            (u64, v_flat.data_ptr()), (u64, slots.data_ptr()), (i32, 2), (i32, 128), (i64, 384),
                            (i64, 384), (i64, 128), (i64, 64)], 42, 0)
+
+
+def test_the_floor_reader_points_each_launch_at_its_slot(monkeypatch):
+    """read_ceiling(src, n_vec, sink), kernels/ceiling.cu: slot c starts c x n_vec x 16 bytes in."""
+    torch = pytest.importorskip("torch")
+    from persistentkv import ceiling
+
+    seen = []
+    monkeypatch.setattr(ceiling, "_device_index", lambda device: 0)
+    monkeypatch.setattr(ceiling, "_read_function", lambda index: 0xF00)
+    monkeypatch.setattr(ceiling, "current_raw_stream", lambda index: 7)
+    monkeypatch.setattr(ceiling, "launch_kernel", recording_launch(seen))
+    reader = ceiling.CupyReader(SimpleNamespace(device=torch.device("cpu")), 3, 100, seed=1)
+    reader.launch(264, 2)
+    base, u64 = reader.buffer.data_ptr(), ctypes.c_uint64
+    assert seen == [(0xF00, 264, ceiling.THREADS, [(u64, base + 2 * 1600), (u64, 100),
+                                                   (u64, reader.sink.data_ptr())], 7, 0)]
+    assert np.array_equal(reader.slot_bytes(2).numpy(), reader.buffer[3200:4800].numpy())
