@@ -501,7 +501,7 @@ def test_run_launches_the_plans_kernels_in_order_and_replan_only_the_planner():
     engine.device, engine._device_index = SimpleNamespace(index=0), 0
     engine._raw_stream = lambda index: 0
     seen = []
-    engine._driver = SimpleNamespace(launchKernel=lambda function, *rest: seen.append(function))
+    engine._launch_kernel = lambda function, *rest: seen.append(function)
     decode = [KernelLaunch("decode", 4, arg_block(DecodeArgs, *[0] * 22), f) for f in (1, 2)]
     merge = KernelLaunch("merge", 2, arg_block(MergeArgs, *[0] * 9), 9)
     fake = SimpleNamespace(data_ptr=lambda: 64, stride=lambda: (24, 12, 8, 1))

@@ -34,19 +34,22 @@ one-kernel floor   the same read kernel over exactly a case's K/V bytes, in ONE 
                The read ceiling says what the GPU streams at length; the floor says what a step of
                these bytes can cost at best in one kernel, so a kernel row reads as a fraction of it.
 
-The kernel is compiled with CuPy (RawModule, NVRTC) and launched on torch's current stream, on
-memory torch owns (shared through DLPack, no copy).
+The kernel is compiled with CuPy (RawModule, NVRTC; persistentkv.launch.load_cuda_module) and
+launched through the driver (persistentkv.launch.launch_kernel) on torch's current stream, on
+memory torch owns (its device pointers, no copy).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
 from .errors import PKVError, require
-from .launch import kernels_dir
+from .launch import current_raw_stream, kernels_dir, launch_kernel, load_cuda_module
 
 KERNEL_FILE = "ceiling.cu"
 KERNEL_NAME = "read_ceiling"
@@ -57,10 +60,18 @@ THREADS = 256
 BLOCKS_PER_SM = 8           # 2048 resident threads per SM on sm_80/sm_90
 
 
-def kernel_source() -> str:
+#: The options ceiling.cu compiles with.
+COMPILE_OPTIONS = ("--std=c++17",)
+
+
+def kernel_path() -> Path:
     path = kernels_dir() / KERNEL_FILE
     require(path.is_file(), f"{path} is missing (the read-ceiling kernel lives in kernels/ with the others)")
-    return path.read_text()
+    return path
+
+
+def kernel_source() -> str:
+    return kernel_path().read_text()
 
 
 @dataclass(frozen=True)
@@ -75,16 +86,26 @@ class CeilingSample:
         return self.bytes_moved / (self.time_us * 1e-6) / 1e9 if self.time_us > 0 else math.nan
 
 
-_MODULE_CACHE: dict = {}
+def _read_function(device_index: int) -> int:
+    """The read kernel's CUfunction on CUDA device ``device_index`` (compiled once per device)."""
+    return load_cuda_module(kernel_path(), COMPILE_OPTIONS, (KERNEL_NAME,), device_index).functions[KERNEL_NAME].ptr
 
 
 def _read_kernel():
+    """The read kernel as a CuPy RawKernel of the same compiled module, for a caller that launches
+    it through CuPy with CuPy arrays (benchmarks/bench_common.PlainRead); the library launches
+    :func:`_read_function`'s CUfunction."""
     import cupy
 
-    if "read" not in _MODULE_CACHE:
-        module = cupy.RawModule(code=kernel_source(), options=("--std=c++17",))
-        _MODULE_CACHE["read"] = module.get_function(KERNEL_NAME)
-    return _MODULE_CACHE["read"]
+    module = load_cuda_module(kernel_path(), COMPILE_OPTIONS, (), cupy.cuda.runtime.getDevice()).raw
+    return module.get_function(KERNEL_NAME)
+
+
+def _device_index(torch_device) -> int:
+    """The index of a torch CUDA device ("cuda" alone: torch's current device)."""
+    import torch
+
+    return torch_device.index if torch_device.index is not None else torch.cuda.current_device()
 
 
 def cupy_stream(torch_stream, cupy_module=None):
@@ -103,28 +124,26 @@ def cupy_stream(torch_stream, cupy_module=None):
 
 def measure_read(device, nbytes: int = READ_BYTES, repeats: int = 5, warmup: int = 2) -> list[CeilingSample]:
     """``repeats`` timed launches of the read kernel over ``nbytes`` (a multiple of 16)."""
-    import cupy
     import torch
 
     require(nbytes >= 16 and nbytes % 16 == 0, f"read size must be a positive multiple of 16 bytes, got {nbytes}")
-    kernel = _read_kernel()
+    index = _device_index(device.device)
+    function = _read_function(index)
     buf = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=device.device)
     sink = torch.zeros(1, dtype=torch.int32, device=device.device)
-    src_c, sink_c = cupy.from_dlpack(buf), cupy.from_dlpack(sink)
-    grid = (device.sm_count * BLOCKS_PER_SM,)
-    n_vec = np.uint64(nbytes // 16)
-    stream = cupy_stream(torch.cuda.current_stream(device.device))
+    args = (ctypes.c_uint64(buf.data_ptr()), ctypes.c_uint64(nbytes // 16), ctypes.c_uint64(sink.data_ptr()))
+    grid = device.sm_count * BLOCKS_PER_SM
+    stream = current_raw_stream(index)
     samples = []
-    with stream:
-        for r in range(warmup + repeats):
-            start, end = device.event(), device.event()
-            start.record()
-            kernel(grid, (THREADS,), (src_c, n_vec, sink_c))
-            end.record()
-            device.synchronize()
-            if r >= warmup:
-                samples.append(CeilingSample("read-ceiling", r - warmup, nbytes, start.elapsed_ms(end) * 1e3))
-    del buf, sink, src_c, sink_c
+    for r in range(warmup + repeats):
+        start, end = device.event(), device.event()
+        start.record()
+        launch_kernel(function, grid, THREADS, args, stream)
+        end.record()
+        device.synchronize()
+        if r >= warmup:
+            samples.append(CeilingSample("read-ceiling", r - warmup, nbytes, start.elapsed_ms(end) * 1e3))
+    del buf, sink
     return samples
 
 
@@ -347,27 +366,25 @@ class CupyReader:
     torch's current stream (inside a capture: into the graph)."""
 
     def __init__(self, device, copies: int, n_vec: int, seed: int = 0):
-        import cupy
         import torch
 
         self.device = device.device
-        self.kernel = _read_kernel()
+        self._index = _device_index(self.device)
+        self.function = _read_function(self._index)
         slot = int(n_vec) * VECTOR_BYTES
         self.buffer = torch.empty(int(copies) * slot, dtype=torch.uint8, device=self.device)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
         self.buffer.random_(0, 256, generator=gen)
         self.sink = torch.zeros(1, dtype=torch.int32, device=self.device)
-        whole = cupy.from_dlpack(self.buffer)
-        self._slots = [whole[c * slot:(c + 1) * slot] for c in range(int(copies))]
-        self._sink = cupy.from_dlpack(self.sink)
-        self._n_vec = np.uint64(n_vec)
+        base = self.buffer.data_ptr()
+        self._slots = [ctypes.c_uint64(base + c * slot) for c in range(int(copies))]
+        self._sink = ctypes.c_uint64(self.sink.data_ptr())
+        self._n_vec = ctypes.c_uint64(n_vec)
 
     def launch(self, grid: int, slot: int) -> None:
-        import torch
-
-        with cupy_stream(torch.cuda.current_stream(self.device)):
-            self.kernel((int(grid),), (THREADS,), (self._slots[slot], self._n_vec, self._sink))
+        launch_kernel(self.function, grid, THREADS, (self._slots[slot], self._n_vec, self._sink),
+                      current_raw_stream(self._index))
 
     def slot_bytes(self, slot: int):
         """The bytes of one slot (a torch uint8 view)."""

@@ -48,7 +48,8 @@ from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
 from .launch import (DEFAULT_WARPS, ENGINE_DTYPES, MAX_GROUP_SIZE, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs,
-                     PTRS, STRIDES6, arg_block, load_module, min_chunk_tiles_for, warps_unsupported)
+                     PTRS, STRIDES6, arg_block, kernel_launcher, kernel_occupancy, load_module, min_chunk_tiles_for,
+                     raw_stream_reader, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
 
@@ -213,12 +214,10 @@ class DecodeEngine:
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
         self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
-        from cupy_backends.cuda.api import driver  # loaded with the module above
-
-        self._driver = driver
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._raw_stream = raw if raw is not None else (
-            lambda index: torch.cuda.current_stream(index).cuda_stream)
+        #: the driver's launch call and torch's current-stream reader, bound once: each launch is one
+        #: call through them (launch.kernel_launcher, launch.raw_stream_reader)
+        self._launch_kernel = kernel_launcher()
+        self._raw_stream = raw_stream_reader()
         #: the default softmax scale (plan()'s sm_scale overrides it per plan)
         self.sm_scale = 1.0 / math.sqrt(spec.head_dim)
         self.scale_log2 = float(np.float32(LOG2E * self.sm_scale))
@@ -451,11 +450,11 @@ class DecodeEngine:
 
     def occupancy(self, launch: KernelLaunch) -> int:
         """CTAs of ``launch``'s kernel resident per SM at its shared memory."""
-        return int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(launch.function, launch.threads, launch.smem))
+        return kernel_occupancy(launch.function, launch.threads, launch.smem)
 
     def _launch(self, launch: KernelLaunch, stream: int) -> None:
-        self._driver.launchKernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem,
-                                  stream, launch.args.address, 0)
+        self._launch_kernel(launch.function, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem, stream,
+                            launch.args.address, 0)
 
     # ------------------------------------------------------------------ running
     def _stream(self) -> int:

@@ -1,8 +1,15 @@
-"""The launch layer under the engine: compiling kernels/pkv_decode.cu and launching its kernels.
+"""The launch layer: loading every CUDA module the library uses and launching its kernels.
 
-* ``compile_options`` / ``load_module``: one CuPy RawModule per (dtype, head_dim, warps, trace,
-  source file), cached for the process; the module's own launch facts (shared memory, threads,
-  stage tokens, stages) are read from it (``pkv_config``), never restated here.
+* ``load_cuda_module``: THE way a CUDA source of kernels/ is compiled (CuPy RawModule, NVRTC) and
+  its functions fetched on a device, cached per (source path, options, device); the engine's
+  pkv_decode.cu, model.step_ops' step_ops.cu and ceiling's ceiling.cu all load through it.
+* ``compile_options`` / ``load_module``: the engine's module per (dtype, head_dim, warps, trace,
+  source file), on top of ``load_cuda_module``; the module's own launch facts (shared memory,
+  threads, stage tokens, stages) are read from it (``pkv_config``), never restated here.
+* ``kernel_launcher``: THE launch, the driver's cuLaunchKernel over a parameter block;
+  ``launch_kernel`` builds the block from a tuple of ctypes values for launches off the hot path
+  (step_ops, ceiling). ``cuda_driver`` and ``raw_stream_reader`` are the only places that touch
+  CuPy's and torch's private APIs.
 * ``arg_block`` and the ``*Args`` layouts: a kernel's parameter values in one ctypes Structure
   kept alive between launches, so a launch rewrites only its per-call values (tensor pointers and
   strides) and makes one driver call.
@@ -15,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -130,14 +138,11 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
+    what = f"{dtype}/head_dim {head_dim}/warps {warps}"
     with cupy.cuda.Device(device):
-        try:
-            module = cupy.RawModule(code=path.read_text(), options=options)
-            module.compile()
-        except Exception as exc:
-            text = str(exc).strip()
-            raise PKVError(f"compiling {path.name} for {dtype}/head_dim {head_dim}/warps {warps} failed: "
-                           f"{text.splitlines()[-1] if text else type(exc).__name__}") from exc
+        # compiled first: the decode kernels' shared memory (their max dynamic shared memory below)
+        # is the module's own fact, read from it
+        module = load_cuda_module(path, options, (), device, what=what).raw
         raw = module.get_global("pkv_config")
         smem, threads, tile, stages, plan_tile, plan_threads, plan_max_rows = cupy.ndarray(
             (7,), dtype=cupy.int32, memptr=raw).get().tolist()
@@ -146,17 +151,162 @@ def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool
         optin = int(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
         require(smem <= optin, f"the {warps}-warp kernel for head_dim {head_dim} needs {smem} B of shared "
                                f"memory per CTA; this device allows {optin}")
-        functions = {}
-        for name in FUNCTIONS:
-            kernel = module.get_function(name)
-            if name.startswith("pkv_decode"):
-                kernel.max_dynamic_shared_size_bytes = smem
-            functions[name] = kernel.kernel  # keeps the module loaded; .ptr is the CUfunction
-        from cupy_backends.cuda.api import driver
-
-        require(hasattr(driver, "launchKernel"), "this CuPy has no cupy_backends.cuda.api.driver.launchKernel")
-        occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor(functions["pkv_decode_fused"].ptr, threads, smem)
+        functions = load_cuda_module(path, options, FUNCTIONS, device,
+                                     {name: smem for name in FUNCTIONS if name.startswith("pkv_decode")},
+                                     what=what).functions
+        occupancy = kernel_occupancy(functions["pkv_decode_fused"].ptr, threads, smem)
     return Module(functions, smem, threads, tile, stages, max(1, occupancy), plan_threads, plan_max_rows, module)
+
+
+# ----------------------------------------------------------------------------- loading any module
+@dataclass(frozen=True)
+class CudaModule:
+    """One compiled CUDA source on one device (:func:`load_cuda_module`)."""
+
+    #: the CuPy RawModule (its globals: pkv_config, a trace build's pkv_trace)
+    raw: Any = field(repr=False)
+    #: name -> CuPy Function of the device: ``.ptr`` is the CUfunction; each keeps the module loaded
+    functions: dict
+
+
+def load_cuda_module(source: Path | str, options: tuple[str, ...], functions: tuple[str, ...], device: int,
+                     max_dynamic_smem: Mapping[str, int] | None = None, what: str = "") -> CudaModule:
+    """``source`` (a .cu file of kernels/) compiled with ``options`` on CUDA ``device`` and its
+    ``functions`` fetched there, each of ``max_dynamic_smem``'s allowed that many bytes of dynamic
+    shared memory. The compiled module is cached per (source path, options, device) for the
+    process (CuPy caches the binary on disk, keyed on the source text and the options: they are
+    passed through exactly as given). A failed compile is a one-line PKVError naming the file and
+    ``what`` (the build: "float16/head_dim 128/warps 4")."""
+    import cupy
+
+    path = Path(source)
+    device = int(device)
+    try:
+        module = _compiled_module(str(path.resolve()), tuple(options), device)
+    except Exception as exc:
+        text = str(exc).strip()
+        raise PKVError(f"compiling {path.name}{f' for {what}' if what else ''} failed: "
+                       f"{text.splitlines()[-1] if text else type(exc).__name__}") from exc
+    fetched = {}
+    with cupy.cuda.Device(device):
+        for name in functions:
+            kernel = module.get_function(name)
+            if max_dynamic_smem and name in max_dynamic_smem:
+                kernel.max_dynamic_shared_size_bytes = max_dynamic_smem[name]
+            fetched[name] = kernel.kernel  # this device's Function (a RawKernel resolves per device)
+    return CudaModule(module, fetched)
+
+
+@lru_cache(maxsize=None)
+def _compiled_module(source: str, options: tuple[str, ...], device: int):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=Path(source).read_text(), options=options)
+        module.compile()
+    return module
+
+
+# ----------------------------------------------------------------------------- the driver and the stream
+# The two private APIs the library uses live here and nowhere else, each with a public fallback.
+@lru_cache(maxsize=None)
+def cuda_driver():
+    """CuPy's driver binding, ``cupy_backends.cuda.api.driver``: PRIVATE to CuPy. Used because its
+    ``launchKernel`` takes a CUfunction and the address of a parameter block we keep alive, one C
+    call per launch: one eager run() with a reused plan costs ~8.9 us of host time through it
+    against ~28 us through CuPy's public ``RawKernel.__call__``, which builds every argument per
+    call (benchmarks/NOTES.md, "What ships": "direct driver launches with a persistent parameter
+    block"). Where this CuPy lacks it, the public CUDA driver API itself (cuLaunchKernel and
+    cuOccupancyMaxActiveBlocksPerMultiprocessor from libcuda through ctypes, same signatures;
+    its cost not measured here)."""
+    try:
+        from cupy_backends.cuda.api import driver
+    except ImportError:
+        driver = None
+    if driver is not None and hasattr(driver, "launchKernel") \
+            and hasattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor"):
+        return driver
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise PKVError("this CuPy has no cupy_backends.cuda.api.driver.launchKernel and the CUDA driver "
+                       f"library cannot be loaded ({exc})") from exc
+    return LibcudaDriver(lib)
+
+
+class LibcudaDriver:
+    """The two calls of CuPy's driver binding the library makes, on the public CUDA driver API
+    (``lib``: libcuda through ctypes); a CUresult other than 0 raises."""
+
+    def __init__(self, lib):
+        self._launch = lib.cuLaunchKernel
+        self._launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
+        self._occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self._occupancy.restype = ctypes.c_int
+
+    @staticmethod
+    def _check(result: int, call: str) -> None:
+        if result != 0:
+            raise PKVError(f"{call} failed with CUresult {result}")
+
+    def launchKernel(self, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_mem, stream, params,
+                     extra) -> None:
+        self._check(self._launch(f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_mem, stream, params,
+                                 extra), "cuLaunchKernel")
+
+    def occupancyMaxActiveBlocksPerMultiprocessor(self, f, block_size, shared_mem) -> int:
+        blocks = ctypes.c_int(0)
+        self._check(self._occupancy(ctypes.byref(blocks), f, block_size, shared_mem),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return blocks.value
+
+
+def kernel_launcher():
+    """THE launch: ``launch(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, smem,
+    stream, params, 0)`` (cuLaunchKernel: ``function`` a CUfunction, ``stream`` a raw stream,
+    ``params`` the address of the array of pointers to the parameter values, e.g.
+    ``arg_block(...).address``). The engine keeps it bound and calls it directly, so a launch
+    pays no Python frame of ours beyond its own."""
+    return cuda_driver().launchKernel
+
+
+def launch_kernel(function: int, grid: int, threads: int, args: tuple, stream: int, smem: int = 0) -> None:
+    """One launch of ``function`` (a CUfunction) over ``grid`` blocks of ``threads`` threads with
+    ``smem`` bytes of dynamic shared memory on the raw ``stream``; ``args``: the kernel's
+    parameters as ctypes values (``ctypes.c_uint64(tensor.data_ptr())``, ``ctypes.c_int32(n)``...)
+    in its order, pointed at from a block made for this call (the driver copies the values at
+    launch). For launches off the engine's hot path (model.step_ops, ceiling). Grid and block are
+    at least 1, as CuPy's RawKernel launches them."""
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    kernel_launcher()(function, max(1, int(grid)), 1, 1, max(1, int(threads)), 1, 1, int(smem), int(stream),
+                      ctypes.addressof(params), 0)
+
+
+def kernel_occupancy(function: int, threads: int, smem: int) -> int:
+    """CTAs of ``function`` resident per SM with ``threads`` threads and ``smem`` bytes of dynamic
+    shared memory (the driver's occupancy calculator)."""
+    return int(cuda_driver().occupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem))
+
+
+@lru_cache(maxsize=None)
+def raw_stream_reader():
+    """``read(device_index) -> int``: the raw pointer of torch's current stream on a device (the
+    capture stream inside a CUDA-graph capture). ``torch._C._cuda_getCurrentRawStream`` is PRIVATE
+    to torch; used because the public ``torch.cuda.current_stream(index).cuda_stream`` builds a
+    torch.cuda.Stream object per call, a few microseconds more per run() (not measured here). A
+    torch without it gets the public call."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The raw pointer of torch's current stream on CUDA device ``device_index``."""
+    return raw_stream_reader()(device_index)
 
 
 # ----------------------------------------------------------------------------- parameter blocks

@@ -27,23 +27,22 @@ Design and napkin math (the kernel file's header has the device side):
 Everything is checked on the host from shapes, strides, dtypes and pointers before a launch
 (:func:`gemv_unsupported`, :func:`append_kv_unsupported`: reasons, [] when the kernel takes it;
 :func:`launch_gemv` and :func:`launch_append_kv` launch without checking again, for a caller that
-checked, as llama.Kernels does); the launches go on torch's current stream (persistentkv.ceiling.cupy_stream), outputs are torch
-allocations, and nothing reads the device, so a CUDA graph captures them. The kernels compile
-through CuPy (RawModule, NVRTC) on first use, one module per device holding every entry point.
-CuPy is imported only when a kernel launches, after every check.
+checked, as llama.Kernels does); the launches go on torch's current stream
+(persistentkv.launch.launch_kernel), outputs are torch allocations, and nothing reads the device,
+so a CUDA graph captures them. The kernels compile through CuPy (RawModule, NVRTC;
+persistentkv.launch.load_cuda_module) on first use, one module per device holding every entry
+point. CuPy is imported only when a kernel launches, after every check.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
-from ..ceiling import cupy_stream
 from ..errors import PKVError, require
-from ..launch import kernels_dir
+from ..launch import current_raw_stream, kernels_dir, launch_kernel, load_cuda_module
 
 KERNEL_FILE = "step_ops.cu"
 #: dtypes of the gemv entry points (``pkv_gemv_<dtype>_t<T>``).
@@ -90,10 +89,14 @@ ENTRY_POINTS = tuple(gemv_entry(d, t, s) for s in (False, True) for d in DTYPES
                      for t in range(1, MAX_ROWS + 1)) + ("pkv_append_kv",)
 
 
-def kernel_source() -> str:
+def kernel_path() -> Path:
     path = kernels_dir() / KERNEL_FILE
     require(path.is_file(), f"{path} is missing (the step's kernels live in kernels/ with the others)")
-    return path.read_text()
+    return path
+
+
+def kernel_source() -> str:
+    return kernel_path().read_text()
 
 
 def cubin_name(arch: str) -> str:
@@ -338,40 +341,29 @@ def _sm_count(device_index: int) -> int:
 
 @lru_cache(maxsize=None)
 def _module(device_index: int):
-    """The compiled kernels/step_ops.cu on one device (every entry point; CuPy caches the binary)."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(), options=compile_options())
-        try:
-            module.compile()
-        except Exception as exc:
-            text = str(exc).strip()
-            raise PKVError(f"compiling {KERNEL_FILE} failed: {text.splitlines()[-1] if text else type(exc).__name__}") \
-                from exc
-    return module
+    """The compiled kernels/step_ops.cu on one device with every entry point (launch.CudaModule;
+    CuPy caches the binary)."""
+    return load_cuda_module(kernel_path(), compile_options(), ENTRY_POINTS, device_index)
 
 
 @lru_cache(maxsize=None)
-def _function(device_index: int, name: str):
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        return _module(device_index).get_function(name)
+def _function(device_index: int, name: str) -> int:
+    """The CUfunction of entry point ``name`` on one device."""
+    return _module(device_index).functions[name].ptr
 
 
 def _launch(device, name: str, grid: int, threads: int, args: tuple) -> None:
-    """One launch of ``name`` on torch's current stream of ``device`` (captured inside a graph)."""
+    """One launch of ``name`` on torch's current stream of ``device`` (captured inside a graph);
+    ``args``: ctypes values in the kernel's order."""
     import cupy
-    import torch
 
     function = _function(device.index, name)  # a tensor's device always has its index
-    with cupy.cuda.Device(device.index), cupy_stream(torch.cuda.current_stream(device)):
-        function((int(grid),), (int(threads),), args)
+    with cupy.cuda.Device(device.index):
+        launch_kernel(function, grid, threads, args, current_raw_stream(device.index))
 
 
-def _pointer(t) -> np.uint64:
-    return np.uint64(t.data_ptr())
+def _pointer(t) -> ctypes.c_uint64:
+    return ctypes.c_uint64(t.data_ptr())
 
 
 def launch_gemv(x, w, silu: bool = False):
@@ -384,8 +376,8 @@ def launch_gemv(x, w, silu: bool = False):
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     shape = gemv_shape(n if silu else (n + 1) // 2, k, _sm_count(x.device.index))
     _launch(x.device, gemv_entry(_dtype_name(x), rows, silu), shape.blocks, shape.threads,
-            (_pointer(x), _pointer(w), _pointer(out), np.int32(n), np.int32(k // CHUNK_ELEMENTS),
-             np.int32(shape.split)))
+            (_pointer(x), _pointer(w), _pointer(out), ctypes.c_int32(n), ctypes.c_int32(k // CHUNK_ELEMENTS),
+             ctypes.c_int32(shape.split)))
     return out
 
 
@@ -398,9 +390,9 @@ def launch_append_kv(k_flat, v_flat, slots, k, v) -> None:
     row_chunks = k_flat.shape[1] * k_flat.shape[2] // chunk
     blocks = append_blocks(2 * rows * row_chunks, _sm_count(k.device.index))
     _launch(k.device, "pkv_append_kv", blocks, APPEND_THREADS,
-            (_pointer(k), _pointer(v), _pointer(k_flat), _pointer(v_flat), _pointer(slots), np.int32(rows),
-             np.int32(row_chunks), np.int64(k.stride(0) // chunk), np.int64(v.stride(0) // chunk),
-             np.int64(k_flat.stride(0) // chunk), np.int64(k_flat.shape[0])))
+            (_pointer(k), _pointer(v), _pointer(k_flat), _pointer(v_flat), _pointer(slots), ctypes.c_int32(rows),
+             ctypes.c_int32(row_chunks), ctypes.c_int64(k.stride(0) // chunk), ctypes.c_int64(v.stride(0) // chunk),
+             ctypes.c_int64(k_flat.stride(0) // chunk), ctypes.c_int64(k_flat.shape[0])))
 
 
 def gemv(x, w):
