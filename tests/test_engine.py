@@ -39,7 +39,8 @@ def cpu_engine(capability=(9, 0), num_sms=H200_SMS, warps=4):
     engine._log2_page = 4
     engine._plan_function = 0
     engine.min_chunk_tiles = min_chunk_tiles_for(warps)
-    engine.module = Module({}, 3 * 2 * stage_tokens(warps) * 128 * 2, 32 * warps, stage_tokens(warps), 3, occupancy)
+    engine.module = Module({}, 3 * 2 * stage_tokens(warps) * 128 * 2, 32 * warps, stage_tokens(warps), 3, occupancy,
+                           plan_threads=1024, plan_max_rows=4096)
     return engine
 
 

@@ -115,8 +115,8 @@ class Module:
     stages: int
     occupancy: int
     #: the GPU planner's threads per block and the most rows it plans (PKV_PLAN_THREADS, _MAX_ROWS)
-    plan_threads: int = 1024
-    plan_max_rows: int = 4096
+    plan_threads: int
+    plan_max_rows: int
     #: the CuPy RawModule (its globals, e.g. pkv_trace of a trace build)
     raw: Any = field(default=None, repr=False)
 
@@ -216,52 +216,15 @@ def cuda_driver():
     call per launch: one eager run() with a reused plan costs ~8.9 us of host time through it
     against ~28 us through CuPy's public ``RawKernel.__call__``, which builds every argument per
     call (benchmarks/NOTES.md, "What ships": "direct driver launches with a persistent parameter
-    block"). Where this CuPy lacks it, the public CUDA driver API itself (cuLaunchKernel and
-    cuOccupancyMaxActiveBlocksPerMultiprocessor from libcuda through ctypes, same signatures;
-    its cost not measured here)."""
+    block"). A CuPy without it is refused with one line."""
     try:
         from cupy_backends.cuda.api import driver
     except ImportError:
         driver = None
-    if driver is not None and hasattr(driver, "launchKernel") \
-            and hasattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor"):
-        return driver
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise PKVError("this CuPy has no cupy_backends.cuda.api.driver.launchKernel and the CUDA driver "
-                       f"library cannot be loaded ({exc})") from exc
-    return LibcudaDriver(lib)
-
-
-class LibcudaDriver:
-    """The two calls of CuPy's driver binding the library makes, on the public CUDA driver API
-    (``lib``: libcuda through ctypes); a CUresult other than 0 raises."""
-
-    def __init__(self, lib):
-        self._launch = lib.cuLaunchKernel
-        self._launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p]
-        self._launch.restype = ctypes.c_int
-        self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
-        self._occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-        self._occupancy.restype = ctypes.c_int
-
-    @staticmethod
-    def _check(result: int, call: str) -> None:
-        if result != 0:
-            raise PKVError(f"{call} failed with CUresult {result}")
-
-    def launchKernel(self, f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_mem, stream, params,
-                     extra) -> None:
-        self._check(self._launch(f, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_mem, stream, params,
-                                 extra), "cuLaunchKernel")
-
-    def occupancyMaxActiveBlocksPerMultiprocessor(self, f, block_size, shared_mem) -> int:
-        blocks = ctypes.c_int(0)
-        self._check(self._occupancy(ctypes.byref(blocks), f, block_size, shared_mem),
-                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return blocks.value
+    require(driver is not None and hasattr(driver, "launchKernel")
+            and hasattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor"),
+            "this CuPy has no cupy_backends.cuda.api.driver.launchKernel (the engine launches through it)")
+    return driver
 
 
 def kernel_launcher():
