@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -32,7 +31,8 @@ from ..cache import allocate, batch_for_step, compact_batch, random_cache, rando
 from ..counters import buckets_variant, split_variant, to_frame, workqueue_variant
 from ..errors import require
 from ..io import atomic_write_parquet
-from ..reference import execute_plan, gate, reference_decode, relative_error
+from ..measure.validation import compare
+from ..reference import execute_plan, reference_decode
 from ..spec import AttentionSpec
 from ..traces import Trace, read_trace, sampled_steps
 
@@ -69,21 +69,13 @@ def step_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.ndarr
 
 
 def errors(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict:
-    """The error columns of out [B, Hq, D] against float64 ref: rel_err (whole batch, not a gate),
-    the per-(row, query head) gate (reference.gate: max_row_head_err, worst_row, worst_head,
-    row_heads_failing), max_abs_err, nan_count, passed (no NaN, every (row, head) within ``rtol``)
-    and reason ('' when passed, else the worst (row, head) and its error; ``seq_lens`` adds the
-    row's length)."""
-    out64 = np.asarray(out, dtype=np.float64)
-    nan_count = int(np.isnan(out64).sum())
-    finite = bool(np.isfinite(out64).all())
-    max_abs = float(np.abs(out64 - ref).max()) if finite else math.inf
-    verdict = gate(out64, ref, rtol, seq_lens)
-    passed = bool(verdict.passed and nan_count == 0)
-    reason = "" if passed else verdict.describe() + (f"; {nan_count} NaN" if nan_count else "")
-    return {"rel_err": relative_error(out64, ref), "max_row_head_err": verdict.max_err,
-            "worst_row": verdict.worst_row, "worst_head": verdict.worst_head, "row_heads_failing": verdict.failing,
-            "max_abs_err": max_abs, "passed": passed, "nan_count": nan_count, "reason": reason}
+    """The error columns of out [B, Hq, D] against float64 ref, as validate-gpu's
+    (measure.validation.compare) but for an output that was not poisoned: rel_err (whole batch,
+    not a gate), the per-(row, query head) gate (max_row_head_err, worst_row, worst_head,
+    row_heads_failing), max_abs_err, nan_count, passed (no NaN, every (row, head) within
+    ``rtol``) and reason ('' when passed, else the worst (row, head); ``seq_lens`` adds its row's
+    length)."""
+    return compare(out, ref, rtol, seq_lens, poison=None)
 
 
 def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: dict, steps: int,

@@ -67,13 +67,16 @@ def rounded(values: np.ndarray, dtype: str):
     raise ValueError(f"unsupported dtype {dtype}")
 
 
-def compare(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict[str, Any]:
+def compare(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None, poison: float | None = POISON
+            ) -> dict[str, Any]:
     """Error metrics of ``out`` [B, Hq, D] (any float dtype) against the float64 reference, gated
     per (row, query head) (reference.gate; ``seq_lens`` names the worst row's length in the
-    reason), plus ``reason``: '' when passed, else why (the worst (row, head) first)."""
+    reason), plus ``reason``: '' when passed, else why (the worst (row, head) first). ``unwritten``
+    counts the elements still holding ``poison``, the value the output was filled with; an output
+    that was not poisoned (``poison=None``, validate-cpu's) has no ``unwritten`` column."""
     out64 = np.asarray(out, dtype=np.float64)
     nan_count = int(np.isnan(out64).sum())
-    unwritten = int((out64 == POISON).sum())
+    unwritten = int((out64 == poison).sum()) if poison is not None else 0
     verdict = gate(out64, ref, rtol, seq_lens)
     finite = np.isfinite(out64)
     max_abs = float(np.max(np.abs(np.where(finite, out64, 0.0) - ref))) if out64.size else 0.0
@@ -85,10 +88,13 @@ def compare(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dic
         reasons.append(f"{nan_count} NaN")
     if unwritten:
         reasons.append(f"{unwritten} elements never written")
-    return {"rel_err": float(relative_error(out64, ref)), "max_row_head_err": verdict.max_err,
-            "worst_row": verdict.worst_row, "worst_head": verdict.worst_head,
-            "row_heads_failing": verdict.failing, "max_abs_err": max_abs, "nan_count": nan_count,
-            "unwritten": unwritten, "passed": passed, "reason": "" if passed else "; ".join(reasons)}
+    metrics = {"rel_err": float(relative_error(out64, ref)), "max_row_head_err": verdict.max_err,
+               "worst_row": verdict.worst_row, "worst_head": verdict.worst_head,
+               "row_heads_failing": verdict.failing, "max_abs_err": max_abs, "nan_count": nan_count,
+               "unwritten": unwritten, "passed": passed, "reason": "" if passed else "; ".join(reasons)}
+    if poison is None:
+        del metrics["unwritten"]
+    return metrics
 
 
 def validate_case(case: Case, device, factory, dtypes=DTYPES, rtols: dict[str, float] | None = None,
