@@ -7,7 +7,9 @@
 // Configuration, fixed per compiled module by macros (the engine compiles one module per
 // (dtype, head_dim, warps)):
 //   PKV_HEAD_DIM   64 | 128 | 256
-//   PKV_BF16       0 -> fp16 (__half), 1 -> bf16 (__nv_bfloat16)
+//   PKV_BF16       0 -> fp16 (__half), 1 -> bf16 (__nv_bfloat16): Q, the output, the mma inputs
+//   PKV_FP8        0 -> K/V of the same dtype; 1 -> K/V are FP8 e4m3 codes, dequantised in registers
+//                  (dequant4) and scaled per tensor or per kv head (k_scale, v_scale, read on the device)
 //   PKV_WARPS      4 (default) | 8 (head_dim <= 128 only)
 //   PKV_TRACE      0 | 1: CTA timestamps (kernels/pkv_trace.cuh; DecodeEngine(trace=True) only)
 //
@@ -58,6 +60,9 @@
 #ifndef PKV_TRACE
 #define PKV_TRACE 0
 #endif
+#ifndef PKV_FP8
+#define PKV_FP8 0
+#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -65,6 +70,12 @@ typedef __nv_bfloat162 kv2_t;
 #else
 typedef __half kv_t;
 typedef __half2 kv2_t;
+#endif
+// The cache's element: the dtype itself, or an FP8 e4m3 code.
+#if PKV_FP8
+typedef unsigned char cache_t;
+#else
+typedef kv_t cache_t;
 #endif
 
 #if PKV_TRACE
@@ -84,11 +95,14 @@ constexpr int D = PKV_HEAD_DIM;
 constexpr int WARPS = PKV_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage
-constexpr int CHUNKS = D / 8;                    // 16-byte chunks per token row of one head
+constexpr bool FP8 = PKV_FP8;
+constexpr int ROW_BYTES = D * (int)sizeof(cache_t);  // one token row of one head in the cache
+constexpr int CHUNKS = ROW_BYTES / 16;           // 16-byte chunks per token row of one head
+constexpr int Q_CHUNKS = D / 8;                  // 16-byte chunks per query row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
 constexpr int STAGES = (D == 256) ? 2 : 3;
-constexpr int STAGE_ELEMS = TILE * D;            // elements of K (or V) per stage
+constexpr int STAGE_BYTES = TILE * ROW_BYTES;    // bytes of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
 // Q fragments live in registers (D/4 of them per thread) except at D = 256, where they would
@@ -105,10 +119,11 @@ static_assert(WARPS == 4 || D <= 128, "PKV_WARPS=8 needs head_dim <= 128");
 // would cap it at 128 and the decode kernels (158-199 registers) would spill.
 constexpr int MIN_BLOCKS = WARPS == 4 ? 2 : 1;
 static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping");
+static_assert(CHUNKS == 4 || CHUNKS % 8 == 0, "the swizzle (swzb) covers rows of 4 or 8k chunks");
 
 // Shared memory of the decode kernel: the K/V pipeline, reused after the loop for the
 // cross-warp combine (WARPS x 16 rows x OBUF_STRIDE floats + small row arrays).
-constexpr int PIPE_BYTES = (Q_ELEMS + 2 * STAGES * STAGE_ELEMS) * 2;
+constexpr int PIPE_BYTES = Q_ELEMS * 2 + 2 * STAGES * STAGE_BYTES;
 constexpr int COMBINE_BYTES = (WARPS * 16 * OBUF_STRIDE + 4 * WARPS * 16 + 64) * 4;
 constexpr int SMEM_BYTES = PIPE_BYTES > COMBINE_BYTES ? PIPE_BYTES : COMBINE_BYTES;
 // -inf as a bit pattern (no <math.h> under NVRTC).
@@ -210,15 +225,51 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Swizzled element offset of (token row t, 16-byte chunk c) inside one stage of K or V.
+// Swizzled element offset of (query row t, 16-byte chunk c) of Q in shared memory (Q_SMEM).
 __device__ __forceinline__ int swz(int t, int c) { return t * D + ((c ^ (t & 7)) << 3); }
+// Swizzled byte offset of (token row t, 16-byte chunk c) inside one stage of K or V: the 8 rows an
+// ldmatrix reads at one chunk column land in 8 different 16-byte bank groups. Rows of 8k chunks
+// XOR the chunk with t mod 8; rows of 4 chunks (FP8 at head_dim 64, two rows per 128 bytes) XOR
+// it with (t / 2) mod 4, the row's parity picking the half.
+__device__ __forceinline__ int swzb(int t, int c) {
+  return t * ROW_BYTES + ((c ^ (CHUNKS == 4 ? (t >> 1) & 3 : t & 7)) << 4);
+}
+
+// FP8 e4m3 codes x0..x3 (the bytes of r, x0 lowest) to two pairs of the mma dtype: ev = (x0, x2),
+// od = (x1, x3) (low half first). By bits: the code's sign to the sign, its 7 exponent-and-mantissa
+// bits under the dtype's exponent field, so every code (subnormals too) becomes an exact value
+// times a power of two: fp16: value x 2^-8, whose 2^8 is folded into the scales (FP8_SCALE_BIAS);
+// bf16: value x 2^-120, multiplied back here (in fp32 the products would underflow). The NaN codes
+// become finite; the step's quantiser never writes them.
+#if PKV_BF16
+constexpr float FP8_SCALE_BIAS = 1.f;
+__device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
+  const unsigned s = r << 8;
+  unsigned o = (r & 0x80008000u) | ((r >> 4) & 0x07F007F0u);
+  unsigned e = (s & 0x80008000u) | ((s >> 4) & 0x07F007F0u);
+  const kv2_t bias = __floats2bfloat162_rn(0x1p120f, 0x1p120f);
+  kv2_t eo = __hmul2(*reinterpret_cast<kv2_t*>(&e), bias);
+  kv2_t oo = __hmul2(*reinterpret_cast<kv2_t*>(&o), bias);
+  ev = *reinterpret_cast<unsigned*>(&eo);
+  od = *reinterpret_cast<unsigned*>(&oo);
+}
+#else
+constexpr float FP8_SCALE_BIAS = 256.f;
+__device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
+  const unsigned s = r << 8;
+  od = (r & 0x80008000u) | ((r >> 1) & 0x3F803F80u);
+  ev = (s & 0x80008000u) | ((s >> 1) & 0x3F803F80u);
+}
+#endif
 
 struct Params {
   const kv_t* q;         // [B, Hq, D] with strides q_sb, q_sh (elements)
-  const kv_t* k;         // [pages, P, Hkv, D]: page stride kv_sp, token stride kv_st, head stride D
-  const kv_t* v;
+  const cache_t* k;      // [pages, P, Hkv, D]: page stride kv_sp, token stride kv_st, head stride D
+  const cache_t* v;
   kv_t* out;             // [B, Hq, D] with strides o_sb, o_sh
   float* lse;            // [B, Hq] contiguous, natural-log LSE of the scaled scores; nullptr: not asked for
+  const float* k_scale;  // FP8: kv head h's K and V scales at h * s_sh (s_sh 0: one per tensor)
+  const float* v_scale;
   const int* kv_indices; // CSR page ids; a row's pages start at item.page_base
   const int4* items;     // [n, 2] int4 (8 ints per item)
   const int* num_items;  // device item count (GPU-planned launches) or nullptr
@@ -228,7 +279,7 @@ struct Params {
   int slot_offset;       // slot of this launch's first item
   int num_kv_heads, group_size, log2_page;
   long long kv_sp, kv_st;
-  long long q_sb, q_sh, o_sb, o_sh;
+  long long q_sb, q_sh, o_sb, o_sh, s_sh;
   float scale_log2;      // softmax scale * log2(e)
 };
 
@@ -378,9 +429,10 @@ __device__ __forceinline__ void fetch_pages(const Loader& ld, int tile, int (&pg
 // loop's critical section between a tile's landing and the next tile's loads (NOTES, v17).
 constexpr int BURST = LOADS < 8 ? LOADS : 8;
 static_assert(LOADS % BURST == 0, "bursts tile the loads");
-__device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV, int tile, const int (&pg)[LOADS]) {
-  const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_ELEMS);
-  const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_ELEMS);
+__device__ __forceinline__ void issue_stage(const Loader& ld, unsigned char* sK, unsigned char* sV, int tile,
+                                            const int (&pg)[LOADS]) {
+  const unsigned dK = smem_u32(sK + (tile % STAGES) * STAGE_BYTES);
+  const unsigned dV = smem_u32(sV + (tile % STAGES) * STAGE_BYTES);
   const int t0 = ld.lo + tile * TILE;
 #pragma unroll
   for (int b = 0; b < LOADS; b += BURST) {
@@ -396,36 +448,68 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, kv_t* sK, kv_t* sV
     }
 #pragma unroll
     for (int u = 0; u < BURST; ++u)
-      cp_async16(dK + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.kbytes + off[u], valid[u]);
+      cp_async16(dK + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.kbytes + off[u], valid[u]);
 #pragma unroll
     for (int u = 0; u < BURST; ++u)
-      cp_async16(dV + swz(ld.lr + ROWS_PER_PASS * (b + u), ld.lc) * 2, ld.vbytes + off[u], valid[u]);
+      cp_async16(dV + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.vbytes + off[u], valid[u]);
   }
 }
 
 // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G): into registers,
 // or (Q_SMEM) into sQ, visible after the loop's first barrier.
+// FP8: the dims of each group of 16 are permuted, evens first, then odds (mma k position 2j + e
+// holds dim 4j + 2e, position 8 + 2j + e dim 4j + 1 + 2e), the order in which dequant4 hands out
+// a thread's 4 consecutive K dims; q.k sums over the dims, so permuting both leaves it unchanged.
 __device__ __forceinline__ void load_q(const Params& p, const Item& it, kv_t* sQ,
                                        unsigned (&qf)[Q_SMEM ? 1 : D / 16][4]) {
   const int tid = threadIdx.x, lane = tid & 31;
   const int G = p.group_size;
   if constexpr (Q_SMEM) {
-    for (int idx = tid; idx < 16 * CHUNKS; idx += THREADS) {
-      const int g = idx / CHUNKS, c = idx - g * CHUNKS;
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (g < G) val = ld_nc_v4(p.q + it.row * p.q_sb + (long long)(it.head * G + g) * p.q_sh + c * 8);
-      *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;
+    if constexpr (FP8) {  // one thread per (row, 16 dims): both chunks, evens then odds
+      for (int idx = tid; idx < 16 * Q_CHUNKS / 2; idx += THREADS) {
+        const int g = idx / (Q_CHUNKS / 2), c = (idx - g * (Q_CHUNKS / 2)) * 2;
+        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+        if (g < G) {
+          const kv_t* src = p.q + it.row * p.q_sb + (long long)(it.head * G + g) * p.q_sh + c * 8;
+          a = ld_nc_v4(src);
+          b = ld_nc_v4(src + 8);
+        }
+        const uint4 ev = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
+                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
+        const uint4 od = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
+                                    __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
+        *reinterpret_cast<uint4*>(sQ + swz(g, c)) = ev;
+        *reinterpret_cast<uint4*>(sQ + swz(g, c + 1)) = od;
+      }
+    } else {
+      for (int idx = tid; idx < 16 * Q_CHUNKS; idx += THREADS) {
+        const int g = idx / Q_CHUNKS, c = idx - g * Q_CHUNKS;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (g < G) val = ld_nc_v4(p.q + it.row * p.q_sb + (long long)(it.head * G + g) * p.q_sh + c * 8);
+        *reinterpret_cast<uint4*>(sQ + swz(g, c)) = val;
+      }
     }
   } else {
-    const int g0 = lane >> 2, g1 = g0 + 8, c = (lane & 3) * 2;
+    const int g0 = lane >> 2, g1 = g0 + 8;
     const kv_t* q0 = p.q + it.row * p.q_sb + (long long)(it.head * G + g0) * p.q_sh;
     const kv_t* q1 = p.q + it.row * p.q_sb + (long long)(it.head * G + g1) * p.q_sh;
 #pragma unroll
     for (int kk = 0; kk < (Q_SMEM ? 1 : D / 16); ++kk) {
-      qf[kk][0] = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u;
-      qf[kk][1] = g1 < G ? ld_nc_u32(q1 + kk * 16 + c) : 0u;
-      qf[kk][2] = g0 < G ? ld_nc_u32(q0 + kk * 16 + 8 + c) : 0u;
-      qf[kk][3] = g1 < G ? ld_nc_u32(q1 + kk * 16 + 8 + c) : 0u;
+      if constexpr (FP8) {  // dims 4j..4j+3 (j = lane % 4): (4j, 4j+2) and (4j+1, 4j+3)
+        const int c = (lane & 3) * 4;
+        const unsigned a0 = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u, a1 = g0 < G ? ld_nc_u32(q0 + kk * 16 + c + 2) : 0u;
+        const unsigned b0 = g1 < G ? ld_nc_u32(q1 + kk * 16 + c) : 0u, b1 = g1 < G ? ld_nc_u32(q1 + kk * 16 + c + 2) : 0u;
+        qf[kk][0] = __byte_perm(a0, a1, 0x5410);
+        qf[kk][2] = __byte_perm(a0, a1, 0x7632);
+        qf[kk][1] = __byte_perm(b0, b1, 0x5410);
+        qf[kk][3] = __byte_perm(b0, b1, 0x7632);
+      } else {
+        const int c = (lane & 3) * 2;
+        qf[kk][0] = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u;
+        qf[kk][1] = g1 < G ? ld_nc_u32(q1 + kk * 16 + c) : 0u;
+        qf[kk][2] = g0 < G ? ld_nc_u32(q0 + kk * 16 + 8 + c) : 0u;
+        qf[kk][3] = g1 < G ? ld_nc_u32(q1 + kk * 16 + 8 + c) : 0u;
+      }
     }
   }
 }
@@ -437,28 +521,60 @@ struct WarpState {
   float m0, m1, l0, l1;
 };
 
+// Q's A fragment of k step kk (16 dims): from registers, or (Q_SMEM) by ldmatrix from sQ.
+__device__ __forceinline__ void q_frag(const kv_t* sQ, const unsigned (&qf)[Q_SMEM ? 1 : D / 16][4], int kk,
+                                       unsigned (&a)[4]) {
+  if constexpr (Q_SMEM) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
+    ldsm_x4(smem_u32(sQ + swz((mi & 1) * 8 + r, 2 * kk + (mi >> 1))), a[0], a[1], a[2], a[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = qf[Q_SMEM ? 0 : kk][i];
+  }
+}
+
 // One warp's 16 tokens of one landed tile, tokens [tok0, tok0 + 16) with those >= t_hi masked:
-// S = Q K^T on tensor cores, mask and scale to base 2, online softmax, O += P V.
-__device__ __forceinline__ void compute_tile(const Params& p, const kv_t* sQ, const unsigned (&qf)[Q_SMEM ? 1 : D / 16][4],
-                                             const kv_t* k_st, const kv_t* v_st, int tok0, int t_hi, WarpState& ws) {
+// S = Q K^T on tensor cores, mask and scale to base 2 (qk_scale: softmax scale x log2(e), x the
+// kv head's K scale under FP8), online softmax, O += P V.
+// FP8: K and V tiles hold codes; one ldmatrix x4 reads 8 tokens x 16 codes per 8x8 b16 matrix and
+// dequant4 turns each thread's 4 codes into its two B registers. K (not transposed): a thread's 4
+// consecutive dims of one token (Q's dims are permuted to match: load_q). V (transposed): a
+// thread's 2 tokens x 2 adjacent dims (2n, 2n+1); the even dims feed one n8 block (o[2c]), the odd
+// ones the next (o[2c + 1]), so o[2c] holds dims 16c + 4j + {0, 2} and o[2c + 1] dims
+// 16c + 4j + {1, 3} (j = lane % 4): combine_and_store puts them back in order.
+__device__ __forceinline__ void compute_tile(float qk_scale, const kv_t* sQ, const unsigned (&qf)[Q_SMEM ? 1 : D / 16][4],
+                                             const unsigned char* k_st, const unsigned char* v_st, int tok0, int t_hi,
+                                             WarpState& ws) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float s[2][4];
 #pragma unroll
   for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
   const int mi = lane >> 3, r = lane & 7;
+  if constexpr (FP8) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int tk = warp * 16 + (mi >> 1) * 8 + r;
-    unsigned b0, b1, b2, b3;
-    ldsm_x4(smem_u32(k_st + swz(tk, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-    if constexpr (Q_SMEM) {
-      unsigned a[4];
-      ldsm_x4(smem_u32(sQ + swz((mi & 1) * 8 + r, 2 * kk + (mi >> 1))), a[0], a[1], a[2], a[3]);
+    for (int kk = 0; kk < D / 16; kk += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks kk | kk + 1
+      const int tk = warp * 16 + (mi & 1) * 8 + r;
+      unsigned c[4];
+      ldsm_x4(smem_u32(k_st + swzb(tk, kk + (mi >> 1))), c[0], c[1], c[2], c[3]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        unsigned a[4], e0, o0, e1, o1;
+        q_frag(sQ, qf, kk + h, a);
+        dequant4(c[2 * h], e0, o0);
+        dequant4(c[2 * h + 1], e1, o1);
+        mma16816(s[0], a, e0, o0);
+        mma16816(s[1], a, e1, o1);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int tk = warp * 16 + (mi >> 1) * 8 + r;
+      unsigned b0, b1, b2, b3, a[4];
+      ldsm_x4(smem_u32(k_st + swzb(tk, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+      q_frag(sQ, qf, kk, a);
       mma16816(s[0], a, b0, b1);
       mma16816(s[1], a, b2, b3);
-    } else {
-      mma16816(s[0], qf[kk], b0, b1);
-      mma16816(s[1], qf[kk], b2, b3);
     }
   }
   // Mask, scale to base 2, online softmax (rows g = lane/4 and g + 8).
@@ -468,7 +584,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const kv_t* sQ, co
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
-      s[j][e] = tok < t_hi ? s[j][e] * p.scale_log2 : NEG_INF;
+      s[j][e] = tok < t_hi ? s[j][e] * qk_scale : NEG_INF;
     }
     mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
     mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
@@ -507,13 +623,30 @@ __device__ __forceinline__ void compute_tile(const Params& p, const kv_t* sQ, co
   pa[1] = pack2(s[0][2], s[0][3]);
   pa[2] = pack2(s[1][0], s[1][1]);
   pa[3] = pack2(s[1][2], s[1][3]);
+  if constexpr (FP8) {
 #pragma unroll
-  for (int dp = 0; dp < D / 16; ++dp) {
-    const int tv = warp * 16 + (mi & 1) * 8 + r;
-    unsigned b0, b1, b2, b3;
-    ldsm_x4_t(smem_u32(v_st + swz(tv, 2 * dp + (mi >> 1))), b0, b1, b2, b3);
-    mma16816(ws.o[2 * dp], pa, b0, b1);
-    mma16816(ws.o[2 * dp + 1], pa, b2, b3);
+    for (int dc = 0; dc < D / 16; dc += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks dc | dc + 1
+      const int tv = warp * 16 + (mi & 1) * 8 + r;
+      unsigned c[4];
+      ldsm_x4_t(smem_u32(v_st + swzb(tv, dc + (mi >> 1))), c[0], c[1], c[2], c[3]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        unsigned e0, o0, e1, o1;
+        dequant4(c[2 * h], e0, o0);      // tokens 2j, 2j+1
+        dequant4(c[2 * h + 1], e1, o1);  // tokens 2j+8, 2j+9
+        mma16816(ws.o[2 * (dc + h)], pa, e0, e1);
+        mma16816(ws.o[2 * (dc + h) + 1], pa, o0, o1);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      const int tv = warp * 16 + (mi & 1) * 8 + r;
+      unsigned b0, b1, b2, b3;
+      ldsm_x4_t(smem_u32(v_st + swzb(tv, 2 * dp + (mi >> 1))), b0, b1, b2, b3);
+      mma16816(ws.o[2 * dp], pa, b0, b1);
+      mma16816(ws.o[2 * dp + 1], pa, b2, b3);
+    }
   }
 }
 
@@ -523,8 +656,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const kv_t* sQ, co
 // each thread derives its row's (M, L) from the WARPS warps' (m, l) itself (broadcast reads) and
 // weighs warp w's O by 2^(m_w - M), so one barrier suffices (scaling O before a second barrier
 // was 1-2 % slower below ~16K tokens: benchmarks/NOTES.md, "What ships").
+// ``v_scale``: the kv head's V scale (FP8), applied to the normalised output; 1 otherwise.
 __device__ __forceinline__ void combine_and_store(const Params& p, int slot, const Item& it, bool direct,
-                                                  WarpState& ws, kv_t* smem) {
+                                                  WarpState& ws, kv_t* smem, float v_scale) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = p.group_size;
   ws.l0 += __shfl_xor_sync(0xffffffffu, ws.l0, 1);
@@ -541,7 +675,16 @@ __device__ __forceinline__ void combine_and_store(const Params& p, int slot, con
     redM[warp * 16 + g1] = ws.m1;
     redL[warp * 16 + g1] = ws.l1;
   }
-  {  // each warp's O as it stands, relative to its own row maxima; weighed below, where summed
+  if constexpr (FP8) {  // o[2c] and o[2c + 1] hold dims 16c + 4j + {0, 2} and {1, 3}: a float4 in order
+    const int c4 = (lane & 3) * 4;
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+      const float(&e)[4] = ws.o[2 * j];
+      const float(&o)[4] = ws.o[2 * j + 1];
+      if (g0 < G) *reinterpret_cast<float4*>(obuf + (warp * 16 + g0) * OBUF_STRIDE + j * 16 + c4) = make_float4(e[0], o[0], e[1], o[1]);
+      if (g1 < G) *reinterpret_cast<float4*>(obuf + (warp * 16 + g1) * OBUF_STRIDE + j * 16 + c4) = make_float4(e[2], o[2], e[3], o[3]);
+    }
+  } else {  // each warp's O as it stands, relative to its own row maxima; weighed below, where summed
     const int c = (lane & 3) * 2;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -566,7 +709,7 @@ __device__ __forceinline__ void combine_and_store(const Params& p, int slot, con
       acc.y += v.y * e;
       L += redL[w * 16 + g] * e;
     }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
+    const float inv = L > 0.f ? (FP8 ? v_scale : 1.f) / L : 0.f;
     const float2 val = make_float2(acc.x * inv, acc.y * inv);
     const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;  // an empty state: o = 0, lse = -inf
     if (direct) {
@@ -635,12 +778,18 @@ template <bool FUSED>
 __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* smem) {
   const int tid = threadIdx.x, warp = tid >> 5;
   kv_t* sQ = smem;
-  kv_t* sK = smem + Q_ELEMS;
-  kv_t* sV = sK + STAGES * STAGE_ELEMS;
+  unsigned char* sK = reinterpret_cast<unsigned char*>(smem + Q_ELEMS);
+  unsigned char* sV = sK + STAGES * STAGE_BYTES;
 
   const int P_mask = (1 << p.log2_page) - 1;
-  const kv_t* kbase = p.k + (long long)it.head * D;
-  const kv_t* vbase = p.v + (long long)it.head * D;
+  const cache_t* kbase = p.k + (long long)it.head * D;
+  const cache_t* vbase = p.v + (long long)it.head * D;
+  // FP8: the kv head's scales (one load each, before the pipeline; a graph replay reads new ones)
+  float qk_scale = p.scale_log2, v_scale = 1.f;
+  if constexpr (FP8) {
+    qk_scale *= __ldg(p.k_scale + it.head * p.s_sh) * FP8_SCALE_BIAS;
+    v_scale = __ldg(p.v_scale + it.head * p.s_sh) * FP8_SCALE_BIAS;
+  }
   Loader ld;
   ld.pages = p.kv_indices + it.page_base;
   ld.lc = tid % CHUNKS;
@@ -650,8 +799,8 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
   ld.hi = it.hi;
   ld.log2_page = p.log2_page;
   ld.p_mask = P_mask;
-  ld.sp_b = (unsigned)p.kv_sp * 2u;
-  ld.st_b = (unsigned)p.kv_st * 2u;
+  ld.sp_b = (unsigned)p.kv_sp * (unsigned)sizeof(cache_t);
+  ld.st_b = (unsigned)p.kv_st * (unsigned)sizeof(cache_t);
   ld.kbytes = reinterpret_cast<const char*>(kbase);
   ld.vbytes = reinterpret_cast<const char*>(vbase);
 
@@ -694,14 +843,14 @@ __device__ void decode_item(const Params& p, int slot, const Item& it, kv_t* sme
     cp_async_commit();
     const int tok0 = it.lo + t * TILE + warp * 16;
     if (tok0 < it.hi)  // warp-uniform: skip warps whose 16 tokens all lie past the item's end
-      compute_tile(p, sQ, qf, sK + (t % STAGES) * STAGE_ELEMS, sV + (t % STAGES) * STAGE_ELEMS, tok0, it.hi, ws);
+      compute_tile(qk_scale, sQ, qf, sK + (t % STAGES) * STAGE_BYTES, sV + (t % STAGES) * STAGE_BYTES, tok0, it.hi, ws);
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers become the combine buffers
   stamp(3);
 
   const bool direct = it.nsplit <= 1;
-  combine_and_store(p, slot, it, direct, ws, smem);
+  combine_and_store(p, slot, it, direct, ws, smem, v_scale);
   stamp(4);
   if (FUSED && !direct) arrive_and_merge(p, slot, it, smem);
 }
@@ -734,18 +883,19 @@ extern "C" __device__ const int pkv_config[7] = {pkv::SMEM_BYTES, pkv::THREADS, 
   if ((int)blockIdx.x >= pkv_count || it.nsplit < 0 || it.page_base < 0) return
 
 #define PKV_DECODE_ARGS                                                                              \
-  const kv_t *q, const kv_t *k, const kv_t *v, kv_t *out, float *lse, const int *kv_indices,         \
-      const int4 *items, const int *num_items, float *part_o, float *part_lse, int *counters,        \
-      int slot_offset,                                                                               \
+  const kv_t *q, const cache_t *k, const cache_t *v, kv_t *out, float *lse, const float *k_scale,    \
+      const float *v_scale, const int *kv_indices, const int4 *items, const int *num_items,          \
+      float *part_o, float *part_lse, int *counters, int slot_offset,                                \
       int num_kv_heads, int group_size, int log2_page, long long kv_sp, long long kv_st,            \
-      long long q_sb, long long q_sh, long long o_sb, long long o_sh, float scale_log2
+      long long q_sb, long long q_sh, long long o_sb, long long o_sh, long long s_sh, float scale_log2
 
 // The work-queue kernels: pkv_decode writes partial states (a separate pkv_merge combines them),
 // pkv_decode_fused merges in the last CTA of each group.
 #define PKV_DECODE_KERNEL(NAME, FUSED)                                                                 \
   extern "C" __global__ void __launch_bounds__(pkv::THREADS, pkv::MIN_BLOCKS) NAME(PKV_DECODE_ARGS) { \
-    Params p{q, k, v, out, lse, kv_indices, items, num_items, part_o, part_lse, counters, slot_offset,     \
-             num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, scale_log2};        \
+    Params p{q, k, v, out, lse, k_scale, v_scale, kv_indices, items, num_items, part_o, part_lse,      \
+             counters, slot_offset, num_kv_heads, group_size, log2_page, kv_sp, kv_st, q_sb, q_sh, o_sb,  \
+             o_sh, s_sh, scale_log2};                                                                 \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                        \
     PKV_TRACE_BEGIN;                                                                                 \
     PKV_ITEM_OR_RETURN(slot, it);                                                                    \

@@ -3,6 +3,7 @@
     engine = engine_for(spec)                       # compiles (once, cached by CuPy) and loads; per device
     plan = engine.plan(batch, sm_scale=None)        # once per decode step
     engine.run(q, (k_cache, v_cache), plan, out, lse=None)   # once per layer; graph-capturable
+    engine.run(q, (k_fp8, v_fp8), plan, out, k_scale=ks, v_scale=vs)   # an FP8 cache (spec.kv_dtype)
 
 ``run`` takes torch tensors and passes their device pointers straight to the kernels: no copies,
 no allocation, no host synchronisation, launched on torch's current stream, so a step can be
@@ -17,7 +18,10 @@ captured in a CUDA graph. Routes (names.ENGINE_ROUTES):
 * ``buckets``: one decode + merge launch pair per exact-length bucket, as published.
 * ``split``: the rectangular B x Hkv x S grid with its empty splits, decode + merge.
 
-Supported: fp16 and bf16; head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
+Supported: fp16 and bf16 queries and outputs over a cache of the same dtype or of FP8 e4m3 codes
+(``AttentionSpec(kv_dtype="float8_e4m3")``, torch.float8_e4m3fn tensors, dequantised in registers
+as code x scale, the scales float32 device tensors of one value or one per KV head, read by the
+kernels at every launch, so a captured graph follows new scales); head_dim 64/128/256; G = Hq/Hkv from 1 to 16; page sizes 1-256
 (powers of two; 8-128 are the tested range); batch up to the GPU planner's rows
 (``module.plan_max_rows``, 4096) on ``workqueue`` (65535 on the host-planned routes). Anything
 else is refused in ``DecodeEngine`` or ``plan`` with one line.
@@ -47,8 +51,8 @@ from . import plan as planner
 from .cache import Batch
 from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
-from .launch import (DEFAULT_WARPS, ENGINE_DTYPES, MAX_GROUP_SIZE, DecodeArgs, KernelLaunch, MergeArgs, PlanArgs,
-                     PTRS, STRIDES6, arg_block, kernel_launcher, kernel_occupancy, load_module, min_chunk_tiles_for,
+from .launch import (DEFAULT_WARPS, ENGINE_DTYPES, ENGINE_KV_DTYPES, MAX_GROUP_SIZE, DecodeArgs, KernelLaunch,
+                     MergeArgs, PlanArgs, PTRS, STRIDES, arg_block, kernel_launcher, kernel_occupancy, load_module, min_chunk_tiles_for,
                      raw_stream_reader, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
@@ -62,6 +66,9 @@ def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[
     reasons = warps_unsupported(spec, warps)
     if spec.dtype not in ENGINE_DTYPES:
         reasons.append(f"the PersistentKV kernels take {'/'.join(ENGINE_DTYPES)}, not {spec.dtype}")
+    if spec.kv_dtype != spec.dtype and spec.kv_dtype not in ENGINE_KV_DTYPES:
+        reasons.append(f"the PersistentKV kernels read a cache of the query's dtype or "
+                       f"{'/'.join(ENGINE_KV_DTYPES)}, not {spec.kv_dtype}")
     if spec.group_size > MAX_GROUP_SIZE:
         reasons.append(f"group size G={spec.group_size} exceeds {MAX_GROUP_SIZE} query heads per kv head")
     if spec.layout != "NHD":
@@ -214,6 +221,8 @@ class DecodeEngine:
         self.target_items = int(target_items or self.module.occupancy * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
         self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+        #: the cache's torch dtype: the query's, or float8_e4m3fn
+        self.cache_dtype = torch.float8_e4m3fn if spec.fp8_kv else self.torch_dtype
         #: the driver's launch call and torch's current-stream reader, bound once: each launch is one
         #: call through them (launch.kernel_launcher, launch.raw_stream_reader)
         self._launch_kernel = kernel_launcher()
@@ -296,8 +305,8 @@ class DecodeEngine:
                        part_lse: int, counters: int, slot_offset: int, scale_log2: float) -> KernelLaunch:
         """A decode launch over the given device addresses (its q/k/v/out/lse and strides are run()'s)."""
         spec, mod = self.spec, self.module
-        args = arg_block(DecodeArgs, 0, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
-                         slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0,
+        args = arg_block(DecodeArgs, 0, 0, 0, 0, 0, 0, 0, kv_indices, items, num_items, part_o, part_lse, counters,
+                         slot_offset, spec.num_kv_heads, spec.group_size, self._log2_page, 0, 0, 0, 0, 0, 0, 0,
                          scale_log2)
         function = mod.functions["pkv_decode_fused" if kind == "fused" else "pkv_decode"].ptr
         return KernelLaunch(kind, grid, args, function, mod.threads, mod.smem_bytes)
@@ -475,15 +484,27 @@ class DecodeEngine:
             torch.cuda.current_stream(self.device).wait_event(event)
         plan.stream = stream
 
-    def _check(self, q, k, v, out, lse, plan: DevicePlan) -> None:
+    def _check(self, q, k, v, out, lse, plan: DevicePlan, k_scale=None, v_scale=None) -> None:
         """Refuse what the kernels cannot run right (run() calls it when its key changes)."""
-        spec = self.spec
+        spec, torch = self.spec, self.torch
         expect_q = (plan.batch_size, spec.num_qo_heads, spec.head_dim)
         require(tuple(q.shape) == expect_q, f"q has shape {tuple(q.shape)}, expected {expect_q}")
         require(tuple(out.shape) == expect_q, f"out has shape {tuple(out.shape)}, expected {expect_q}")
-        for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
-            require(t.dtype == self.torch_dtype, f"{name} has dtype {t.dtype}, expected {self.torch_dtype}")
+        for name, t, want in (("q", q, self.torch_dtype), ("k_cache", k, self.cache_dtype),
+                              ("v_cache", v, self.cache_dtype), ("out", out, self.torch_dtype)):
+            if t.dtype != want:
+                fp8 = "float8" in str(t.dtype)
+                hint = (f"; an FP8 {'query is' if name in ('q', 'out') else 'cache needs'} "
+                        + ("not supported (the engine keeps queries and outputs in fp16/bf16)" if name in ("q", "out")
+                           else "float8_e4m3fn codes and AttentionSpec(kv_dtype='float8_e4m3')"
+                           + (" (e5m2 is not supported)" if "e5m2" in str(t.dtype) else ""))) if fp8 else ""
+                raise PKVError(f"{name} has dtype {t.dtype}, expected {want}{hint}")
             require(t.device == self.device, f"{name} is on {t.device}, expected {self.device}")
+        if spec.fp8_kv:
+            self._check_scales(k_scale, v_scale)
+        else:
+            require(k_scale is None and v_scale is None,
+                    f"k_scale/v_scale are for an FP8 cache; this engine's cache is {spec.kv_dtype}")
         if lse is not None:
             expect_lse = (plan.batch_size, spec.num_qo_heads)
             require(tuple(lse.shape) == expect_lse and lse.dtype == self.torch.float32 and lse.is_contiguous()
@@ -498,8 +519,10 @@ class DecodeEngine:
         require(k.shape[0] >= plan.num_pages,
                 f"k_cache has {k.shape[0]} pages; the plan's block table addresses page ids up to "
                 f"{plan.num_pages - 1} (the batch's num_pages is {plan.num_pages})")
-        require(k.stride(3) == 1 and k.stride(2) == spec.head_dim and k.stride(1) % 8 == 0 and k.stride(0) % 8 == 0,
-                f"k_cache strides {k.stride()} unsupported: need [*, 8k, head_dim, 1]")
+        per16 = 16 // k.element_size()  # elements per 16-byte chunk: token rows start on one
+        require(k.stride(3) == 1 and k.stride(2) == spec.head_dim and k.stride(1) % per16 == 0
+                and k.stride(0) % per16 == 0,
+                f"k_cache strides {k.stride()} unsupported: need [*, {per16}k, head_dim, 1] (16-byte token rows)")
         for name, t in (("q", q), ("out", out)):
             require(t.stride(2) == 1 and t.stride(1) % 2 == 0 and t.stride(0) % 2 == 0,
                     f"{name} strides {t.stride()} unsupported: need an even-strided [B, H, D] with contiguous D")
@@ -510,7 +533,30 @@ class DecodeEngine:
                 f"k_cache strides {ks} unsupported: the kernels address a page and a token row in it with "
                 f"32-bit byte offsets (page stride x {esize} B must stay below 4 GiB)")
 
-    def run(self, q, cache, plan: DevicePlan, out, lse=None, check: bool = True) -> None:
+    def _check_scales(self, k_scale, v_scale) -> None:
+        """An FP8 cache's scales: float32 tensors on the device, one value or one per KV head (both
+        alike), finite and > 0 (their values are read once here, a host sync; not inside a graph
+        capture, where the kernels read whatever the tensors then hold)."""
+        torch, hkv = self.torch, self.spec.num_kv_heads
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            require(t is not None, f"an FP8 cache needs {name}: a float32 tensor of 1 or {hkv} (num_kv_heads) values "
+                                   f"on {self.device}")
+            require(isinstance(t, torch.Tensor), f"{name} must be a float32 tensor on {self.device} (a Python "
+                                                 f"number would be baked into a captured graph), got {type(t).__name__}")
+            require(t.dtype == torch.float32 and t.device == self.device and t.numel() in (1, hkv)
+                    and t.dim() <= 1 and (t.dim() == 0 or t.stride(0) == 1),
+                    f"{name} must be a contiguous float32 tensor of 1 or {hkv} (num_kv_heads) values on "
+                    f"{self.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+        require(k_scale.numel() == v_scale.numel(), f"k_scale and v_scale must both be per tensor or both per KV head, "
+                                                    f"got {k_scale.numel()} and {v_scale.numel()} values")
+        if not torch.cuda.is_current_stream_capturing():
+            for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+                bad = ~(torch.isfinite(t) & (t > 0))
+                if bool(bad.any()):
+                    raise PKVError(f"{name} must be finite and > 0, got {float(t.reshape(-1)[bad.reshape(-1)][0])}")
+
+    def run(self, q, cache, plan: DevicePlan, out, lse=None, check: bool = True, *, k_scale=None,
+            v_scale=None) -> None:
         """One layer of decode attention, launched on torch's current stream.
 
         Parameters
@@ -518,7 +564,8 @@ class DecodeEngine:
         q : torch.Tensor
             [B, Hq, D] of the engine's dtype, on its device; D contiguous, even strides.
         cache : tuple of torch.Tensor
-            (K, V), each [num_pages, page_size, Hkv, D] (NHD), strides [8a, 8b, D, 1] elements,
+            (K, V), or (K, V, k_scale, v_scale) as the backend interface passes an FP8 cache;
+            K and V each [num_pages, page_size, Hkv, D] (NHD), strides [8a, 8b, D, 1] elements,
             16-byte aligned, page stride below 4 GiB; at least ``plan.num_pages`` pages. K and V
             may be views into one buffer (e.g. ``kv[:, 0]`` and ``kv[:, 1]`` of a
             [pages, 2, P, Hkv, D] cache); they must share strides.
@@ -533,6 +580,11 @@ class DecodeEngine:
             Check the tensors again when anything about them differs from the last call's
             (1.5-3 us of host time); ``False`` skips it for callers that guarantee them (a wrong
             tensor is then a wrong answer, not an error).
+        k_scale, v_scale : torch.Tensor, optional
+            An FP8 cache's (spec.kv_dtype ``float8_e4m3``) scales, required there and refused
+            otherwise: float32 on the device, one value (per tensor) or [Hkv] (per KV head), both
+            alike, finite and > 0; a stored code c of KV head h stands for value(c) x scale[h].
+            The kernels read them at every launch: a replayed graph uses their current values.
 
         Notes
         -----
@@ -542,18 +594,26 @@ class DecodeEngine:
         of it serialise; for runs that overlap, plan once per stream. Host threads may share a
         plan: its parameter blocks are written and launched under the plan's lock.
         """
-        k, v = cache
+        k, v = cache[0], cache[1]
+        if len(cache) != 2:  # the backend interface's FP8 cache: (K, V, k_scale, v_scale)
+            require(len(cache) == 4 and k_scale is None and v_scale is None,
+                    "cache is (K, V) or (K, V, k_scale, v_scale), the scales given once")
+            k_scale, v_scale = cache[2], cache[3]
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         lse_ptr = 0 if lse is None else lse.data_ptr()
+        ks_ptr = 0 if k_scale is None else k_scale.data_ptr()
+        vs_ptr = 0 if v_scale is None else v_scale.data_ptr()
         qs, os_, ks = q.stride(), out.stride(), k.stride()
         if check:  # full checks only when anything they look at differs from the last call's
             key = (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
                    v.device, out.shape, os_, out.dtype, out.device, plan.batch_size, plan.num_pages,
                    (q_ptr | o_ptr) & 3, (k_ptr | v_ptr) & 15,
-                   None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device))
+                   None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
+                   ks_ptr, vs_ptr)
             if key != self._last_check:
-                self._check(q, k, v, out, lse, plan)
+                self._check(q, k, v, out, lse, plan, k_scale, v_scale)
                 self._last_check = key
+        s_sh = 1 if ks_ptr and k_scale.numel() > 1 else 0
         stream = self._raw_stream(self._device_index)
         with plan.lock:
             if stream != plan.stream:
@@ -565,8 +625,8 @@ class DecodeEngine:
                     args.o_sb, args.o_sh = os_[0], os_[1]
                     self._launch(launch, stream)
                     continue
-                PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
-                STRIDES6.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1])
+                PTRS.pack_into(args, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ks_ptr, vs_ptr)
+                STRIDES.pack_into(args, args.strides_offset, ks[0], ks[1], qs[0], qs[1], os_[0], os_[1], s_sh)
                 self._launch(launch, stream)
 
     def device_items(self, plan: DevicePlan) -> np.ndarray:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import PKVError, require
 from .plan import TILE_TOKENS
-from .spec import AttentionSpec
+from .spec import FP8_KV, AttentionSpec
 
 KERNEL_FILE = "pkv_decode.cu"
 #: Warps per decode CTA the kernel compiles for (PKV_WARPS); 4 is the default module.
@@ -45,6 +45,8 @@ WARPS8_MAX_HEAD_DIM = 128
 MAX_GROUP_SIZE = 16
 #: Query, cache and output dtypes the kernels compile for (PKV_BF16).
 ENGINE_DTYPES = ("float16", "bfloat16")
+#: Cache dtypes besides the query's: FP8 e4m3 codes with per-tensor or per-kv-head scales (PKV_FP8).
+ENGINE_KV_DTYPES = (FP8_KV,)
 #: The kernels' functions the engine launches.
 FUNCTIONS = ("pkv_decode", "pkv_decode_fused", "pkv_merge", "pkv_plan")
 CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
@@ -92,7 +94,7 @@ def warps_unsupported(spec: AttentionSpec, warps: int) -> list[str]:
 
 
 def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, trace: bool = False) -> tuple[str, ...]:
-    """Compiler options of the module for ``spec``'s (dtype, head_dim) with ``warps`` warps per
+    """Compiler options of the module for ``spec``'s (dtype, kv_dtype, head_dim) with ``warps`` warps per
     decode CTA, and the CTA trace stamps when ``trace`` (kernels/pkv_trace.cuh); shared with
     ``persistentkv compile-kernels``. The 4-warp module gets no PKV_WARPS define, so its options
     (and CuPy's cache key) are those of before 8 warps existed."""
@@ -100,6 +102,7 @@ def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, trace: bool
     require(not reasons, "; ".join(reasons))
     options = ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
                f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
+    options = (*options, "-DPKV_FP8=1") if spec.fp8_kv else options
     options = options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
     return (*options, "-DPKV_TRACE=1") if trace else options
 
@@ -125,20 +128,21 @@ def load_module(spec: AttentionSpec, warps: int, device: int, trace: bool = Fals
     """The module for ``spec``'s (dtype, head_dim) and ``warps`` on CUDA ``device``, compiled from
     kernels_dir() (once per process and source file; CuPy caches the binary on disk)."""
     source = kernels_dir() / KERNEL_FILE
-    return _load_module(spec.dtype, spec.head_dim, warps, device, trace, str(source.resolve()))
+    return _load_module(spec.dtype, spec.kv_dtype, spec.head_dim, warps, device, trace, str(source.resolve()))
 
 
 @lru_cache(maxsize=None)
-def _load_module(dtype: str, head_dim: int, warps: int, device: int, trace: bool, source: str) -> Module:
+def _load_module(dtype: str, kv_dtype: str, head_dim: int, warps: int, device: int, trace: bool,
+                 source: str) -> Module:
     import cupy  # the engine's only CuPy use; imported when a module is first built
 
-    spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype)
+    spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype)
     path = Path(source)
     options = (*compile_options(spec, warps, trace), f"-I{path.parent}")
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
-    what = f"{dtype}/head_dim {head_dim}/warps {warps}"
+    what = f"{dtype}{f' with a {kv_dtype} cache' if kv_dtype != dtype else ''}/head_dim {head_dim}/warps {warps}"
     with cupy.cuda.Device(device):
         # compiled first: the decode kernels' shared memory (their max dynamic shared memory below)
         # is the module's own fact, read from it
@@ -288,20 +292,21 @@ def _arg_layout(name: str, fields: list) -> type:
     # at strides_offset), so those fields must lie where the stores put them
     names = [f for f, _ in fields]
     if "kv_sp" in names:
-        assert names[:5] == ["q", "k", "v", "out", "lse"] and layout.q.offset == 0, name
+        assert names[:7] == ["q", "k", "v", "out", "lse", "k_scale", "v_scale"] and layout.q.offset == 0, name
         stride_names = [n for n, _ in _STRIDES]
         start = names.index("kv_sp")
-        assert names[start:start + 6] == stride_names, name
+        assert names[start:start + len(stride_names)] == stride_names, name
         layout.strides_offset = layout.kv_sp.offset
-        assert [getattr(layout, n).offset for n in stride_names] == [layout.strides_offset + 8 * i for i in range(6)]
+        assert [getattr(layout, n).offset for n in stride_names] == [layout.strides_offset + 8 * i
+                                                                     for i in range(len(stride_names))]
     return layout
 
 
-#: run()'s per-call stores into a decode parameter block: the q, k, v, out, lse pointers (its first
-#: five fields; lse 0 when not asked for) and the six strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh;
-#: at layout.strides_offset)
-PTRS = struct.Struct("<5Q")
-STRIDES6 = struct.Struct("<6q")
+#: run()'s per-call stores into a decode parameter block: the q, k, v, out, lse, k_scale, v_scale
+#: pointers (its first seven fields; lse 0 when not asked for, the scales 0 without an FP8 cache)
+#: and the seven strides (kv_sp, kv_st, q_sb, q_sh, o_sb, o_sh, s_sh; at layout.strides_offset)
+PTRS = struct.Struct("<7Q")
+STRIDES = struct.Struct("<7q")
 
 
 def arg_block(layout: type, *values):
@@ -318,10 +323,11 @@ def arg_block(layout: type, *values):
     return block
 
 
-_STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh")]
+_STRIDES = [(n, _I64) for n in ("kv_sp", "kv_st", "q_sb", "q_sh", "o_sb", "o_sh", "s_sh")]
 #: pkv_decode / pkv_decode_fused (kernels/pkv_decode.cu, PKV_DECODE_ARGS)
 DecodeArgs = _arg_layout("DecodeArgs", [
-    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR), ("kv_indices", _PTR), ("items", _PTR),
+    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR), ("k_scale", _PTR), ("v_scale", _PTR),
+    ("kv_indices", _PTR), ("items", _PTR),
     ("num_items", _PTR), ("part_o", _PTR), ("part_lse", _PTR), ("counters", _PTR), ("slot_offset", _I32),
     ("num_kv_heads", _I32), ("group_size", _I32), ("log2_page", _I32), *_STRIDES, ("scale_log2", _F32)])
 #: pkv_merge

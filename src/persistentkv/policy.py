@@ -219,7 +219,7 @@ class _StepShape:
 def _features(backend: str, shape: _StepShape, options: Mapping | None = None) -> tuple:
     """cost_features as a tuple of floats (the decision's hot path; no array per backend)."""
     spec = shape.spec
-    head_bytes = 2 * spec.head_dim * spec.itemsize
+    head_bytes = 2 * spec.head_dim * spec.kv_itemsize
     route = PKV_BACKENDS.get(backend)
     if route is None:
         return (1.0, float(shape.total * spec.kv_bytes_per_token), 1.0, 0.0, float(shape.max_len * head_bytes),

@@ -14,6 +14,12 @@ MAX_PAGE_SIZE = 256
 #: dtype name -> bytes per element. float16/bfloat16 are the serving dtypes; float32/float64
 #: exist for the NumPy executor (exactness tests).
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+#: The quantised KV-cache format: FP8 e4m3 (torch.float8_e4m3fn; NumPy holds its codes as uint8),
+#: dequantised as code value x scale (per tensor or per KV head). Queries and outputs stay in
+#: ``dtype``.
+FP8_KV = "float8_e4m3"
+#: kv_dtype name -> bytes per element of K and V.
+KV_DTYPE_BYTES = {**DTYPE_BYTES, FP8_KV: 1}
 LAYOUTS = ("NHD",)
 #: The longest row (tokens) the engine addresses: its kernel computes a tile's token indices in
 #: int32, up to ``N + TILE - 1`` for a row of ``N`` tokens, and a tile is at most 128 tokens (the
@@ -91,11 +97,16 @@ class AttentionSpec:
     page_size : int
         Tokens per page P, a power of two up to MAX_PAGE_SIZE.
     dtype : str
-        Element type of Q, K, V and the output: ``float16``, ``bfloat16``, ``float32``, ``float64``
-        (the engine takes the first two; the references all four).
+        Element type of Q and the output (and of K and V unless ``kv_dtype`` says otherwise):
+        ``float16``, ``bfloat16``, ``float32``, ``float64`` (the engine takes the first two; the
+        references all four).
     layout : str
         ``NHD``: K and V are each ``[num_pages, page_size, num_kv_heads, head_dim]``; queries and
         outputs are ``[batch, num_qo_heads, head_dim]``.
+    kv_dtype : str, optional
+        Element type of K and V: ``dtype`` itself (the default, None) or ``float8_e4m3``
+        (:data:`FP8_KV`: the cache holds FP8 codes dequantised as code x scale, the scales given
+        per tensor or per KV head with each run).
 
     Anything else is refused with a one-line PKVError when the spec is built.
     """
@@ -106,6 +117,7 @@ class AttentionSpec:
     page_size: int = 16
     dtype: str = "float16"
     layout: str = "NHD"
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
@@ -123,6 +135,10 @@ class AttentionSpec:
                 f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         require(isinstance(self.layout, str) and self.layout in LAYOUTS,
                 f"layout={self.layout!r} is not one of {LAYOUTS}")
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+        require(self.kv_dtype in (self.dtype, FP8_KV),
+                f"kv_dtype={self.kv_dtype!r}: the cache holds {self.dtype} (the query dtype) or {FP8_KV}")
 
     @property
     def group_size(self) -> int:
@@ -131,15 +147,29 @@ class AttentionSpec:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of Q and the output."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per element of K and V."""
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether K and V are FP8 codes (kv_dtype float8_e4m3) read with scales."""
+        return self.kv_dtype == FP8_KV
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V for one token over all KV heads (what one decode step reads per token)."""
-        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_itemsize
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.kv_dtype == self.dtype:  # the cache of the query's dtype: the spec as it always read
+            del data["kv_dtype"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "AttentionSpec":

@@ -7,9 +7,12 @@
                               plans carry the engine that runs them (``plan_engine``)
     unavailable(spec)         reasons (strings) this backend cannot run ``spec`` here; [] when usable
     plan(batch)               per-step metadata, made once per decode step (may upload to the GPU)
-    run(q, cache, plan, out)  one layer: q [B, Hq, D], cache = (K, V) each [pages, P, Hkv, D],
-                              out [B, Hq, D] preallocated by the caller; no allocation and no host
-                              synchronisation inside, so GPU backends can be captured in a CUDA graph
+    run(q, cache, plan, out)  one layer: q [B, Hq, D], cache = (K, V) each [pages, P, Hkv, D], or
+                              (K, V, k_scale, v_scale) for an FP8 cache (spec.kv_dtype float8_e4m3:
+                              K, V float8_e4m3fn codes, the scales float32 [1] or [Hkv] on the
+                              device, value = code x scale), out [B, Hq, D] preallocated by the
+                              caller; no allocation and no host synchronisation inside, so GPU
+                              backends can be captured in a CUDA graph
 
 A plan of a backend whose ``capabilities.graph`` is ``"device"`` has one method more:
 
@@ -65,6 +68,8 @@ class Capabilities:
         Its plans carry the engine that made them (``plan.engine``) and run(q, cache, plan, out)
         is ``plan.engine.run(q, cache, plan, out)``: a wrapper (adaptive) may call that directly,
         one Python call fewer per layer.
+    kv_dtypes : tuple of str
+        Cache dtypes it reads besides the query's (``float8_e4m3``: an FP8 cache with scales).
     """
 
     dtypes: tuple[str, ...]
@@ -73,6 +78,7 @@ class Capabilities:
     page_sizes: tuple[int, ...] | None = None
     host_arrays: bool = False
     plan_engine: bool = False
+    kv_dtypes: tuple[str, ...] = ()
 
     def __post_init__(self):
         require(self.graph in GRAPH_MODES, f"Capabilities.graph must be one of {', '.join(GRAPH_MODES)}, "
@@ -88,6 +94,8 @@ class Capabilities:
         """Why ``spec``'s dtype, head dim or page size is not among the declared ones ([] when
         they all are); ``who`` names the kernel in the reasons."""
         reasons = dtype_reasons(spec, self.dtypes, who)
+        if spec.kv_dtype != spec.dtype and spec.kv_dtype not in self.kv_dtypes:
+            reasons.append(f"{who} does not read a {spec.kv_dtype} KV cache")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             reasons.append(f"{who} supports head dims {self.head_dims}, not {spec.head_dim}")
         if self.page_sizes is not None and spec.page_size not in self.page_sizes:
@@ -130,8 +138,9 @@ class Backend(Protocol):
         ----------
         q : tensor, shape [B, Hq, D]
             Queries, of the spec's dtype (a NumPy array with ``capabilities.host_arrays``).
-        cache : (tensor, tensor)
-            K and V, each [num_pages, page_size, Hkv, D] (NHD), of the spec's dtype.
+        cache : (tensor, tensor) or (tensor, tensor, tensor, tensor)
+            K and V, each [num_pages, page_size, Hkv, D] (NHD), of the spec's kv_dtype; with an
+            FP8 cache, then k_scale and v_scale (float32 [1] or [Hkv], on the cache's device).
         plan : object
             What ``plan(batch)`` returned for this step.
         out : tensor, shape [B, Hq, D]

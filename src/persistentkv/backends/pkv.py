@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..cache import Batch
 from ..choose import choose_warps
 from ..engine import ENGINE_DTYPES, engine_for, engine_unsupported, gpu_reasons
+from ..launch import ENGINE_KV_DTYPES
 from ..errors import PKVError, require
 from ..spec import AttentionSpec
 from .base import Capabilities
@@ -29,7 +30,7 @@ class _PKVBackend:
     #: host-planned routes (buckets, split): a captured step is re-captured when the lengths change;
     #: run() is plan.engine.run(plan), so a wrapper (adaptive) may call the engine directly. The
     #: shapes the engine takes are its own check (engine.engine_unsupported, which unavailable asks).
-    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="replan", plan_engine=True)
+    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="replan", plan_engine=True, kv_dtypes=ENGINE_KV_DTYPES)
     #: DecodeEngine options (the module's shape), as opposed to the per-step plan options
     engine_options: dict = {}
 
@@ -50,13 +51,13 @@ class _PKVBackend:
         return self.engine(batch.spec).plan(batch, self.route, **self.options)
 
     def run(self, q, cache, plan, out) -> None:
-        plan.engine.run(q, cache, plan, out)  # the engine (module) that planned it
+        plan.engine.run(q, cache, plan, out)  # the engine (module) that planned it; (K, V[, scales])
 
 
 class PKVWorkqueue(_PKVBackend):
     route = "workqueue"
     #: planned on the GPU: DevicePlan.update_lengths re-plans inside a captured step
-    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="device", plan_engine=True)
+    capabilities = Capabilities(dtypes=ENGINE_DTYPES, graph="device", plan_engine=True, kv_dtypes=ENGINE_KV_DTYPES)
 
     def __init__(self, name: str = "pkv-workqueue", target_items: int | None = None,
                  min_chunk_tiles: int | None = None, warps: int | str = "auto"):
