@@ -33,6 +33,8 @@ NOT_ATTENTION = ("read",)
 #: our variants' names: the route's stem, with the CTA's warps appended when not 4 (wq, wq8, buckets8)
 ROUTE_STEMS = {"workqueue": "wq", "buckets": "buckets", "split": "split"}
 WARPS = (4, 8)
+#: the suffix of an FP8 bench's twins: our variant on an fp16 cache of the same values (FP16Twin)
+FP16_TWIN = "-fp16"
 
 
 def variant_name(route: str, warps: int) -> str:
@@ -136,21 +138,37 @@ class PlainRead:
 
 def rotated_copies(spec, batch, l2_bytes: int, factor: float = 3.0, max_copies: int = 64, seed: int = 5):
     """(copies, q): R views of one KV tensor, R x case bytes >= factor x L2 (at most ``max_copies``),
-    and the queries; fp16 standard normals."""
+    and the queries; standard normals of the spec's dtype. An FP8 spec's copies are
+    (K, V, k_scale, v_scale) (the backend interface's FP8 cache): the normals quantised to e4m3
+    with one scale per tensor (amax / 448), which every FP8 baseline takes."""
     import torch
 
+    from persistentkv.fp8 import E4M3_MAX
     from persistentkv.measure.rotation import cold_copies
 
     R = min(max_copies, cold_copies(batch.kv_bytes, l2_bytes, factor))
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = batch.num_pages
     shape = (R * pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    k_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-    v_all = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
-    copies = [(k_all[r * pages:(r + 1) * pages], v_all[r * pages:(r + 1) * pages]) for r in range(R)]
+    dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float16
+    k_all = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    v_all = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    scales = ()
+    if spec.fp8_kv:
+        scales = tuple((t.abs().amax().float() / E4M3_MAX).reshape(1) for t in (k_all, v_all))
+        k_all, v_all = ((t.float() / s).to(torch.float8_e4m3fn) for t, s in zip((k_all, v_all), scales))
+    copies = [(k_all[r * pages:(r + 1) * pages], v_all[r * pages:(r + 1) * pages], *scales) for r in range(R)]
     q = torch.randn((batch.batch_size, spec.num_qo_heads, spec.head_dim), generator=gen, device="cuda",
-                    dtype=torch.float16)
+                    dtype=dtype)
     return copies, q
+
+
+def dequantized(kv):
+    """(K, V) of a cache copy as the float64 reference reads it: an FP8 copy's codes x scales."""
+    if len(kv) == 2:
+        return kv
+    k, v, k_scale, v_scale = kv
+    return k.float() * k_scale, v.float() * v_scale
 
 
 def capture(run, copies, calls: int, warmup: int = 3):
@@ -256,13 +274,15 @@ def time_case(spec, batch, variants: dict, ceiling: float, args, case: str | Non
     case = case or f"B={B} N={N}"
     copies, q = rotated_copies(spec, batch, torch.cuda.get_device_properties(0).L2_cache_size,
                                max_copies=1 if args.warm else 64)
-    ref = reference_torch64(batch, q, *copies[0])
+    ref = reference_torch64(batch, q, *dequantized(copies[0]))
     floor = batch.kv_bytes / (ceiling * 1e3) if ceiling > 0 else math.nan
     print(f"{case}: {batch.kv_bytes / 1e6:.1f} MB, floor {floor:.2f} us, {len(copies)} copies", flush=True)
     graphs, errors, keep = {}, {}, []
     for name, (plan, make_run) in variants.items():
         try:
             run = make_run(q)
+            if hasattr(run, "prepare"):  # a variant that reads its own copies of the same values
+                run.prepare(copies)
             out = torch.full_like(q, float("nan"))
             run(copies[0], plan, out)
             torch.cuda.synchronize()
@@ -348,7 +368,8 @@ def comparison_row(label: str, floor: float, med: dict, ok: dict) -> tuple:
     """One case of print_comparison: (label, floor, medians, best baseline, best of ours), each best
     as fastest's (name, us) over the attention variants that passed the check."""
     ok = {n: t for n, t in ok.items() if n not in NOT_ATTENTION}
-    return label, floor, med, fastest(ok, lambda n: n in BASELINES), fastest(ok, lambda n: n not in BASELINES)
+    return label, floor, med, fastest(ok, lambda n: n in BASELINES), fastest(
+        ok, lambda n: n not in BASELINES and not n.endswith(FP16_TWIN))
 
 
 def print_comparison(table: list) -> None:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
                                       [--waves 2,0.5] [--baselines vllm-fa3]
-                                      [--against DIR] [--heads 32:8]
+                                      [--against DIR] [--heads 32:8] [--kv-dtype float8_e4m3]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
@@ -23,6 +23,11 @@ of the case interleaved. Variants:
   flashinfer-cc, flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines installed here (--baselines)
   read                     not attention: the read-ceiling kernel over a contiguous buffer of the
                            case's KV bytes, the time a kernel that only streams them takes
+With --kv-dtype float8_e4m3 the cache is FP8 e4m3 codes with one scale per tensor (every variant,
+ours and the baselines' FP8 paths, reads the same codes; the floor and `read` are of the FP8
+bytes), and two more variants run on an fp16 cache of the same (dequantised) values, twice the
+bytes, beside them:
+  wq-fp16, wq8-fp16        our fp16 engine, so the paired ratios give FP8 against our own fp16
 Prints, per case, the floor (the case's bytes at this run's read ceiling, measured over 16 GiB),
 every variant's median, the best baseline, our best and its speedup; then every X-TAG variant's
 per-round ratio to X. Writes bench_engine_HHMMSS.parquet to --out ($OUT) after every case.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -39,7 +45,7 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bench_common import (WARPS, add_baselines, add_engine_plan, add_plain_read, bench_args,  # noqa: E402
+from bench_common import (FP16_TWIN, WARPS, add_baselines, add_engine_plan, add_plain_read, bench_args,  # noqa: E402
                           comparison_row, first_line, load_baselines, planning_adder, print_comparison,
                           print_paired, read_ceiling_gbps, timed_cases, variant_name, write_rows)
 from persistentkv.names import BASELINES, ENGINE_ROUTES  # noqa: E402
@@ -95,6 +101,38 @@ class _Against:
                                            ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")})
         theirs = self._cache.Batch(spec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
         return self._engine.plan(theirs, route, **options)
+
+
+class FP16Twin:
+    """Our fp16 ``engine`` on an fp16 cache holding the values of each FP8 copy (codes x scale,
+    rounded to fp16), made before the first run (time_case calls ``prepare``; never inside a
+    capture); called as run(kv, plan, out) with the FP8 copy, it runs on that copy's twin."""
+
+    def __init__(self, engine, q):
+        self.engine, self.q, self.twins = engine, q, {}
+
+    def prepare(self, copies) -> None:
+        import torch
+
+        for kv in copies:
+            k, v, k_scale, v_scale = kv
+            self.twins[k.data_ptr()] = ((k.float() * k_scale).to(torch.float16),
+                                        (v.float() * v_scale).to(torch.float16))
+
+    def __call__(self, kv, plan, out) -> None:
+        self.engine.run(self.q, self.twins[kv[0].data_ptr()], plan, out)
+
+
+def add_fp16_twins(add, batch, spec16) -> None:
+    """Register wq-fp16 and wq8-fp16: our workqueue route at 4 and 8 warps on the fp16 twin cache."""
+    from persistentkv.cache import Batch
+    from persistentkv.engine import engine_for
+
+    twin_batch = Batch(spec16, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
+    for w in WARPS:
+        engine = engine_for(spec16, warps=w)
+        add(variant_name("workqueue", w) + FP16_TWIN, lambda e=engine: e.plan(twin_batch),
+            lambda q, e=engine: FP16Twin(e, q))
 
 
 def against_variants(path: str, spec, *, warps=WARPS) -> list[Variant]:
@@ -161,11 +199,14 @@ def main() -> int:
         parser.add_argument("--against", default="", help="a folder with another version's kernels/ and "
                             "src/persistentkv_TAG: adds its shipped variants as X-TAG (see above)")
         parser.add_argument("--heads", default="32:8", help="query heads and kv heads, HQ:HKV (default 32:8)")
+        parser.add_argument("--kv-dtype", default="", choices=["", "float8_e4m3"],
+                            help="the cache's dtype: the query's (default) or float8_e4m3 (see above)")
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
     baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
-    spec = parse_heads(args.heads)
+    spec16 = parse_heads(args.heads)
+    spec = replace(spec16, kv_dtype=args.kv_dtype or None)
     t_start = time.time()
     ours = variants(spec, waves=waves)
     if args.against:
@@ -186,6 +227,8 @@ def main() -> int:
             add_engine_plan(add, batch, v.name, v.engine, v.plan)
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
+        if spec.fp8_kv:
+            add_fp16_twins(add, batch, spec16)
         return runs
 
     rows = []

@@ -49,14 +49,17 @@ from bench_common import add_out_option, write_rows  # noqa: E402
 LOOPS = (8, 32, 200)
 
 
-def key_of(q, k, v, out, plan, lse=None):
+def key_of(q, k, v, out, plan, lse=None, k_scale=None, v_scale=None):
     """The key engine.run builds inline (a timing stand-in; tests/test_engine.py checks it is the
     key run() stores)."""
     qs, ks, os_ = q.stride(), k.stride(), out.stride()
     q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    ks_ptr = 0 if k_scale is None else k_scale.data_ptr()
+    vs_ptr = 0 if v_scale is None else v_scale.data_ptr()
     return (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
             v.device, out.shape, os_, out.dtype, out.device, plan[0], plan[1], (q_ptr | o_ptr) & 3,
-            (k_ptr | v_ptr) & 15, None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device))
+            (k_ptr | v_ptr) & 15, None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
+            ks_ptr, vs_ptr)
 
 
 def time_loops(call, sync, repeats: int, loops=LOOPS, before=None) -> dict:

@@ -340,18 +340,24 @@ def test_engine_spec_is_the_one_planned():
         engine.plan(other, "workqueue")
 
 
-def torch_engine(lengths=(300, 17)):
-    """A fake engine with torch CPU tensors as the caller's q, cache and out (launches recorded)."""
+def torch_engine(lengths=(300, 17), fp8=False):
+    """A fake engine with torch CPU tensors as the caller's q, cache and out (launches recorded);
+    ``fp8``: its spec's cache is FP8 e4m3 (k, v float8_e4m3fn)."""
     torch = pytest.importorskip("torch")
     engine, launched = fake_engine()
+    if fp8:
+        engine.spec = AttentionSpec(32, 8, 128, 16, "float16", kv_dtype="float8_e4m3")
     engine.torch_dtype = torch.float16
+    engine.cache_dtype = torch.float8_e4m3fn if fp8 else torch.float16
     engine.device = torch.device("cpu")
     engine._last_check = None
     batch = make_batch(engine.spec, list(lengths), seed=2)
     plan = engine.plan(batch, "workqueue")
+    if fp8:
+        engine.torch = torch  # the scales' checks on real (CPU) tensors; planning is done
     spec = engine.spec
     q = torch.zeros((batch.batch_size, spec.num_qo_heads, spec.head_dim), dtype=torch.float16)
-    k = torch.zeros((batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim), dtype=torch.float16)
+    k = torch.zeros((batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim), dtype=engine.cache_dtype)
     return torch, engine, launched, plan, q, k, torch.zeros_like(k), torch.zeros_like(q)
 
 
@@ -371,6 +377,67 @@ def test_run_refuses_what_the_kernels_cannot_run():
         with pytest.raises(PKVError, match=message):
             engine.run(qq, (kk, vv), plan, oo)
     assert len(launched) == 1  # nothing launched for a refused call
+
+
+def test_fp8_cache_scales_reach_the_parameter_block_and_bad_ones_are_refused():
+    """An FP8 engine's run() writes the scale pointers and the per-head stride (0: one scale per
+    tensor, 1: one per kv head) into the decode block; what the kernels cannot read right is
+    refused in one line before any launch."""
+    torch, engine, launched, plan, q, k, v, out = torch_engine(fp8=True)
+    per_tensor, per_head = torch.full((1,), 0.5), torch.linspace(0.1, 0.8, 8)
+    for scale, stride in ((per_tensor, 0), (per_head, 1)):
+        launched.clear()
+        engine.run(q, (k, v), plan, out, k_scale=scale, v_scale=scale * 2)
+        args = launched[0].args
+        assert args.k_scale == scale.data_ptr() and args.s_sh == stride and args.v_scale != 0
+        launched.clear()
+        engine.run(q, (k, v, scale, scale), plan, out)  # the backend interface's 4-tuple
+        assert launched[0].args.k_scale == scale.data_ptr() == launched[0].args.v_scale
+    cases = {
+        "needs k_scale": ((k, v), {}),
+        "e5m2 is not supported": ((k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)),
+                                  {"k_scale": per_tensor, "v_scale": per_tensor}),
+        "v_cache has dtype torch.float16": ((k, v.to(torch.float16)), {"k_scale": per_tensor, "v_scale": per_tensor}),
+        "must be finite and > 0, got inf": ((k, v), {"k_scale": torch.tensor([float("inf")]), "v_scale": per_tensor}),
+        "must be finite and > 0, got -1.0": ((k, v), {"k_scale": per_tensor, "v_scale": -per_tensor * 2}),
+        r"1 or 8 \(num_kv_heads\) values": ((k, v), {"k_scale": torch.ones(3), "v_scale": per_tensor}),
+        "got torch.float64": ((k, v), {"k_scale": per_tensor.double(), "v_scale": per_tensor}),
+        "a Python number would be baked": ((k, v), {"k_scale": 0.5, "v_scale": per_tensor}),
+        "must both be per tensor or both per KV head": ((k, v), {"k_scale": per_tensor, "v_scale": per_head}),
+        "given once": ((k, v, per_tensor, per_tensor), {"k_scale": per_tensor}),
+    }
+    launched.clear()
+    for message, (cache, scales) in cases.items():
+        engine._last_check = None
+        with pytest.raises(PKVError, match=message) as info:
+            engine.run(q, cache, plan, out, **scales)
+        assert "\n" not in str(info.value)
+    engine._last_check = None
+    with pytest.raises(PKVError, match="an FP8 query is not supported"):
+        engine.run(q.to(torch.float8_e4m3fn), (k, v), plan, out, k_scale=per_tensor, v_scale=per_tensor)
+    assert not launched  # nothing launched for a refused call
+    # the fp16 engine: an FP8 cache is named, and scales are refused
+    torch, engine16, launched, plan16, q, k16, v16, out = torch_engine()
+    with pytest.raises(PKVError, match="k_cache has dtype torch.float8_e4m3fn, expected torch.float16; an FP8 "
+                                       "cache needs"):
+        engine16.run(q, (k, v), plan16, out)
+    engine16._last_check = None
+    with pytest.raises(PKVError, match="k_scale/v_scale are for an FP8 cache"):
+        engine16.run(q, (k16, v16), plan16, out, k_scale=per_tensor, v_scale=per_tensor)
+
+
+def test_fp8_token_rows_need_16_byte_strides():
+    """An FP8 token row starts every 16 bytes: a token stride of 8 codes is refused."""
+    torch, engine, launched, plan, q, k, v, out = torch_engine(fp8=True)
+    launched.clear()
+    base = torch.zeros((k.shape[0] * k.shape[1] * 8 * 128 + 8 * k.shape[0] * k.shape[1],), dtype=torch.float8_e4m3fn)
+    kk = base.as_strided(k.shape, (k.shape[1] * (8 * 128 + 8), 8 * 128 + 8, 128, 1))
+    with pytest.raises(PKVError, match=r"need \[\*, 16k, head_dim, 1\]"):
+        engine.run(q, (kk, kk), plan, out, k_scale=torch.ones(1), v_scale=torch.ones(1))
+    launched.clear()
+    engine._last_check = None
+    engine.run(q, (k, v), plan, out, k_scale=torch.ones(1), v_scale=torch.ones(1))  # 16-byte rows run
+    assert len(launched) == 1
 
 
 class _PageStride:

@@ -549,7 +549,7 @@ class DecodeEngine:
                     f"{self.device}, got {t.dtype} {list(t.shape)} on {t.device}")
         require(k_scale.numel() == v_scale.numel(), f"k_scale and v_scale must both be per tensor or both per KV head, "
                                                     f"got {k_scale.numel()} and {v_scale.numel()} values")
-        if not torch.cuda.is_current_stream_capturing():
+        if not (k_scale.is_cuda and torch.cuda.is_current_stream_capturing()):
             for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
                 bad = ~(torch.isfinite(t) & (t > 0))
                 if bool(bad.any()):
@@ -601,8 +601,9 @@ class DecodeEngine:
             k_scale, v_scale = cache[2], cache[3]
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         lse_ptr = 0 if lse is None else lse.data_ptr()
-        ks_ptr = 0 if k_scale is None else k_scale.data_ptr()
-        vs_ptr = 0 if v_scale is None else v_scale.data_ptr()
+        # -1: not a tensor, so the checks below run and refuse it
+        ks_ptr = 0 if k_scale is None else k_scale.data_ptr() if hasattr(k_scale, "data_ptr") else -1
+        vs_ptr = 0 if v_scale is None else v_scale.data_ptr() if hasattr(v_scale, "data_ptr") else -1
         qs, os_, ks = q.stride(), out.stride(), k.stride()
         if check:  # full checks only when anything they look at differs from the last call's
             key = (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, v.stride(), v.dtype,
