@@ -437,3 +437,260 @@ def test_xqa_adapter_reads_nhd_in_place_with_plain_softmax_scale(fake_flashinfer
     assert call["kv_layout"] == "NHD" and call["backend"] == "xqa"
     assert call["bmm1_scale"] == pytest.approx(1 / 8) and call["bmm2_scale"] == 1.0
     assert call["workspace"].dtype == torch.uint8 and not call["workspace"].any()
+
+
+# -- FP8 KV caches (kv_dtype float8_e4m3): torch-sdpa for real, the GPU adapters through the fakes --------
+from persistentkv import fp8  # noqa: E402
+
+FP8_BASELINES = ("torch-sdpa", "flashinfer-cc", "flashinfer-tc", "trtllm-xqa", "vllm-fa3")
+
+
+def fp8_case(spec: AttentionSpec, lengths, per_head: bool, seed=0, hole_fraction=0.4):
+    """(batch, q, cache, (k64, v64)): a fresh random FP8 cache (codes from fp8.quantize with scales
+    fitted per tensor or per KV head; K and V of different magnitudes), q of spec.dtype, the cache
+    as the backends take it (K, V float8_e4m3fn, k_scale, v_scale float32) and its dequantised
+    float64 values (fp8.dequantize of the codes), which the reference reads."""
+    batch = make_batch(spec, lengths, hole_fraction=hole_fraction, seed=seed)
+    rng = np.random.default_rng(seed + 23)
+    shape = (batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    head_gain = np.geomspace(0.5, 2.0, spec.num_kv_heads).reshape(1, 1, -1, 1)  # per-head scales differ
+    k = rng.standard_normal(shape) * head_gain
+    v = rng.standard_normal(shape) * head_gain
+    axis = 2 if per_head else None
+    ks, vs = fp8.fit_scale(k, head_axis=axis), fp8.fit_scale(v, head_axis=axis)
+    kc, vc = fp8.quantize(k, ks, head_axis=2), fp8.quantize(v, vs, head_axis=2)
+    dtype = {"float16": np.float16, "float32": np.float32}.get(spec.dtype, np.float32)
+    q = rng.standard_normal((batch.batch_size, spec.num_qo_heads, spec.head_dim)).astype(dtype)
+    qt = torch.from_numpy(q).to(getattr(torch, spec.dtype))
+    cache = (torch.from_numpy(kc).view(torch.float8_e4m3fn), torch.from_numpy(vc).view(torch.float8_e4m3fn),
+             torch.from_numpy(ks), torch.from_numpy(vs))
+    # what the backends read, dequantised as the project does it (codes = k.view(torch.uint8))
+    k64 = fp8.dequantize(cache[0].view(torch.uint8).numpy(), ks, head_axis=2)
+    v64 = fp8.dequantize(cache[1].view(torch.uint8).numpy(), vs, head_axis=2)
+    return batch, qt, cache, (k64, v64)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("dtype,group_size", [("float16", 4), ("float32", 1), ("float32", 8), ("bfloat16", 2)])
+def test_sdpa_reads_an_fp8_cache_within_the_query_dtype_tolerance(dtype, group_size, per_head):
+    spec = AttentionSpec(num_qo_heads=4 * group_size, num_kv_heads=4, head_dim=64, page_size=16, dtype=dtype,
+                         kv_dtype="float8_e4m3")
+    backend = registry.create("torch-sdpa", device="cpu")
+    assert backend.unavailable(spec) == []
+    batch, q, cache, (k64, v64) = fp8_case(spec, [1, 15, 16, 17, 97, 300], per_head, seed=group_size)
+    plan = backend.plan(batch)
+    assert plan.k_buf.dtype == torch.uint8 and plan.k_deq.dtype == q.dtype
+    out = torch.full(q.shape, -24576.0, dtype=q.dtype)
+    backend.run(q, cache, plan, out)
+    ref = reference_decode(q.double().numpy(), k64, v64, batch)
+    verdict = gate(out.double().numpy(), ref, TOLERANCE[dtype], batch.seq_lens)
+    assert verdict.passed, verdict.describe()
+    # the scales matter: the same codes read with scale 1 are far off
+    ones = torch.ones_like(cache[2])
+    backend.run(q, (cache[0], cache[1], ones, ones), plan, out)
+    assert gate(out.double().numpy(), ref, TOLERANCE[dtype]).max_err > 0.1
+
+
+def test_sdpa_fp8_plan_follows_new_scale_values_and_lengths():
+    """The scales are read on the device at each run (a new value in the same tensor is used), and
+    update_lengths works as for any cache."""
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32",
+                         kv_dtype="float8_e4m3")
+    backend = registry.create("torch-sdpa", device="cpu")
+    batch, q, cache, (k64, v64) = fp8_case(spec, [64, 64, 64], per_head=True, hole_fraction=0.0)
+    plan = backend.plan(batch)
+    lengths = torch.tensor([50, 17, 64], dtype=torch.int32)
+    plan.update_lengths(lengths)
+    cache[3].mul_(2.0)
+    out = torch.empty_like(q)
+    backend.run(q, cache, plan, out)
+    want = paged_attention(q, torch.from_numpy(k64), torch.from_numpy(2.0 * v64),
+                           torch.from_numpy(batch.padded_block_table()), [50, 17, 64], 1 / math.sqrt(64))
+    assert_gated(out.numpy(), want.numpy(), "float32")
+
+
+FP8_SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32",
+                         kv_dtype="float8_e4m3")
+
+
+def test_step_tensor_checks_refuse_bad_fp8_caches_with_one_line():
+    from persistentkv.backends.torch_sdpa import check_step_tensors
+
+    batch, q, cache, _ = fp8_case(FP8_SPEC, [40, 7], per_head=False)
+    k, v, ks, vs = cache
+    out = torch.empty_like(q)
+
+    def refused(c, match):
+        with pytest.raises(PKVError, match=match) as info:
+            check_step_tensors(FP8_SPEC, 2, q, c, out, "who")
+        assert "\n" not in str(info.value) and str(info.value).startswith("who: ")
+
+    check_step_tensors(FP8_SPEC, 2, q, cache, out, "who")                                 # accepted
+    check_step_tensors(FP8_SPEC, 2, q, (k, v, ks.reshape(()), torch.ones(2)), out, "who")  # [] and [Hkv]
+    refused((k, v), r"an FP8 cache \(kv_dtype float8_e4m3\) is \(K, V, k_scale, v_scale\), got a tuple of 2")
+    refused((k, v, ks, torch.ones(3)), r"v_scale must be a contiguous float32 tensor of 1 or 2 \(num_kv_heads\) "
+                                       r"values on cpu, got torch.float32 \[3\] on cpu")
+    refused((k, v, ks.double(), vs), r"k_scale must be a contiguous float32 tensor .* got torch.float64 \[1\]")
+    refused((k, v, torch.ones(2, 1), vs), r"k_scale must be .* got torch.float32 \[2, 1\]")
+    refused((k, v, torch.ones(4)[::2], vs), r"k_scale must be a contiguous")
+    refused((k, v, 1.0, vs), r"k_scale must be .* got float")
+    refused((k.view(torch.uint8).view(torch.float8_e5m2), v, ks, vs),
+            r"K has dtype torch.float8_e5m2, expected torch.float8_e4m3fn \(e5m2 caches are not supported\)")
+    refused((k.to(torch.float16), v.to(torch.float16), ks, vs),
+            r"K has dtype torch.float16, expected torch.float8_e4m3fn \(the spec's kv_dtype is float8_e4m3\)")
+    refused((k[:, :8], v, ks, vs), r"K has shape")
+    with pytest.raises(PKVError, match=r"q has dtype torch.float16, expected torch.float32") as info:
+        check_step_tensors(FP8_SPEC, 2, q.half(), cache, out, "who")
+    # and a cache of the query's dtype refuses the scales with a hint
+    plain = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32")
+    kf, vf = k.float(), v.float()
+    with pytest.raises(PKVError, match=r"cache must be a \(K, V\) pair, got a tuple of 4; \(K, V, k_scale, "
+                                       r"v_scale\) is for an FP8 cache") as info:
+        check_step_tensors(plain, 2, q, (kf, vf, ks, vs), out, "who")
+    assert "\n" not in str(info.value)
+
+
+def test_sdpa_run_refuses_bad_fp8_inputs_with_one_line():
+    backend = registry.create("torch-sdpa", device="cpu")
+    batch, q, (k, v, ks, vs), _ = fp8_case(FP8_SPEC, [40, 7], per_head=False)
+    plan = backend.plan(batch)
+    for cache, match in (((k, v, ks, torch.ones(3)), "v_scale must be"),
+                         ((k.to(torch.float32), v.to(torch.float32), ks, vs), "K has dtype torch.float32"),
+                         ((k, v), "is \\(K, V, k_scale, v_scale\\)")):
+        with pytest.raises(PKVError, match=match) as info:
+            backend.run(q, cache, plan, torch.empty_like(q))
+        assert "\n" not in str(info.value) and str(info.value).startswith("torch-sdpa: ")
+
+
+def test_fp8_capabilities_and_unavailable_reasons():
+    for name in FP8_BASELINES:
+        assert registry.create(name).capabilities.kv_dtypes == ("float8_e4m3",), name
+    bf16 = AttentionSpec(dtype="bfloat16", kv_dtype="float8_e4m3")
+    fp16 = AttentionSpec(dtype="float16", kv_dtype="float8_e4m3")
+    for spec in (bf16, fp16):
+        result = registry.available(spec, list(FP8_BASELINES))
+        for name, reasons in result.items():
+            assert not any("does not read" in r for r in reasons), (name, reasons)
+    assert registry.available(bf16, ["torch-sdpa"])["torch-sdpa"] == []
+    reasons = registry.create("vllm-fa3").unavailable(fp16)
+    assert any("writes bfloat16 only" in r and "float16" in r for r in reasons), reasons
+    assert not any("bfloat16 only" in r for r in registry.create("vllm-fa3").unavailable(bf16))
+    native = registry.create("trtllm-native").unavailable(bf16)
+    assert native and all(isinstance(r, str) and r for r in native)
+
+
+def test_host_scales_read_once_per_version_and_refuse_per_head_values():
+    from persistentkv.backends.flashinfer_backend import HostScales
+
+    scales = HostScales("fi", "one scale per tensor")
+    ks, vs = torch.tensor([0.5]), torch.full((2,), 0.25)       # [Hkv] of equal values: one scale
+    assert scales.pair(ks, vs) == (0.5, 0.25)
+    ks.fill_(2.0)                                               # an in-place write: read again
+    assert scales.pair(ks, vs) == (2.0, 0.25)
+    with pytest.raises(PKVError, match=r"fi: per-KV-head k_scale \(2 distinct values\) is not supported: one "
+                                       r"scale per tensor") as info:
+        scales.value("k_scale", torch.tensor([1.0, 2.0]))
+    assert "\n" not in str(info.value)
+    with pytest.raises(PKVError, match="v_scale must be finite and > 0"):
+        scales.value("v_scale", torch.tensor([0.0]))
+
+
+# the stand-ins, extended to the FP8 arguments each library documents --------------------------------------
+class _FakeFp8Wrapper(_FakeWrapper):
+    """FlashInfer 0.6.14's wrapper with an FP8 cache: plan(kv_data_type=float8_e4m3fn) and
+    run(k_scale=float, v_scale=float): sm_scale *= k_scale, then out *= v_scale (decode.py)."""
+
+    def plan(self, *args, kv_data_type=None, **kwargs):
+        super().plan(*args, **kwargs)
+        self.kv_data_type = kv_data_type
+
+    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, **kwargs):
+        k, v = paged_kv_cache
+        assert k.dtype == v.dtype == self.kv_data_type == torch.float8_e4m3fn
+        assert isinstance(k_scale, float) and isinstance(v_scale, float)
+        self.scales = (k_scale, v_scale)
+        super().run(q, (k.double() * k_scale, v.double()), out=out)  # k_scale folded into the scores
+        out *= v_scale
+        return out
+
+
+@pytest.mark.parametrize("name", ["flashinfer-cc", "flashinfer-tc"])
+def test_flashinfer_adapter_passes_an_fp8_step(fake_flashinfer, monkeypatch, name):
+    import flashinfer.decode as decode
+
+    monkeypatch.setattr(decode, "BatchDecodeWithPagedKVCacheWrapper", _FakeFp8Wrapper)
+    backend = registry.create(name, device="cpu")
+    batch, q, cache, (k64, v64) = fp8_case(FP8_SPEC, LENGTHS, per_head=False, seed=5)
+    plan = backend.plan(batch)
+    out = torch.full(q.shape, -24576.0, dtype=q.dtype)
+    backend.run(q, cache, plan, out)
+    assert_gated(out.numpy(), reference_decode(q.numpy(), k64, v64, batch), "float32")
+    wrapper = _FakeWrapper.created[-1]
+    assert wrapper.kv_data_type == torch.float8_e4m3fn and wrapper.state[-1] == torch.float32  # q stays
+    assert wrapper.scales == (float(cache[2]), float(cache[3]))
+    per_head = (cache[0], cache[1], torch.tensor([1.0, 2.0]), cache[3])
+    with pytest.raises(PKVError, match="FlashInfer takes one K and one V scale per tensor"):
+        backend.run(q, per_head, plan, out)
+
+
+def test_xqa_adapter_passes_fp8_scales_as_bmm_scales(fake_flashinfer):
+    backend = registry.create("trtllm-xqa", device="cpu", workspace_bytes=1 << 20)
+    batch, q, cache, (k64, v64) = fp8_case(FP8_SPEC, LENGTHS, per_head=False, seed=6)
+    plan = backend.plan(batch)
+    out = torch.full(q.shape, -24576.0, dtype=q.dtype)
+    import flashinfer.decode as decode
+
+    real = decode.trtllm_batch_decode_with_kv_cache
+
+    def fp8_xqa(query, kv_cache, *args, **kwargs):
+        k, v = kv_cache
+        assert k.dtype == v.dtype == torch.float8_e4m3fn and query.dtype == q.dtype  # the query as given
+        assert isinstance(kwargs["bmm1_scale"], float) and isinstance(kwargs["bmm2_scale"], float)
+        # XQA: one kv_scale (= bmm2_scale) for K and V; the scores are scaled by bmm1_scale
+        out = real(query, (k.double(), v.double() * kwargs["bmm2_scale"]), *args, **{
+            **kwargs, "bmm2_scale": 1.0})
+        return out
+
+    decode.trtllm_batch_decode_with_kv_cache = fp8_xqa
+    backend.run(q, cache, plan, out)
+    assert_gated(out.numpy(), reference_decode(q.numpy(), k64, v64, batch), "float32")
+    call = fake_flashinfer[-1]
+    assert call["bmm1_scale"] == pytest.approx(float(cache[2]) / 8)
+    with pytest.raises(PKVError, match=r"trtllm-xqa: per-KV-head k_scale .* XQA takes one K and one V scale"):
+        backend.run(q, (cache[0], cache[1], torch.tensor([1.0, 2.0]), cache[3]), plan, out)
+
+
+def test_vllm_adapter_quantises_the_query_and_passes_descales(fake_vllm, monkeypatch):
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="bfloat16",
+                         kv_dtype="float8_e4m3")
+    backend = registry.create("vllm-fa3", device="cpu")
+    batch, q, cache, (k64, v64) = fp8_case(spec, LENGTHS, per_head=True, seed=7)
+    q[0, 0, 0] = 1000.0  # beyond e4m3: clamped to 448 as vLLM's QuantFP8 does, never NaN
+    import vllm.vllm_flash_attn as fa
+
+    real = fa.flash_attn_varlen_func
+    seen = {}
+
+    def fp8_fa3(q, k, v, *args, q_descale=None, k_descale=None, v_descale=None, out=None, **kwargs):
+        assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        B, Hkv = q.shape[0], k.shape[2]
+        for d in (q_descale, k_descale, v_descale):
+            assert tuple(d.shape) == (B, Hkv) and d.dtype == torch.float32
+        seen.update(q=q.clone(), q_descale=q_descale, k_descale=k_descale)
+        G = q.shape[1] // Hkv
+        qd = q.double() * q_descale.repeat_interleave(G, dim=1)[:, :, None]
+        kd = k.double() * k_descale[0].view(1, 1, -1, 1)
+        vd = v.double() * v_descale[0].view(1, 1, -1, 1)
+        return real(qd, kd, vd, *args, out=out, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", fp8_fa3)
+    plan = backend.plan(batch)
+    assert fake_vllm["metadata"][-1]["qkv_dtype"] == torch.float8_e4m3fn
+    out = torch.full(q.shape, -24576.0, dtype=q.dtype)
+    backend.run(q, cache, plan, out)
+    q8 = seen["q"].double()
+    assert q8[0, 0, 0] == 448.0 and torch.equal(q8, q.float().clamp(-448, 448).to(torch.float8_e4m3fn).double())
+    assert torch.equal(seen["q_descale"], torch.ones(5, 2))
+    assert seen["k_descale"].data_ptr() == cache[2].data_ptr() and seen["k_descale"].stride() == (0, 1)  # a view
+    # against float64 with the query the kernel was given (its e4m3 rounding is FA3's, not the adapter's)
+    assert_gated(out.float().numpy(), reference_decode(q8.numpy(), k64, v64, batch), "bfloat16")

@@ -20,10 +20,31 @@ every rotated copy of the cache.
 
 A ``plan()`` rewrites the wrapper's state: a plan object is valid until the next ``plan()`` of the
 same wrapper, and ``run()`` with an older one raises rather than computing with the new state.
+
+FP8 caches (``AttentionSpec(kv_dtype="float8_e4m3")``; what FlashInfer 0.6.14's decode.py does):
+``plan(..., q_data_type=<fp16/bf16>, kv_data_type=torch.float8_e4m3fn)``, so the query and the
+output stay in the spec's dtype (o_data_type defaults to q_data_type) and the kernels convert the
+e4m3 codes in registers. The CUDA-core path JITs a decode kernel for that (q, kv) pair; the
+tensor-core path's ``backend="auto"`` asks ``determine_attention_backend``, whose
+``is_fa3_backend_supported`` says no for an FP8 cache with a non-FP8 query ("FA3 FP8 KV cache
+currently requires FP8 query"), so it runs the FA2 prefill kernels with an fp16/bf16 query.
+``run(q, (K, V), k_scale=, v_scale=, out=)`` takes the scales as Python floats
+(``Optional[float]``): ``sm_scale *= k_scale`` on the host (sm_scale is 1/sqrt(D) from plan; the
+result is passed to the kernel as a double), and after the kernel ``out *= v_scale`` (one more
+elementwise launch, skipped when v_scale is the float 1.0). So FlashInfer takes one K and one V
+scale per tensor: a per-KV-head scale ([Hkv] of distinct values) is refused at run() with one line.
+vLLM's FlashInfer backend passes ``layer._k_scale_float`` / ``layer._v_scale_float`` the same way.
+Our scales are float32 device tensors, so the adapter reads each one on the host
+(:class:`HostScales`) once per tensor object and version (``tensor._version``, which in-place torch
+writes bump), outside CUDA-graph capture; a capture that meets a scale not read before raises
+(run the step once eagerly first). A captured graph replays the scale values it was captured
+with, as a graph of vLLM's does; device writes that bypass torch (no version bump) are not seen.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +65,46 @@ CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 FLASHINFER_DTYPES = ("float16", "bfloat16")
 
 
+class HostScales:
+    """Python floats of an FP8 cache's k_scale/v_scale tensors, for libraries that take the scales as
+    host floats (FlashInfer's decode wrapper, XQA through FlashInfer as vLLM calls it).
+
+    Each tensor is read once (a host synchronisation) per tensor object and version and remembered;
+    a read needed during a CUDA-graph capture raises instead. A tensor of several values (per KV
+    head) is accepted only when they are all equal (then it is one scale); else a one-line refusal
+    naming ``who`` and ``why``."""
+
+    #: remembered tensors at most (a decode loop has one pair per layer)
+    LIMIT = 1024
+
+    def __init__(self, who: str, why: str):
+        self.who, self.why = who, why
+        self._memo: dict[int, tuple[Any, int, float]] = {}
+
+    def pair(self, k_scale, v_scale) -> tuple[float, float]:
+        return self.value("k_scale", k_scale), self.value("v_scale", v_scale)
+
+    def value(self, label: str, t) -> float:
+        held = self._memo.get(id(t))
+        if held is not None and held[0]() is t and held[1] == t._version:
+            return held[2]
+        import torch
+
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise PKVError(f"{self.who}: {label} was not read before this CUDA-graph capture ({self.why}, so the "
+                           f"adapter reads them on the host); run the step once eagerly before capturing it")
+        values = [float(x) for x in t.detach().reshape(-1).tolist()]  # one host sync per tensor version
+        if any(x != values[0] for x in values):
+            raise PKVError(f"{self.who}: per-KV-head {label} ({len(values)} distinct values) is not supported: "
+                           f"{self.why}")
+        if not (math.isfinite(values[0]) and values[0] > 0):
+            raise PKVError(f"{self.who}: {label} must be finite and > 0, got {values[0]!r}")
+        if len(self._memo) >= self.LIMIT:
+            self._memo.clear()
+        self._memo[id(t)] = (weakref.ref(t), t._version, values[0])
+        return values[0]
+
+
 @dataclass
 class FlashInferPlan:
     """A planned step: which wrapper holds it, and the generation that stays valid."""
@@ -62,13 +123,15 @@ class FlashInferBackend:
         self.use_tensor_cores = bool(use_tensor_cores)
         self.name = name or ("flashinfer-tc" if self.use_tensor_cores else "flashinfer-cc")
         self.cuda_graph = bool(cuda_graph)
-        self.capabilities = Capabilities(dtypes=FLASHINFER_DTYPES, graph="host" if self.cuda_graph else "none")
+        self.capabilities = Capabilities(dtypes=FLASHINFER_DTYPES, graph="host" if self.cuda_graph else "none",
+                                         kv_dtypes=("float8_e4m3",))
         self.workspace_bytes = int(workspace_bytes)
         self.device = device
         self._workspace = None
         self._plain = None
         self._graph_wrappers: dict[int, tuple[Any, int]] = {}  # batch size -> (wrapper, index capacity)
         self._generation: dict[int, int] = {}  # id(wrapper) -> generation of its current plan
+        self._scales = HostScales(self.name, "FlashInfer takes one K and one V scale per tensor, as Python floats")
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
         reasons = cuda_reasons() + missing_module("flashinfer")
@@ -119,12 +182,13 @@ class FlashInferBackend:
         spec = batch.spec
         wrapper = self._wrapper_for(batch.batch_size, int(batch.kv_indices.size))
         dtype = torch_dtype(spec.dtype)
+        kv_dtype = torch.float8_e4m3fn if spec.fp8_kv else dtype
         # Host tensors, as a server passes them: plan() copies them into the device buffers.
         wrapper.plan(
             torch.from_numpy(batch.kv_indptr), torch.from_numpy(batch.kv_indices),
             torch.from_numpy(batch.last_page_len),
             spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
-            pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype,
+            pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=kv_dtype,
         )
         generation = self._generation.get(id(wrapper), 0) + 1
         self._generation[id(wrapper)] = generation
@@ -134,6 +198,10 @@ class FlashInferBackend:
         if self._generation.get(id(plan.wrapper)) != plan.generation:
             raise PKVError(f"{self.name}: stale plan (the wrapper was planned again since); plan the step again")
         check_step_tensors(plan.spec, plan.batch_size, q, cache, out, self.name)
+        if plan.spec.fp8_kv:
+            k_scale, v_scale = self._scales.pair(cache[2], cache[3])
+            plan.wrapper.run(q, (cache[0], cache[1]), k_scale=k_scale, v_scale=v_scale, out=out)
+            return
         plan.wrapper.run(q, (cache[0], cache[1]), out=out)
 
 

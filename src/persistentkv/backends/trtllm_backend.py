@@ -12,6 +12,24 @@ flashinfer/jit/xqa.py: fp16/bf16 input, page size in {16, 32, 64, 128}, head_dim
 Scales: XQA computes with q_scale = bmm1_scale / (bmm2_scale * o_scale) * sqrt(D), so
 bmm1_scale = 1/sqrt(D) and bmm2_scale = 1 give plain softmax(q.k / sqrt(D)) v.
 
+FP8 caches (``AttentionSpec(kv_dtype="float8_e4m3")``; FlashInfer 0.6.14 flashinfer/xqa.py,
+csrc/xqa/mha_sm90.cu). K and V are passed as torch.float8_e4m3fn tensors and the query stays
+fp16/bf16 (xqa(): "Data type should match query tensor or be torch.float8_e4m3fn, in which case
+xqa will run fp8 calculation"; vLLM 0.26: "On SM90, XQA decode requires BF16/FP16-Q even with FP8
+KV cache"). The kernel chooses its own math: on compute capability 9.x an FP8 cache runs
+``mha_sm90.cu`` with MathElem = e4m3, which converts the query to e4m3 inside the kernel (no
+scale: q_scale is applied to q.k afterwards) and the softmax weights too (x 448), so this
+baseline's error is of the FP8-query class, not the fp16 one; we pass the query as a server does
+and let the validation report that error. Scales: XQA has one ``kv_scale`` for K and V; through
+``trtllm_batch_decode_with_kv_cache`` the adapter passes bmm1_scale = k_scale / sqrt(D) (q_scale
+1) and bmm2_scale = v_scale, so kv_scale = v_scale and q_scale = k_scale / v_scale * sqrt(D), and
+the kernel's q.k scale q_scale * kv_scale / sqrt(D) = k_scale / sqrt(D). FlashInfer 0.6.14 takes
+these as floats or float32 device tensors, of which its kernel reads element 0 only; the adapter
+passes Python floats as vLLM's FlashInfer backend does (``layer._k_scale_float``), read on the host
+once per scale tensor and version outside CUDA-graph capture (flashinfer_backend.HostScales; a
+graph replays the values it was captured with). Per-KV-head scales of distinct values are refused
+at run() with one line.
+
 There is no host planning step in this API: a TensorRT-LLM server keeps block tables and
 sequence lengths on the device. ``plan()`` uploads them (int32 ``[B, W]`` and ``[B]``) once per
 step; ``run()`` launches the kernel only (no allocation, no sync: graph-capturable). The workspace
@@ -36,6 +54,7 @@ from ..errors import PKVError
 from ..spec import AttentionSpec
 from ..env import cuda_reasons, dtype_reasons, missing_module
 from .base import Capabilities
+from .flashinfer_backend import HostScales
 from .torch_sdpa import check_step_tensors
 
 #: FlashInfer's XQA reserves the first 8 MiB of the workspace for semaphores; the rest is scratch
@@ -66,13 +85,15 @@ class XqaPlan:
 class TrtllmXqaBackend:
     #: a plan for the reserved pages follows the lengths through seq_lens (XqaPlan.update_lengths)
     capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", head_dims=XQA_HEAD_DIMS,
-                                page_sizes=XQA_PAGE_SIZES)
+                                page_sizes=XQA_PAGE_SIZES, kv_dtypes=("float8_e4m3",))
 
     def __init__(self, name: str = "trtllm-xqa", workspace_bytes: int = WORKSPACE_BYTES, device: str = "cuda"):
         self.name = name
         self.workspace_bytes = int(workspace_bytes)
         self.device = device
         self._workspace = None
+        self._scales = HostScales(self.name, "XQA takes one K and one V scale per tensor (its kernel reads one "
+                                             "kv_scale)")
 
     def unavailable(self, spec: AttentionSpec) -> list[str]:
         reasons = cuda_reasons()
@@ -85,6 +106,8 @@ class TrtllmXqaBackend:
         reasons += missing_module("flashinfer")
         caps = self.capabilities
         reasons += dtype_reasons(spec, caps.dtypes, "XQA")
+        if spec.kv_dtype != spec.dtype and spec.kv_dtype not in caps.kv_dtypes:
+            reasons.append(f"XQA does not read a {spec.kv_dtype} KV cache")
         if spec.page_size not in caps.page_sizes:
             reasons.append(f"XQA supports page sizes {caps.page_sizes}, not {spec.page_size}")
         if spec.head_dim not in caps.head_dims:
@@ -111,6 +134,14 @@ class TrtllmXqaBackend:
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
         check_step_tensors(plan.spec, plan.batch_size, q, cache, out, self.name)
+        if plan.spec.fp8_kv:
+            k_scale, v_scale = self._scales.pair(cache[2], cache[3])
+            trtllm_batch_decode_with_kv_cache(
+                q, (cache[0], cache[1]), self._workspace, plan.block_tables, plan.seq_lens, plan.max_seq_len,
+                bmm1_scale=k_scale / math.sqrt(plan.spec.head_dim), bmm2_scale=v_scale, out=out,
+                kv_layout="NHD", backend="xqa",
+            )
+            return
         trtllm_batch_decode_with_kv_cache(
             q, (cache[0], cache[1]), self._workspace, plan.block_tables, plan.seq_lens, plan.max_seq_len,
             bmm1_scale=1.0 / math.sqrt(plan.spec.head_dim), bmm2_scale=1.0, out=out,

@@ -22,6 +22,23 @@ Decode is causal in vLLM; with one query token per row FA3 treats causal and non
 The plan does not depend on the cache pointer: ``get_scheduler_metadata`` sees lengths only.
 ``run()`` allocates small temporaries (softmax LSE, split accumulators) through torch's caching
 allocator, which a CUDA-graph capture pools, as vLLM's own graphs do; it never synchronises.
+
+FP8 caches (``AttentionSpec(kv_dtype="float8_e4m3")``), as vLLM 0.26 runs them on Hopper. FA3
+needs the query in the cache's dtype (hopper/flash_api.cpp, mha_fwd: "query and key must have the
+same dtype") and then writes bfloat16 only ("For FP8 input, output must have dtype BF16"), so
+vLLM quantises the query in the attention layer (static per-tensor FP8 with ``layer._q_scale``,
+1.0 unless a checkpoint calibrated it) and passes ``q_descale``/``k_descale``/``v_descale`` as
+``scale.expand((B, Hkv))`` views (flash_attn.py: "flash-attn expect the size of {q,k,v}_descale
+to be (num_sequences, num_kv_heads)"; flash_api.cpp reads them through their strides, so
+per-tensor [1] and per-KV-head [Hkv] scales both work), and plans with
+``get_scheduler_metadata(qkv_dtype=float8_e4m3fn)``. This adapter does the same: ``plan()`` makes
+a float8_e4m3fn query buffer, a clamp buffer and ``q_descale`` (ones, [B, Hkv]); ``run()``
+quantises q into the buffer (clamped to +-448, then rounded to e4m3, q_scale 1, as vLLM's
+QuantFP8 with scale 1), and passes ``k_scale``/``v_scale`` as ``reshape(1, -1).expand(B, Hkv)``
+views (no copy, read by the kernel at every launch, so a replayed graph follows new values).
+The error is therefore of the FP8-query class (the query rounded to e4m3; FA3's FP8 kernel also
+runs P.V in FP8), not the bf16 one; the validation reports it. A float16 spec with an FP8 cache
+is unavailable (FA3 would write bfloat16, which vLLM's float16 models do not take either).
 """
 
 from __future__ import annotations
@@ -34,6 +51,7 @@ from ..cache import Batch
 from ..spec import AttentionSpec
 from ..env import cuda_reasons, missing_module
 from ..env import torch_dtype
+from ..fp8 import E4M3_MAX
 from .base import Capabilities
 from .torch_sdpa import check_step_tensors
 
@@ -61,6 +79,9 @@ class VllmPlan:
     cu_seqlens_q: Any
     scheduler_metadata: Any
     num_splits: int
+    q_fp8: Any = None       # FP8 caches: float8_e4m3fn [B, Hq, D], the quantised query
+    q_clamped: Any = None   # FP8 caches: [B, Hq, D] of the spec's dtype, the query clamped to +-448
+    q_descale: Any = None   # FP8 caches: float32 ones [B, Hkv]
 
     def update_lengths(self, lengths) -> None:
         """Follow the rows' lengths (int32 [B] on the device, within the planned block table):
@@ -71,7 +92,7 @@ class VllmPlan:
 
 class VllmFA3Backend:
     #: a plan for the reserved pages follows the lengths through seqused_k (VllmPlan.update_lengths)
-    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device")
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", kv_dtypes=("float8_e4m3",))
 
     def __init__(self, name: str = "vllm-fa3", max_num_splits: int = VLLM_CUDA_GRAPH_MAX_SPLITS,
                  device: str = "cuda"):
@@ -95,7 +116,11 @@ class VllmFA3Backend:
             major, minor = torch.cuda.get_device_capability()
             if major != FA3_MAJOR:
                 reasons.append(f"FA3 runs on compute capability 9.x (Hopper), this GPU is {major}.{minor}")
-        return reasons + self.capabilities.shape_reasons(spec, "vLLM FA3")
+        reasons += self.capabilities.shape_reasons(spec, "vLLM FA3")
+        if spec.fp8_kv and spec.dtype != "bfloat16":
+            reasons.append(f"vLLM FA3 with an FP8 cache takes an FP8 query and writes bfloat16 only "
+                           f"(flash_api.cpp: 'For FP8 input, output must have dtype BF16'), not {spec.dtype}")
+        return reasons
 
     def plan(self, batch: Batch) -> VllmPlan:
         import torch
@@ -110,10 +135,17 @@ class VllmFA3Backend:
         metadata = get_scheduler_metadata(
             batch_size=B, max_seqlen_q=1, max_seqlen_k=batch.max_len,
             num_heads_q=spec.num_qo_heads, num_heads_kv=spec.num_kv_heads, headdim=spec.head_dim,
-            cache_seqlens=seqused_k, qkv_dtype=torch_dtype(spec.dtype), cu_seqlens_q=cu_seqlens_q,
+            cache_seqlens=seqused_k, qkv_dtype=torch.float8_e4m3fn if spec.fp8_kv else torch_dtype(spec.dtype),
+            cu_seqlens_q=cu_seqlens_q,
             page_size=spec.page_size, causal=True, window_size=(-1, -1),
             num_splits=self.max_num_splits,
         )
+        if spec.fp8_kv:
+            shape = (B, spec.num_qo_heads, spec.head_dim)
+            return VllmPlan(spec, B, batch.max_len, block_table, seqused_k, cu_seqlens_q, metadata,
+                            self.max_num_splits, torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev),
+                            torch.empty(shape, dtype=torch_dtype(spec.dtype), device=dev),
+                            torch.ones((B, spec.num_kv_heads), dtype=torch.float32, device=dev))
         return VllmPlan(spec, B, batch.max_len, block_table, seqused_k, cu_seqlens_q, metadata,
                         self.max_num_splits)
 
@@ -121,6 +153,9 @@ class VllmFA3Backend:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
         check_step_tensors(plan.spec, plan.batch_size, q, cache, out, self.name)
+        if plan.q_fp8 is not None:
+            self._run_fp8(flash_attn_varlen_func, q, cache, plan, out)
+            return
         flash_attn_varlen_func(
             q=q, k=cache[0], v=cache[1], out=out,
             cu_seqlens_q=plan.cu_seqlens_q, max_seqlen_q=1,
@@ -128,4 +163,23 @@ class VllmFA3Backend:
             softmax_scale=1.0 / math.sqrt(plan.spec.head_dim), causal=True,
             block_table=plan.block_table, scheduler_metadata=plan.scheduler_metadata,
             fa_version=FA_VERSION, num_splits=plan.num_splits,
+        )
+
+    def _run_fp8(self, flash_attn_varlen_func, q, cache, plan: VllmPlan, out) -> None:
+        """An FP8 cache: the query quantised into the plan's buffer (q_scale 1), the scales as
+        [B, Hkv] expand views (no copies, no host sync)."""
+        import torch
+
+        torch.clamp(q, -E4M3_MAX, E4M3_MAX, out=plan.q_clamped)
+        plan.q_fp8.copy_(plan.q_clamped)
+        descale = (plan.batch_size, plan.spec.num_kv_heads)
+        flash_attn_varlen_func(
+            q=plan.q_fp8, k=cache[0], v=cache[1], out=out,
+            cu_seqlens_q=plan.cu_seqlens_q, max_seqlen_q=1,
+            seqused_k=plan.seqused_k, max_seqlen_k=plan.max_seqlen_k,
+            softmax_scale=1.0 / math.sqrt(plan.spec.head_dim), causal=True,
+            block_table=plan.block_table, scheduler_metadata=plan.scheduler_metadata,
+            fa_version=FA_VERSION, num_splits=plan.num_splits,
+            q_descale=plan.q_descale, k_descale=cache[2].reshape(1, -1).expand(descale),
+            v_descale=cache[3].reshape(1, -1).expand(descale),
         )
