@@ -3,7 +3,7 @@
     engine = engine_for(spec)                       # compiles (once, cached by CuPy) and loads; per device
     plan = engine.plan(batch, sm_scale=None)        # once per decode step
     engine.run(q, (k_cache, v_cache), plan, out, lse=None)   # once per layer; graph-capturable
-    engine.run(q, (k_fp8, v_fp8), plan, out, k_scale=ks, v_scale=vs)   # an FP8 cache (spec.kv_dtype)
+    engine.run(q, (k_fp8, v_fp8), plan, out, k_scale=ks, v_scale=vs)   # an FP8 cache (AttentionSpec(kv_dtype="float8_e4m3"))
 
 ``run`` takes torch tensors and passes their device pointers straight to the kernels: no copies,
 no allocation, no host synchronisation, launched on torch's current stream, so a step can be
@@ -66,9 +66,9 @@ def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[
     reasons = warps_unsupported(spec, warps)
     if spec.dtype not in ENGINE_DTYPES:
         reasons.append(f"the PersistentKV kernels take {'/'.join(ENGINE_DTYPES)}, not {spec.dtype}")
-    if spec.kv_dtype != spec.dtype and spec.kv_dtype not in ENGINE_KV_DTYPES:
+    if spec.cache_dtype != spec.dtype and spec.cache_dtype not in ENGINE_KV_DTYPES:
         reasons.append(f"the PersistentKV kernels read a cache of the query's dtype or "
-                       f"{'/'.join(ENGINE_KV_DTYPES)}, not {spec.kv_dtype}")
+                       f"{'/'.join(ENGINE_KV_DTYPES)}, not {spec.cache_dtype}")
     if spec.group_size > MAX_GROUP_SIZE:
         reasons.append(f"group size G={spec.group_size} exceeds {MAX_GROUP_SIZE} query heads per kv head")
     if spec.layout != "NHD":
@@ -504,7 +504,7 @@ class DecodeEngine:
             self._check_scales(k_scale, v_scale)
         else:
             require(k_scale is None and v_scale is None,
-                    f"k_scale/v_scale are for an FP8 cache; this engine's cache is {spec.kv_dtype}")
+                    f"k_scale/v_scale are for an FP8 cache; this engine's cache is {spec.cache_dtype}")
         if lse is not None:
             expect_lse = (plan.batch_size, spec.num_qo_heads)
             require(tuple(lse.shape) == expect_lse and lse.dtype == self.torch.float32 and lse.is_contiguous()

@@ -132,7 +132,7 @@ def load_module(spec: AttentionSpec, warps: int, device: int, trace: bool = Fals
 
 
 @lru_cache(maxsize=None)
-def _load_module(dtype: str, kv_dtype: str, head_dim: int, warps: int, device: int, trace: bool,
+def _load_module(dtype: str, kv_dtype: str | None, head_dim: int, warps: int, device: int, trace: bool,
                  source: str) -> Module:
     import cupy  # the engine's only CuPy use; imported when a module is first built
 
@@ -142,7 +142,7 @@ def _load_module(dtype: str, kv_dtype: str, head_dim: int, warps: int, device: i
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
-    what = f"{dtype}{f' with a {kv_dtype} cache' if kv_dtype != dtype else ''}/head_dim {head_dim}/warps {warps}"
+    what = f"{dtype}{f' with a {kv_dtype} cache' if kv_dtype else ''}/head_dim {head_dim}/warps {warps}"
     with cupy.cuda.Device(device):
         # compiled first: the decode kernels' shared memory (their max dynamic shared memory below)
         # is the module's own fact, read from it

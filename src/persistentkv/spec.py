@@ -104,9 +104,10 @@ class AttentionSpec:
         ``NHD``: K and V are each ``[num_pages, page_size, num_kv_heads, head_dim]``; queries and
         outputs are ``[batch, num_qo_heads, head_dim]``.
     kv_dtype : str, optional
-        Element type of K and V: ``dtype`` itself (the default, None) or ``float8_e4m3``
-        (:data:`FP8_KV`: the cache holds FP8 codes dequantised as code x scale, the scales given
-        per tensor or per KV head with each run).
+        Element type of K and V when it is not ``dtype``: ``float8_e4m3`` (:data:`FP8_KV`: the
+        cache holds FP8 codes dequantised as code x scale, the scales given per tensor or per KV
+        head with each run). None (the default; ``dtype`` itself is stored as None): the query's
+        dtype. :attr:`cache_dtype` is the cache's dtype either way.
 
     Anything else is refused with a one-line PKVError when the spec is built.
     """
@@ -135,10 +136,10 @@ class AttentionSpec:
                 f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         require(isinstance(self.layout, str) and self.layout in LAYOUTS,
                 f"layout={self.layout!r} is not one of {LAYOUTS}")
-        if self.kv_dtype is None:
-            object.__setattr__(self, "kv_dtype", self.dtype)
-        require(self.kv_dtype in (self.dtype, FP8_KV),
+        require(self.kv_dtype in (None, self.dtype, FP8_KV),
                 f"kv_dtype={self.kv_dtype!r}: the cache holds {self.dtype} (the query dtype) or {FP8_KV}")
+        if self.kv_dtype == self.dtype:  # one spelling of "the query's dtype": None (so replace(dtype=) follows it)
+            object.__setattr__(self, "kv_dtype", None)
 
     @property
     def group_size(self) -> int:
@@ -151,9 +152,14 @@ class AttentionSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def cache_dtype(self) -> str:
+        """The dtype of K and V: ``kv_dtype``, or ``dtype`` when it is None."""
+        return self.kv_dtype or self.dtype
+
+    @property
     def kv_itemsize(self) -> int:
         """Bytes per element of K and V."""
-        return KV_DTYPE_BYTES[self.kv_dtype]
+        return KV_DTYPE_BYTES[self.cache_dtype]
 
     @property
     def fp8_kv(self) -> bool:
@@ -167,7 +173,7 @@ class AttentionSpec:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        if self.kv_dtype == self.dtype:  # the cache of the query's dtype: the spec as it always read
+        if self.kv_dtype is None:  # the cache of the query's dtype: the spec as it always read
             del data["kv_dtype"]
         return data
 

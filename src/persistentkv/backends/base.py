@@ -8,7 +8,7 @@
     unavailable(spec)         reasons (strings) this backend cannot run ``spec`` here; [] when usable
     plan(batch)               per-step metadata, made once per decode step (may upload to the GPU)
     run(q, cache, plan, out)  one layer: q [B, Hq, D], cache = (K, V) each [pages, P, Hkv, D], or
-                              (K, V, k_scale, v_scale) for an FP8 cache (spec.kv_dtype float8_e4m3:
+                              (K, V, k_scale, v_scale) for an FP8 cache (spec.cache_dtype float8_e4m3:
                               K, V float8_e4m3fn codes, the scales float32 [1] or [Hkv] on the
                               device, value = code x scale), out [B, Hq, D] preallocated by the
                               caller; no allocation and no host synchronisation inside, so GPU
@@ -94,8 +94,8 @@ class Capabilities:
         """Why ``spec``'s dtype, head dim or page size is not among the declared ones ([] when
         they all are); ``who`` names the kernel in the reasons."""
         reasons = dtype_reasons(spec, self.dtypes, who)
-        if spec.kv_dtype != spec.dtype and spec.kv_dtype not in self.kv_dtypes:
-            reasons.append(f"{who} does not read a {spec.kv_dtype} KV cache")
+        if spec.cache_dtype != spec.dtype and spec.cache_dtype not in self.kv_dtypes:
+            reasons.append(f"{who} does not read a {spec.cache_dtype} KV cache")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             reasons.append(f"{who} supports head dims {self.head_dims}, not {spec.head_dim}")
         if self.page_sizes is not None and spec.page_size not in self.page_sizes:

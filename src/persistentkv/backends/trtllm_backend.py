@@ -106,8 +106,8 @@ class TrtllmXqaBackend:
         reasons += missing_module("flashinfer")
         caps = self.capabilities
         reasons += dtype_reasons(spec, caps.dtypes, "XQA")
-        if spec.kv_dtype != spec.dtype and spec.kv_dtype not in caps.kv_dtypes:
-            reasons.append(f"XQA does not read a {spec.kv_dtype} KV cache")
+        if spec.cache_dtype != spec.dtype and spec.cache_dtype not in caps.kv_dtypes:
+            reasons.append(f"XQA does not read a {spec.cache_dtype} KV cache")
         if spec.page_size not in caps.page_sizes:
             reasons.append(f"XQA supports page sizes {caps.page_sizes}, not {spec.page_size}")
         if spec.head_dim not in caps.head_dims:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ..cache import Batch
 from ..env import torch_dtype
 from ..errors import PKVError, require
+from ..fp8 import E4M3_MAX
 from ..spec import AttentionSpec
 from ..traces import KV_SEED_OFFSET, Q_SEED_OFFSET
 
@@ -58,17 +59,20 @@ class _CudaEvent:
 
 @dataclass
 class Copies:
-    """R copies of one case's cache: k[r], v[r] are [num_pages, P, Hkv, D] views of ``storage``."""
+    """R copies of one case's cache: k[r], v[r] are [num_pages, P, Hkv, D] views of ``storage``;
+    an FP8 cache's ``scales`` (k_scale, v_scale) are shared by every copy."""
 
     storage: Any
     k: list
     v: list
+    scales: tuple = ()
 
     def __len__(self) -> int:
         return len(self.k)
 
     def pair(self, index: int):
-        return self.k[index], self.v[index]
+        """Copy ``index`` as a backend's run() takes it: (K, V), or (K, V, k_scale, v_scale)."""
+        return (self.k[index], self.v[index], *self.scales)
 
 
 def no_cuda_message() -> str:
@@ -211,6 +215,10 @@ class TorchDevice:
     def dtype(self, spec: AttentionSpec):
         return torch_dtype(spec.dtype)
 
+    def cache_dtype(self, spec: AttentionSpec):
+        """The cache's torch dtype: the query's, or float8_e4m3fn for an FP8 spec."""
+        return self.torch.float8_e4m3fn if spec.fp8_kv else self.dtype(spec)
+
     def generator(self, seed: int):
         gen = self.torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
@@ -221,21 +229,40 @@ class TorchDevice:
 
         One tensor ``[R, 2, pages, P, Hkv, D]`` holds them, so copy r's K is ``storage[r, 0]``
         (a contiguous view). Copy 0 is standard-normal (seeded ``seed + 7``) or ``source`` (a
-        (K, V) pair of host tensors, for validation); the others are device-side copies of it.
+        (K, V) pair of host tensors, for validation; an FP8 spec's (K, V, k_scale, v_scale), the
+        codes as float8_e4m3fn or uint8); the others are device-side copies of it. An FP8 spec's
+        normals are quantised to e4m3 with one scale per tensor (its largest magnitude / 448), the
+        scale every FP8 baseline takes.
         """
         torch = self.torch
         spec = batch.spec
         require(copies >= 1, f"copies must be >= 1, got {copies}")
         shape = (copies, 2, batch.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        storage = torch.empty(shape, dtype=self.dtype(spec), device=self.device)
-        if source is None:
+        storage = torch.empty(shape, dtype=self.cache_dtype(spec), device=self.device)
+        scales = ()
+        if spec.fp8_kv:
+            if source is None:
+                values = torch.empty(shape[1:], dtype=torch.float32, device=self.device)
+                values.normal_(generator=self.generator(seed + KV_SEED_OFFSET))
+                scales = tuple((values[i].abs().amax() / E4M3_MAX).reshape(1) for i in range(2))
+                for i in range(2):
+                    storage[0, i].copy_((values[i] / scales[i]).to(torch.float8_e4m3fn))
+                del values
+            else:
+                require(len(source) == 4, "an FP8 copy's source is (K codes, V codes, k_scale, v_scale)")
+                for i in range(2):
+                    codes = torch.as_tensor(source[i])
+                    codes = codes if codes.dtype == torch.float8_e4m3fn else codes.view(torch.float8_e4m3fn)
+                    storage[0, i].copy_(codes)
+                scales = tuple(torch.as_tensor(s, dtype=torch.float32).reshape(-1).to(self.device) for s in source[2:])
+        elif source is None:
             storage[0].normal_(generator=self.generator(seed + KV_SEED_OFFSET))
         else:
             storage[0, 0].copy_(source[0])
             storage[0, 1].copy_(source[1])
         for r in range(1, copies):
             storage[r].copy_(storage[0])
-        return Copies(storage, [storage[r, 0] for r in range(copies)], [storage[r, 1] for r in range(copies)])
+        return Copies(storage, [storage[r, 0] for r in range(copies)], [storage[r, 1] for r in range(copies)], scales)
 
     def queries(self, spec: AttentionSpec, batch_size: int, seed: int):
         """q [B, Hq, D], standard-normal seeded ``seed + 2026``."""
