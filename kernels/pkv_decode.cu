@@ -44,6 +44,13 @@
 // 4.5 TB/s x ~1 us latency / 132 SMs needs. With 8 warps a stage is 128 tokens (64 KB) and
 // 3 stages take 192 KB, so one CTA per SM keeps the same bytes in flight as two 4-warp CTAs: the
 // module for queues of one item per SM (plan's choose_warps picks it per step).
+//
+// FP8 (PKV_FP8): the same pipeline over 1-byte e4m3 codes, half the bytes per stage (3 stages x
+// 64 tokens x 128 B = 24 KB each of K and V at 4 warps), so the same ~64 KB stay in flight per SM
+// at two CTAs; each thread turns 4 codes into two mma registers with 2 shifts and 4 logic ops
+// (dequant4; bf16 adds 2 multiplies), ~0.5 instructions per code against the ~0.5 us a 32 KB
+// stage of a kv head takes to arrive. The K scale is folded into the score scale, the V scale into
+// the output's normalisation, once per item: no multiply per code.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
