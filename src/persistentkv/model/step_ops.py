@@ -309,10 +309,11 @@ def append_kv_unsupported(k_flat, v_flat, slots, k, v, k_scale=None, v_scale=Non
     fp8 = k_flat.dtype == torch.float8_e4m3fn
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     reasons = []
-    if "float8" in str(k_flat.dtype) and not fp8:
+    other_fp8 = "float8" in str(k_flat.dtype) and not fp8
+    if other_fp8:
         reasons.append(f"append_kv: the cache is {_dtype_name(k_flat)}; e5m2 is not supported (an FP8 cache holds "
                        "float8_e4m3fn codes)")
-    if fp8:
+    elif fp8:
         if k_scale is None or v_scale is None:
             reasons.append("append_kv: an FP8 cache needs k_scale and v_scale (float32 tensors of 1 or Hkv values)")
         elif not all(isinstance(t, torch.Tensor) for t in scales.values()):
@@ -354,7 +355,7 @@ def append_kv_unsupported(k_flat, v_flat, slots, k, v, k_scale=None, v_scale=Non
             if k_scale.numel() != v_scale.numel():
                 reasons.append(f"append_kv: k_scale and v_scale must both be per tensor or both per KV head, got "
                                f"{k_scale.numel()} and {v_scale.numel()} values")
-    elif not (v_flat.dtype == k.dtype == v.dtype == k_flat.dtype):
+    elif not other_fp8 and not (v_flat.dtype == k.dtype == v.dtype == k_flat.dtype):
         reasons.append(f"append_kv: k, v and the caches must share a dtype, got "
                        f"{', '.join(_dtype_name(t) for t in (k, v, k_flat, v_flat))}")
     for name, t in rows.items():
