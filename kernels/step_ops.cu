@@ -42,6 +42,22 @@
 // completes (the flashinfer-tc step 0.991-0.997x, benchmarks/NOTES.md). A kernel launched plainly
 // still starts after the append has completed.
 //
+// append_kv into an FP8 e4m3 cache (pkv_append_kv_<float16|bfloat16>_e4m3): the same walk over
+// 16-byte chunks of the fp16/bf16 source rows, each chunk's 8 elements written as 8 e4m3 codes
+// (one 8-byte store) of x / scale[h], h the chunk's KV head (a chunk never straddles heads:
+// D % 8 == 0), the scale read on the device from a float32 pointer, s_sh = 0 (per tensor) or 1
+// (per KV head). The spec is the NumPy mirror persistentkv.fp8.quantize(x, scale): the exact
+// quotient rounded to the nearest e4m3 value, ties to even, SATURATING at +-448 (an overflow,
+// an inf source included, is +-448, never inf or NaN; a NaN source stays NaN, code 0x7F).
+// Bit-exact with it: the quotient is first rounded to float32 toward zero with a sticky bit
+// (round to odd: div.rz, and the last bit set when the remainder fma(-q, s, x) is not zero),
+// which a second rounding to e4m3 (24 >= 4 + 2 bits) turns into the rounding of the exact
+// quotient, with no double-rounding tie. That second rounding is cvt.rn.satfinite.e4m3x2.f32
+// on sm_89+ and, on older arches (sm_80, which has no FP8 cvt), pkv_e4m3_rn_sat: the same
+// rounding in integer arithmetic (bit-exact software, not a trap; host-compiled and compared
+// with fp8.quantize by tests/test_step_ops.py). Scale values are not checked on the device (the
+// host never reads them): a scale that is not finite and > 0 gives what the division gives.
+//
 // Plain C types and inline PTX only (cvt for fp16/bf16), so NVRTC (CuPy RawModule) compiles it
 // without standard headers; the entry points are extern "C", one per (op, dtype).
 
@@ -232,13 +248,14 @@ PKV_GEMV_ENTRY(pkv_gemv_bfloat16_t1, Bf16, 1, false)
 PKV_GEMV_ENTRY(pkv_gemv_silu_mul_float16_t1, Fp16, 1, true)
 PKV_GEMV_ENTRY(pkv_gemv_silu_mul_bfloat16_t1, Bf16, 1, true)
 
-// k, v: rows of row_chunks uint4 at strides k_stride, v_stride (in uint4); k_flat, v_flat: rows
-// at dst_stride. Thread i < rows * row_chunks copies chunk i of k, the next rows * row_chunks
-// threads the same chunks of v; a grid-stride loop covers any T.
-extern "C" __global__ void __launch_bounds__(PKV_APPEND_THREADS)
-pkv_append_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, uint4* __restrict__ k_flat,
-              uint4* __restrict__ v_flat, const long long* __restrict__ slots, int rows, int row_chunks,
-              long long k_stride, long long v_stride, long long dst_stride, long long num_slots) {
+// The append's walk: thread i < rows * row_chunks takes 16-byte chunk i of k (row t, chunk c), the
+// next rows * row_chunks threads the same chunks of v; a grid-stride loop covers any T. ``write``
+// stores one chunk: write(is_v, slot, c, value); a slot outside [0, num_slots) is skipped.
+template <class Write>
+__device__ __forceinline__ void append_walk(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                            const long long* __restrict__ slots, int rows, int row_chunks,
+                                            long long k_stride, long long v_stride, long long num_slots,
+                                            Write write) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
@@ -251,7 +268,102 @@ pkv_append_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, uint4* _
     const long long t = j / row_chunks, c = j - t * row_chunks;
     const long long slot = __ldg(slots + t);
     if (slot < 0 || slot >= num_slots) continue;
-    const uint4 val = is_v ? __ldg(v + t * v_stride + c) : __ldg(k + t * k_stride + c);
-    (is_v ? v_flat : k_flat)[slot * dst_stride + c] = val;
+    write(is_v, slot, c, is_v ? __ldg(v + t * v_stride + c) : __ldg(k + t * k_stride + c));
   }
 }
+
+// k, v: rows of row_chunks uint4 at strides k_stride, v_stride (in uint4); k_flat, v_flat: rows
+// at dst_stride. Each chunk copied as it is.
+extern "C" __global__ void __launch_bounds__(PKV_APPEND_THREADS)
+pkv_append_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, uint4* __restrict__ k_flat,
+              uint4* __restrict__ v_flat, const long long* __restrict__ slots, int rows, int row_chunks,
+              long long k_stride, long long v_stride, long long dst_stride, long long num_slots) {
+  append_walk(k, v, slots, rows, row_chunks, k_stride, v_stride, num_slots,
+              [=](bool is_v, long long slot, long long c, const uint4& val) {
+                (is_v ? v_flat : k_flat)[slot * dst_stride + c] = val;
+              });
+}
+
+// ---- append_kv into an FP8 e4m3 cache (header: "append_kv into an FP8 e4m3 cache") -----------
+
+// float32 -> e4m3 code: round to nearest, ties to even, saturating at +-448 (inf too); NaN ->
+// 0x7F. Integer arithmetic only (the sm_80 path; host-callable, so tests run it on the CPU).
+__host__ __device__ __forceinline__ unsigned char pkv_e4m3_rn_sat(float x) {
+  union {
+    float f;
+    pkv_u32 u;
+  } bits;
+  bits.f = x;
+  const pkv_u32 sign = (bits.u >> 24) & 0x80u, mag = bits.u & 0x7fffffffu;
+  if (mag > 0x7f800000u) return 0x7f;                                  // NaN
+  if (mag >= 0x43e00000u) return static_cast<unsigned char>(sign | 0x7eu);  // >= 448: saturate
+  const int e = static_cast<int>(mag >> 23) - 127;                     // |x| in [2^e, 2^(e+1))
+  const int floor_e = e < -6 ? -6 : e;                                 // e4m3 subnormals: 2^-9 steps
+  const int shift = 20 + (floor_e - e);                                // significand bits dropped
+  if (shift > 24) return static_cast<unsigned char>(sign);             // |x| < 2^-10: rounds to 0
+  const pkv_u32 sig = (mag & 0x7fffffu) | 0x800000u;                   // 24-bit significand
+  pkv_u32 kept = sig >> shift;
+  const pkv_u32 rest = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (kept & 1u))) ++kept;            // a carry moves the exponent up
+  return static_cast<unsigned char>(sign | ((static_cast<pkv_u32>(floor_e + 6) << 3) + kept));
+}
+
+// x / s rounded to float32 "to odd": toward zero, the last bit set where inexact; finite |q| < 448
+// only (larger ones saturate anyway, and inf / NaN must stay what they are).
+__device__ __forceinline__ float pkv_div_odd(float x, float s) {
+  float q, r;
+  asm("div.rz.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(s));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(-q), "f"(s), "f"(x));
+  if (r != 0.0f && fabsf(q) < 448.0f) q = __uint_as_float(__float_as_uint(q) | 1u);
+  return q;
+}
+
+// Two float32 -> two e4m3 codes in 16 bits (lo: the first byte in memory).
+__device__ __forceinline__ pkv_u32 pkv_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  pkv_u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return static_cast<pkv_u32>(pkv_e4m3_rn_sat(lo)) | (static_cast<pkv_u32>(pkv_e4m3_rn_sat(hi)) << 8);
+#endif
+}
+
+// k, v: rows of row_chunks uint4 (8 source elements each) at strides k_stride, v_stride (in
+// uint4); k_flat, v_flat: rows of row_chunks uint2 (8 codes each) at dst_stride (in uint2);
+// head_chunks = D / 8 chunks per KV head; scale of head h: k_scale[h * s_sh], v_scale[h * s_sh].
+template <class Dt>
+__device__ __forceinline__ void append_kv_e4m3(const uint4* __restrict__ k, const uint4* __restrict__ v,
+                                               uint2* __restrict__ k_flat, uint2* __restrict__ v_flat,
+                                               const long long* __restrict__ slots,
+                                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                               int s_sh, int head_chunks, int rows, int row_chunks, long long k_stride,
+                                               long long v_stride, long long dst_stride, long long num_slots) {
+  append_walk(k, v, slots, rows, row_chunks, k_stride, v_stride, num_slots,
+              [=](bool is_v, long long slot, long long c, const uint4& val) {
+                const int head = static_cast<int>(c / head_chunks);
+                const float s = __ldg((is_v ? v_scale : k_scale) + head * s_sh);
+                float f[8];
+                unpack8<Dt>(val, f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = pkv_div_odd(f[e], s);
+                uint2 out;
+                out.x = pkv_e4m3x2(f[0], f[1]) | (pkv_e4m3x2(f[2], f[3]) << 16);
+                out.y = pkv_e4m3x2(f[4], f[5]) | (pkv_e4m3x2(f[6], f[7]) << 16);
+                (is_v ? v_flat : k_flat)[slot * dst_stride + c] = out;
+              });
+}
+
+#define PKV_APPEND_E4M3_ENTRY(NAME, DT)                                                           \
+  extern "C" __global__ void __launch_bounds__(PKV_APPEND_THREADS)                                 \
+  NAME(const uint4* __restrict__ k, const uint4* __restrict__ v, uint2* __restrict__ k_flat,       \
+       uint2* __restrict__ v_flat, const long long* __restrict__ slots,                            \
+       const float* __restrict__ k_scale, const float* __restrict__ v_scale, int s_sh,              \
+       int head_chunks, int rows, int row_chunks, long long k_stride, long long v_stride,           \
+       long long dst_stride, long long num_slots) {                                                 \
+    append_kv_e4m3<DT>(k, v, k_flat, v_flat, slots, k_scale, v_scale, s_sh, head_chunks, rows,     \
+                       row_chunks, k_stride, v_stride, dst_stride, num_slots);                     \
+  }
+
+PKV_APPEND_E4M3_ENTRY(pkv_append_kv_float16_e4m3, Fp16)
+PKV_APPEND_E4M3_ENTRY(pkv_append_kv_bfloat16_e4m3, Bf16)

@@ -228,3 +228,21 @@ def test_what_the_checks_still_accept():
 def test_a_non_finite_reference_is_refused_not_compared():
     with pytest.raises(PKVError, match="ref holds NaN or inf; a reference must be finite"):
         relative_error(np.ones(2), np.array([1.0, np.inf]))
+
+
+def test_an_fp8_cache_is_read_through_its_float64_values():
+    """dequantized_cache: the exact values of FP8 codes, which the executor and the reference
+    take as any float64 cache (per-head scales along the cache's head axis)."""
+    from persistentkv import fp8
+    from persistentkv.cache import random_fp8_cache
+    from persistentkv.reference import dequantized_cache
+
+    spec = AttentionSpec(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=8, dtype="float64",
+                         kv_dtype="float8_e4m3")
+    batch = make_batch(spec, [1, 9, 40], 0.5, 2)
+    kc, vc, ks, vs = random_fp8_cache(spec, batch.num_pages, 2, per_head=True)
+    k, v = dequantized_cache(kc, vc, ks, vs)
+    assert k.dtype == np.float64 and np.array_equal(k, fp8.code_values()[kc] * ks.astype(np.float64)[None, None, :, None])
+    q = random_queries(spec, batch.batch_size, 2)
+    out = execute_plan(make_plan(batch, "workqueue", target_items=5), q, k, v, batch)
+    assert gate(out, reference_decode(q, k, v, batch), FP64_RTOL).passed

@@ -1,7 +1,9 @@
 """The decode step's own kernels (persistentkv.model.step_ops, kernels/step_ops.cu).
 
 CPU (real everywhere): every entry point compiles with nvcc for sm_80 and sm_90 without spills;
-the launch shape covers every row and every K chunk exactly once, with no empty block, and splits
+the FP8 append's conversion is cvt.rn.satfinite.e4m3x2 on sm_90 and, on sm_80, integer code that
+(compiled for the host and run here) equals fp8.quantize; its round-to-odd quotient makes the
+two roundings one; the launch shape covers every row and every K chunk exactly once, with no empty block, and splits
 K for small N; every refusal is a PKVError naming its cause, raised before CuPy is imported; the
 torch kernels' linear / gate_up_silu / append are today's operations, and kernels=pkv refuses a
 CPU device.
@@ -9,7 +11,8 @@ CPU device.
 GPU (requires_gpu): gemv and gemv_silu_mul against float64 within an elementwise bound
 (:func:`error_bound`) for T = 1 (the only T the kernels take), fp16 and bf16, the projections'
 shapes; append_kv
-bit-identical to index_copy_ on scattered slots; the three inside one CUDA graph equal to eager;
+bit-identical to index_copy_ on scattered slots; the FP8 append bit-identical to fp8.quantize
+(overflow, per-tensor and per-head scales; no NaN code); the three inside one CUDA graph equal to eager;
 the pkv kernels' Model.forward on the small GPU model against the torch kernels'.
 """
 
@@ -70,6 +73,88 @@ def test_the_kernel_file_refuses_to_compile_without_its_defines(tmp_path):
     proc = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", "-o", str(tmp_path / "x.cubin"), str(source)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "compile_options" in proc.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, hardware", [("sm_80", False), ("sm_90", True)])
+def test_the_fp8_append_uses_the_fp8_cvt_from_sm_89_on(tmp_path, arch, hardware):
+    source = step_ops.kernels_dir() / step_ops.KERNEL_FILE
+    proc = subprocess.run([nvcc_path(), "-ptx", f"-arch={arch}", "-o", str(tmp_path / "s.ptx"),
+                           *step_ops.compile_options(), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = (tmp_path / "s.ptx").read_text()
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == hardware
+    assert "div.rz.f32" in ptx
+
+
+def fp8_probe_values() -> np.ndarray:
+    """float32 values over e4m3's range and past it: random magnitudes 2^-20 .. 2^12, every code's
+    value, every midpoint between neighbouring codes (ties), their float32 neighbours, +-0,
+    +-inf, NaN, the saturation edge (448, 464) and float32 subnormals."""
+    from persistentkv import fp8
+
+    rng = np.random.default_rng(5)
+    grid = fp8.code_values()[:0x7F]
+    mids = (grid[:-1] + grid[1:]) / 2
+    edges = np.array([448, 449, 463.99, 464, 465, 480, 1e30, 2.0**-10, 2.0**-130, 0.0, np.inf, np.nan])
+    base = np.concatenate([rng.standard_normal(100_000) * np.exp2(rng.uniform(-20, 12, 100_000)), grid, mids,
+                           edges]).astype(np.float32)
+    near = np.concatenate([np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
+    values = np.concatenate([base, near])
+    return np.concatenate([values, -values]).astype(np.float32)
+
+
+@needs_nvcc
+def test_the_software_e4m3_conversion_is_fp8_quantize(tmp_path):
+    """pkv_e4m3_rn_sat (the sm_80 path), compiled for the host from kernels/step_ops.cu itself."""
+    from persistentkv import fp8
+
+    driver = tmp_path / "driver.cu"
+    driver.write_text('#include "step_ops.cu"\n#include <cstdio>\nint main() {\n  float x;\n'
+                      '  while (fread(&x, 4, 1, stdin) == 1) {\n'
+                      '    unsigned char c = pkv_e4m3_rn_sat(x);\n    fwrite(&c, 1, 1, stdout);\n  }\n}\n')
+    exe = tmp_path / "driver"
+    proc = subprocess.run([nvcc_path(), "-O2", "-arch=sm_80", "-I", str(step_ops.kernels_dir()),
+                           *step_ops.compile_options(), "-o", str(exe), str(driver)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    x = fp8_probe_values()
+    got = np.frombuffer(subprocess.run([str(exe)], input=x.tobytes(), capture_output=True, check=True).stdout,
+                        np.uint8)
+    want = fp8.quantize(x)
+    assert got.size == x.size
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (x[bad[:5]], got[bad[:5]], want[bad[:5]])
+
+
+def divide_to_odd(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """The kernel's pkv_div_odd in NumPy: x / s rounded toward zero to float32, the last bit set
+    where the remainder x - q s is not zero (float64 holds q s exactly), for |q| < 448."""
+    x64, s64 = x.astype(np.float64), s.astype(np.float64)
+    q = (x64 / s64).astype(np.float32)
+    over = np.abs(q.astype(np.float64)) > np.abs(x64 / s64)   # rounded away from zero: step back
+    q = np.where(over, np.nextafter(q, np.float32(0)), q)
+    rem = x64 - q.astype(np.float64) * s64
+    odd = (rem != 0) & (np.abs(q) < 448)
+    return np.where(odd, (q.view(np.uint32) | 1).view(np.float32), q)
+
+
+def test_rounding_the_quotient_to_odd_first_is_one_rounding():
+    """x / s rounded to float32 to nearest, then to e4m3, differs from fp8.quantize(x, s) (double
+    rounding onto a tie); rounded to odd first, it never does: the kernel's scheme."""
+    from persistentkv import fp8
+
+    rng = np.random.default_rng(11)
+    grid = fp8.code_values()[:0x7F]
+    scales = np.float32(rng.uniform(0.001, 3.0, 50_000))
+    mids = np.float64(rng.choice((grid[:-1] + grid[1:]) / 2, 50_000))
+    # fp16 values whose quotient sits within a float32 rounding of a tie
+    x = np.float16(mids * scales.astype(np.float64)).astype(np.float32)
+    x = np.concatenate([x, np.float16(rng.standard_normal(50_000) * 300).astype(np.float32)])
+    s = np.concatenate([scales, scales])
+    want = fp8.quantize(x.astype(np.float64) / s.astype(np.float64))
+    assert np.array_equal(fp8.quantize(divide_to_odd(x, s)), want)
+    nearest = fp8.quantize((x / s).astype(np.float32))          # float32 division, to nearest
+    assert not np.array_equal(nearest, want), "no double-rounding case: the test has no teeth"
 
 
 # -- the launch shape (CPU) -----------------------------------------------------------------------
@@ -206,6 +291,32 @@ APPEND_REFUSALS = {
 }
 
 
+def fp8_append_case(dtype=torch.float16, cache=torch.float8_e4m3fn, hkv=2, d=64, scale_shape=(2,),
+                    scale_dtype=torch.float32):
+    k_flat, v_flat, slots, k, v = append_case(hkv=hkv, d=d, dtype=dtype)
+    caches = torch.zeros((2, 40, hkv, d), dtype=cache)
+    scale = torch.ones(scale_shape, dtype=scale_dtype)
+    return caches[0], caches[1], slots, k, v, scale, scale.clone()
+
+
+FP8_APPEND_REFUSALS = {
+    "e5m2": (lambda: fp8_append_case(cache=torch.float8_e5m2), "e5m2 is not supported"),
+    "float32_rows": (lambda: fp8_append_case(dtype=torch.float32), "an FP8 cache takes float16 or bfloat16 rows"),
+    "no_scales": (lambda: fp8_append_case()[:5], "an FP8 cache needs k_scale and v_scale"),
+    "float_scale": (lambda: (*fp8_append_case()[:5], 1.0, 1.0), "k_scale and v_scale must be float32 tensors"),
+    "scale_of_3_heads": (lambda: fp8_append_case(scale_shape=(3,)),
+                         "k_scale must be a contiguous float32 tensor of 1 or 2 (num_kv_heads) values, got float32 [3]"),
+    "float16_scale": (lambda: fp8_append_case(scale_dtype=torch.float16), "got float16 [2]"),
+    "scales_on_a_plain_cache": (lambda: (*append_case(), torch.ones(1), torch.ones(1)),
+                                "k_scale/v_scale are for an FP8 cache (float8_e4m3fn); this cache is float16"),
+    "per_tensor_and_per_head": (lambda: (*fp8_append_case()[:5], torch.ones(1), torch.ones(2)),
+                                "must both be per tensor or both per KV head, got 1 and 2 values"),
+}
+
+
+APPEND_REFUSALS.update({f"fp8_{name}": case for name, case in FP8_APPEND_REFUSALS.items()})
+
+
 @pytest.mark.parametrize("case", sorted(APPEND_REFUSALS))
 def test_append_kv_refusals_name_what_is_wrong(no_cupy, case):
     make, message = APPEND_REFUSALS[case]
@@ -213,6 +324,13 @@ def test_append_kv_refusals_name_what_is_wrong(no_cupy, case):
     assert any(message in r for r in step_ops.append_kv_unsupported(*tensors))
     with pytest.raises(PKVError, match=re.escape(message)):
         step_ops.append_kv(*tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale_shape", [(1,), (2,), ()])
+def test_a_valid_fp8_append_on_the_cpu_has_only_the_device_reason(dtype, scale_shape):
+    reasons = step_ops.append_kv_unsupported(*fp8_append_case(dtype=dtype, scale_shape=scale_shape))
+    assert len(reasons) == 1 and "CUDA tensors only" in reasons[0], reasons
 
 
 def test_append_kv_takes_a_strided_v_of_the_fused_qkv_rows():
@@ -382,6 +500,47 @@ def test_append_kv_is_index_copy(rows, hkv, dtype):
     step_ops.append_kv(cache[0], cache[1], slots, k, v)
     torch.cuda.synchronize()
     assert torch.equal(cache, want)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows, hkv", [(1, 8), (3, 8), (64, 8), (5, 1)])
+def test_fp8_append_kv_is_fp8_quantize(rows, hkv, dtype, per_head):
+    """Codes bit-identical to fp8.quantize(x, scale) of the source values, on rows holding every
+    magnitude from e4m3's subnormals to 8x past its largest value (overflow saturates at +-448: no
+    NaN code), ties, and fp16/bf16 values a float32-rounded quotient would double-round."""
+    from persistentkv import fp8
+
+    torch_dtype = getattr(torch, dtype)
+    seed = seed_of("append_fp8", rows, hkv, dtype, per_head)
+    _, slots, k, v = gpu_append_case(rows, torch_dtype, seed, hkv=hkv)
+    gen = np.random.default_rng(seed)
+    scales = [np.float32(gen.uniform(0.01, 2.0, hkv if per_head else 1)) for _ in range(2)]
+    for t, scale in zip((k, v), scales):
+        per = np.repeat(scale, hkv) if scale.size == 1 else scale
+        magnitude = np.exp2(gen.uniform(-12, 12, tuple(t.shape))) * per[None, :, None]
+        ties = (fp8.code_values()[gen.integers(0, 126, tuple(t.shape))] + fp8.code_values()[
+            gen.integers(0, 126, tuple(t.shape))]) / 2 * per[None, :, None]
+        values = np.where(gen.random(tuple(t.shape)) < 0.3, ties, magnitude) * gen.choice([-1.0, 1.0], tuple(t.shape))
+        t.copy_(torch.from_numpy(values.astype(np.float32)).to(torch_dtype))
+    slots_total = 1000
+    caches = torch.full((2, slots_total, hkv, 128), 0x55, dtype=torch.uint8, device="cuda")
+    k_flat, v_flat = (c.view(torch.float8_e4m3fn) for c in caches)
+    k_scale, v_scale = (torch.from_numpy(s).cuda() for s in scales)
+    step_ops.append_kv(k_flat, v_flat, slots, k, v, k_scale, v_scale)
+    torch.cuda.synchronize()
+    got = caches.cpu().numpy()
+    idx = slots.cpu().numpy()
+    for c, t, scale in ((0, k, scales[0]), (1, v, scales[1])):
+        x = t.float().cpu().numpy()
+        assert np.abs(x).max() > 448 * scale.max(), "the rows must overflow e4m3"
+        want = fp8.quantize(x, scale, head_axis=1 if per_head else None)
+        assert np.array_equal(got[c][idx], want), f"{int((got[c][idx] != want).sum())} codes differ"
+        assert not np.isin(got[c][idx], fp8.NAN_CODES).any()
+    untouched = np.setdiff1d(np.arange(slots_total), idx)
+    assert (got[:, untouched] == 0x55).all()
 
 
 @pytest.mark.gpu

@@ -249,6 +249,35 @@ def random_cache(spec: AttentionSpec, num_pages: int, seed: int) -> tuple[np.nda
     return _standard_normal(spec, shape, seed, KV_SEED_OFFSET, 2)
 
 
+def random_fp8_cache(spec: AttentionSpec, num_pages: int, seed: int, per_head: bool = False):
+    """An FP8 cache of standard-normal values: those of :func:`random_cache` with the same seed
+    (drawn in the query dtype, ``spec.dtype``), quantised to e4m3 codes.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        With ``kv_dtype`` ``float8_e4m3``; ``dtype`` (the queries') float16, float32 or float64.
+    num_pages, seed : int
+        As :func:`random_cache`.
+    per_head : bool
+        Scales per KV head ([Hkv]) instead of one per tensor ([1]).
+
+    Returns
+    -------
+    (k_codes, v_codes, k_scale, v_scale)
+        uint8 [num_pages, P, Hkv, D] each, and float32 scales (fp8.fit_scale: each tensor's or
+        head's largest magnitude maps to 448); code c of head h stands for value(c) x scale[h].
+    """
+    from . import fp8
+
+    _check_spec(spec)
+    require(spec.fp8_kv, f"random_fp8_cache makes an FP8 cache; this spec's kv_dtype is {spec.kv_dtype}")
+    k, v = random_cache(AttentionSpec(**{**spec.to_dict(), "kv_dtype": None}), num_pages, seed)
+    axis = 2 if per_head else None
+    k_scale, v_scale = fp8.fit_scale(k, axis), fp8.fit_scale(v, axis)
+    return fp8.quantize(k, k_scale, axis), fp8.quantize(v, v_scale, axis), k_scale, v_scale
+
+
 def random_queries(spec: AttentionSpec, batch_size: int, seed: int) -> np.ndarray:
     """Queries of standard-normal values (seeded ``seed + 2026``): [B, Hq, D] of the spec's dtype."""
     _check_spec(spec)

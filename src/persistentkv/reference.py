@@ -9,6 +9,14 @@ exactly as the paper writes it, in its (o, lse) form:
 
 so the executor proves a plan right on any machine, and is the ``numpy`` backend.
 
+An FP8 cache (spec.kv_dtype ``float8_e4m3``: uint8 e4m3 codes and float32 scales, per tensor or
+per KV head) enters both as the values it stands for: :func:`dequantized_cache` gives float64 K
+and V (``value(code) x scale`` exactly: a 4-bit significand times a float32 scale fits a float64),
+which ``reference_decode`` takes as any float64 cache. The ``numpy`` backend dequantises in
+float32 instead (one rounding of that exact product, as a float32 multiply on the GPU does) and
+runs ``execute_plan`` on that; so the reference, which sees the exact values, judges the
+executor's float32 dequantisation too.
+
 The gate every correctness check uses: ``gate(out, ref, tol)`` judges each (row, query head)
 alone, ||out[b, h] - ref[b, h]|| / ||ref[b, h]|| <= tol, with ``TOLERANCE[dtype]`` the one table
 of tolerances. (One norm over the whole batch would let a long row, whose output norm is small,
@@ -24,6 +32,7 @@ import numpy as np
 
 from .cache import Batch
 from .errors import PKVError, require
+from .fp8 import dequantize, scale_reasons
 from .plan import Plan, unpack_items
 
 
@@ -61,6 +70,35 @@ def _check_inputs(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch
     require(v_cache.shape == k_cache.shape, f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
 
 
+def dequantized_cache(k_codes: np.ndarray, v_codes: np.ndarray, k_scale, v_scale,
+                      dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """The values an FP8 cache stands for: (K, V) in ``dtype``, ``value(code) x scale[h]``.
+
+    Parameters
+    ----------
+    k_codes, v_codes : numpy.ndarray
+        uint8 e4m3 codes [num_pages, P, Hkv, D], one shape (a NumPy view of a
+        torch.float8_e4m3fn cache: ``t.view(torch.uint8).numpy()``).
+    k_scale, v_scale : float or numpy.ndarray
+        One value, or float32 [1] or [Hkv] (one per KV head, axis 2 of the codes); finite, > 0.
+    dtype : numpy dtype
+        float64 (default: exact, what the reference takes) or float32 (one rounding of the exact
+        product, as the GPU's float32 multiply; the NumPy executor's).
+
+    Pass the result to :func:`reference_decode` (or :func:`execute_plan`) as ``k_cache, v_cache``.
+    """
+    for name, codes in (("k_codes", k_codes), ("v_codes", v_codes)):
+        require(isinstance(codes, np.ndarray), f"{name} must be a NumPy array, got {type(codes).__name__}")
+        require(codes.dtype == np.uint8, f"{name} must be uint8 e4m3 codes, got dtype {codes.dtype}")
+        require(codes.ndim == 4, f"{name} must be [num_pages, P, Hkv, D], got shape {codes.shape}")
+    require(k_codes.shape == v_codes.shape, f"v_codes shape {v_codes.shape} != k_codes shape {k_codes.shape}")
+    hkv = k_codes.shape[2]
+    reasons = scale_reasons("k_scale", k_scale, hkv) + scale_reasons("v_scale", v_scale, hkv)
+    require(not reasons, "; ".join(reasons))
+    return (dequantize(k_codes, k_scale, head_axis=2, dtype=dtype),
+            dequantize(v_codes, v_scale, head_axis=2, dtype=dtype))
+
+
 def gather_row(cache: np.ndarray, batch: Batch, row: int, tok_lo: int, tok_hi: int, head=None) -> np.ndarray:
     """Tokens [tok_lo, tok_hi) of ``row`` through the block table: [n, Hkv, D] (or [n, D] for one head)."""
     P = batch.spec.page_size
@@ -82,7 +120,8 @@ def reference_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ba
     q : numpy.ndarray
         [B, Hq, D], any float dtype.
     k_cache, v_cache : numpy.ndarray
-        [num_pages (or more), P, Hkv, D], one float dtype for both.
+        [num_pages (or more), P, Hkv, D], one float dtype for both (an FP8 cache: the float64
+        values of :func:`dequantized_cache`).
     batch : Batch
         The rows and their block table.
     scale : float, optional

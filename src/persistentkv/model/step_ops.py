@@ -4,6 +4,9 @@
     a = gemv_silu_mul(h, gate_up)               # silu(h gate^T) * (h up^T), one kernel
     append_kv(k_flat, v_flat, slots, k, v)      # both index_copy_ calls of a layer, one kernel, which
                                                 # lets a PDL-launched attention after it start at its entry
+    append_kv(k_flat, v_flat, slots, k, v, k_scale, v_scale)   # into an FP8 e4m3 cache: x / scale[h]
+                                                # rounded to nearest even, saturating at +-448
+                                                # (fp8.quantize is the spec, bit for bit)
 
 Why: at B = 1 on an H200, cuBLAS reads the projections' weights at 0.55 (o_proj 4096 x 4096) to
 0.92 (gate_up, lm_head) of their bytes' read time, adds split-K reduce kernels (108 us per step),
@@ -84,9 +87,15 @@ def gemv_entry(dtype: str, rows: int, silu: bool) -> str:
     return f"pkv_gemv{'_silu_mul' if silu else ''}_{dtype}_t{rows}"
 
 
+def append_e4m3_entry(dtype: str) -> str:
+    """The FP8 append of fp16/bf16 rows: ``pkv_append_kv_<dtype>_e4m3``."""
+    return f"pkv_append_kv_{dtype}_e4m3"
+
+
 #: Every extern "C" entry point of kernels/step_ops.cu.
 ENTRY_POINTS = tuple(gemv_entry(d, t, s) for s in (False, True) for d in DTYPES
-                     for t in range(1, MAX_ROWS + 1)) + ("pkv_append_kv",)
+                     for t in range(1, MAX_ROWS + 1)) + ("pkv_append_kv",) + tuple(append_e4m3_entry(d)
+                                                                                  for d in DTYPES)
 
 
 def kernel_path() -> Path:
@@ -108,7 +117,7 @@ def compile_report(archs: list[str], out_dir: Path) -> list[dict]:
     """kernels/step_ops.cu compiled with nvcc for every arch to ``out_dir`` (no GPU needed), as the
     compile report's rows (persistentkv.kernel_build.compile_module): ``head_dim`` 0, ``warps`` a
     gemv block's (BLOCK_WARPS), ``dtype`` from each entry point's name ("" for pkv_append_kv,
-    which takes any)."""
+    which takes any; the FP8 appends' names carry their source dtype)."""
     from ..kernel_build import compile_module
 
     rows = []
@@ -271,32 +280,55 @@ def _torch_dtypes() -> tuple:
     return tuple(getattr(torch, d) for d in DTYPES)
 
 
-def append_kv_unsupported(k_flat, v_flat, slots, k, v) -> list[str]:
+def append_kv_unsupported(k_flat, v_flat, slots, k, v, k_scale=None, v_scale=None) -> list[str]:
     """Why :func:`append_kv` cannot take these tensors; [] when it can.
 
     Parameters
     ----------
     k_flat, v_flat : torch.Tensor
-        [S, Hkv, D], one dtype, the same strides, rows contiguous (strides [r, D, 1]).
+        [S, Hkv, D], one dtype, the same strides, rows contiguous (strides [r, D, 1]): k's dtype,
+        or float8_e4m3fn (an FP8 cache; k and v then float16 or bfloat16, D % 8 == 0).
     slots : torch.Tensor
         int64 [T], contiguous (values are not checked: the host never reads them).
     k, v : torch.Tensor
-        [T, Hkv, D] of the cache's dtype, rows contiguous (the row stride is free: v may be a
-        slice of the fused qkv output).
+        [T, Hkv, D] of one dtype, rows contiguous (the row stride is free: v may be a slice of the
+        fused qkv output).
+    k_scale, v_scale : torch.Tensor, optional
+        An FP8 cache's scales (required there, refused otherwise): contiguous float32 tensors of
+        1 (per tensor) or Hkv (per KV head) values, both alike, on the cache's device. Their values
+        are not checked (the host never reads them; finite and > 0 is the caller's).
 
-    Every tensor on one CUDA device; a row (Hkv x D elements), every row stride and every
-    pointer a multiple of 16 bytes.
+    Every tensor on one CUDA device; a row, every row stride and every pointer a multiple of 16
+    bytes.
     """
     import torch
 
     tensors = {"k_flat": k_flat, "v_flat": v_flat, "slots": slots, "k": k, "v": v}
     if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         return ["append_kv takes torch tensors"]
-    reasons = _device_reasons("append_kv", tensors)
+    fp8 = k_flat.dtype == torch.float8_e4m3fn
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    reasons = []
+    other_fp8 = "float8" in str(k_flat.dtype) and not fp8
+    if other_fp8:
+        reasons.append(f"append_kv: the cache is {_dtype_name(k_flat)}; e5m2 is not supported (an FP8 cache holds "
+                       "float8_e4m3fn codes)")
+    elif fp8:
+        if k_scale is None or v_scale is None:
+            reasons.append("append_kv: an FP8 cache needs k_scale and v_scale (float32 tensors of 1 or Hkv values)")
+        elif not all(isinstance(t, torch.Tensor) for t in scales.values()):
+            reasons.append(f"append_kv: k_scale and v_scale must be float32 tensors, got {type(k_scale).__name__} and "
+                           f"{type(v_scale).__name__}")
+        else:
+            tensors.update(scales)
+    elif k_scale is not None or v_scale is not None:
+        reasons.append(f"append_kv: k_scale/v_scale are for an FP8 cache (float8_e4m3fn); this cache is "
+                       f"{_dtype_name(k_flat)}")
+    reasons = _device_reasons("append_kv", tensors) + reasons
     rows = {"k_flat": k_flat, "v_flat": v_flat, "k": k, "v": v}
     if any(t.dim() != 3 for t in rows.values()) or slots.dim() != 1:
         return reasons + [f"append_kv takes [S, Hkv, D] caches, [T, Hkv, D] k and v and [T] slots, got "
-                          f"{', '.join(f'{n} {list(t.shape)}' for n, t in tensors.items())}"]
+                          f"{', '.join(f'{n} {list(tensors[n].shape)}' for n in ('k_flat', 'v_flat', 'slots', 'k', 'v'))}"]
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         reasons.append(f"append_kv: slots must be contiguous int64, got {_dtype_name(slots)}")
     shape, strides = k_flat.shape, k_flat.stride()
@@ -306,22 +338,38 @@ def append_kv_unsupported(k_flat, v_flat, slots, k, v) -> list[str]:
     if k.shape != v.shape or k.shape[1:] != shape[1:] or k.shape[0] != slots.shape[0]:
         reasons.append(f"append_kv: k {list(k.shape)}, v {list(v.shape)}, slots {list(slots.shape)} do not match "
                        f"rows of {list(shape[1:])}")
-    dtype = k_flat.dtype
-    if not (v_flat.dtype == k.dtype == v.dtype == dtype):
+    if fp8:
+        if not (k.dtype == v.dtype and k.dtype in _torch_dtypes() and v_flat.dtype == k_flat.dtype):
+            reasons.append(f"append_kv: an FP8 cache takes float16 or bfloat16 rows (k and v of one dtype) into "
+                           f"float8_e4m3fn k_flat and v_flat, got {', '.join(_dtype_name(t) for t in (k, v, k_flat, v_flat))}")
+        if shape[2] % CHUNK_ELEMENTS:
+            reasons.append(f"append_kv: D = {shape[2]} is not a multiple of 8 (an FP8 chunk of 8 elements lies in "
+                           "one KV head)")
+        if "k_scale" in tensors:
+            hkv = shape[1]
+            for name, t in scales.items():
+                if not (t.dtype == torch.float32 and t.dim() <= 1 and t.numel() in (1, hkv)
+                        and (t.dim() == 0 or t.stride(0) == 1)):
+                    reasons.append(f"append_kv: {name} must be a contiguous float32 tensor of 1 or {hkv} (num_kv_heads) "
+                                   f"values, got {_dtype_name(t)} {list(t.shape)}")
+            if k_scale.numel() != v_scale.numel():
+                reasons.append(f"append_kv: k_scale and v_scale must both be per tensor or both per KV head, got "
+                               f"{k_scale.numel()} and {v_scale.numel()} values")
+    elif not other_fp8 and not (v_flat.dtype == k.dtype == v.dtype == k_flat.dtype):
         reasons.append(f"append_kv: k, v and the caches must share a dtype, got "
                        f"{', '.join(_dtype_name(t) for t in (k, v, k_flat, v_flat))}")
-    item = k_flat.element_size()
     for name, t in rows.items():
         row, head, one = t.stride()
         if one != 1 or head != t.shape[2]:
             reasons.append(f"append_kv: {name}'s rows are not contiguous (strides {list(t.stride())})")
-        elif row * item % VECTOR_BYTES:
-            reasons.append(f"append_kv: {name}'s row stride ({row * item} bytes) is not a multiple of 16")
-    row_bytes = shape[1] * shape[2] * item
-    if row_bytes % VECTOR_BYTES or row_bytes == 0:
+        elif row * t.element_size() % VECTOR_BYTES:
+            reasons.append(f"append_kv: {name}'s row stride ({row * t.element_size()} bytes) is not a multiple of 16")
+    row_bytes = shape[1] * shape[2] * k_flat.element_size()
+    src_bytes = shape[1] * shape[2] * k.element_size()
+    if row_bytes % VECTOR_BYTES or row_bytes == 0 or src_bytes % VECTOR_BYTES:
         reasons.append(f"append_kv: a row of Hkv x D = {shape[1]} x {shape[2]} is {row_bytes} bytes, "
                        "not a positive multiple of 16")
-    elif 2 * k.shape[0] * (row_bytes // VECTOR_BYTES) > _INT32_MAX:
+    elif 2 * k.shape[0] * (src_bytes // VECTOR_BYTES) > _INT32_MAX:
         reasons.append(f"append_kv: {k.shape[0]} rows exceed the kernel's int32 chunk count")
     return reasons + _aligned_reasons("append_kv", rows)
 
@@ -381,10 +429,20 @@ def launch_gemv(x, w, silu: bool = False):
     return out
 
 
-def launch_append_kv(k_flat, v_flat, slots, k, v) -> None:
+def launch_append_kv(k_flat, v_flat, slots, k, v, k_scale=None, v_scale=None) -> None:
     """:func:`append_kv` without its checks (the caller has :func:`append_kv_unsupported` empty)."""
     rows = int(k.shape[0])
     if rows == 0:
+        return
+    if k_scale is not None:  # an FP8 cache: 16-byte chunks of k and v, 8-byte chunks of codes
+        row_chunks = k_flat.shape[1] * k_flat.shape[2] // CHUNK_ELEMENTS
+        blocks = append_blocks(2 * rows * row_chunks, _sm_count(k.device.index))
+        _launch(k.device, append_e4m3_entry(_dtype_name(k)), blocks, APPEND_THREADS,
+                (_pointer(k), _pointer(v), _pointer(k_flat), _pointer(v_flat), _pointer(slots), _pointer(k_scale),
+                 _pointer(v_scale), ctypes.c_int32(1 if k_scale.numel() > 1 else 0),
+                 ctypes.c_int32(k_flat.shape[2] // CHUNK_ELEMENTS), ctypes.c_int32(rows), ctypes.c_int32(row_chunks),
+                 ctypes.c_int64(k.stride(0) // CHUNK_ELEMENTS), ctypes.c_int64(v.stride(0) // CHUNK_ELEMENTS),
+                 ctypes.c_int64(k_flat.stride(0) // CHUNK_ELEMENTS), ctypes.c_int64(k_flat.shape[0])))
         return
     chunk = VECTOR_BYTES // k_flat.element_size()  # elements per 16-byte chunk of this dtype
     row_chunks = k_flat.shape[1] * k_flat.shape[2] // chunk
@@ -446,17 +504,23 @@ def gemv_silu_mul(x, w):
     return launch_gemv(x, w, silu=True)
 
 
-def append_kv(k_flat, v_flat, slots, k, v) -> None:
-    """``k_flat[slots] = k`` and ``v_flat[slots] = v`` in one kernel of 16-byte copies.
+def append_kv(k_flat, v_flat, slots, k, v, k_scale=None, v_scale=None) -> None:
+    """``k_flat[slots] = k`` and ``v_flat[slots] = v`` in one kernel of 16-byte copies; into an
+    FP8 cache, the e4m3 codes of ``k / k_scale[h]`` and ``v / v_scale[h]``.
 
     Parameters
     ----------
     k_flat, v_flat : torch.Tensor
-        [S, Hkv, D] cache rows (PagedKV.flat), written in place.
+        [S, Hkv, D] cache rows (PagedKV.flat), written in place: k's dtype, or float8_e4m3fn.
     slots : torch.Tensor
         int64 [T] on the device; a slot outside [0, S) is skipped.
     k, v : torch.Tensor
         [T, Hkv, D], rows contiguous (any row stride that is a multiple of 16 bytes).
+    k_scale, v_scale : torch.Tensor, optional
+        An FP8 cache's scales: float32 [1] (per tensor) or [Hkv] (per KV head) on the device, read
+        there at every launch (a captured graph follows new values). The codes are
+        ``persistentkv.fp8.quantize(x, scale)`` bit for bit: the exact quotient rounded to the
+        nearest e4m3 value, ties to even, saturating at +-448 (never inf or NaN from an overflow).
 
     Raises
     ------
@@ -464,5 +528,5 @@ def append_kv(k_flat, v_flat, slots, k, v) -> None:
         Naming every constraint broken (:func:`append_kv_unsupported`); checked before CuPy is
         imported. Callers fall back to index_copy_.
     """
-    _require(append_kv_unsupported(k_flat, v_flat, slots, k, v))
-    launch_append_kv(k_flat, v_flat, slots, k, v)
+    _require(append_kv_unsupported(k_flat, v_flat, slots, k, v, k_scale, v_scale))
+    launch_append_kv(k_flat, v_flat, slots, k, v, k_scale, v_scale)
