@@ -452,7 +452,16 @@ def prose(text: str) -> str:
     return text.replace("*", "\\*").replace("|", "\\|").replace("<", "&lt;")
 
 
+def page_cases() -> list[Bad]:
+    """The page's rows: CASES, then the FP8 cache's (tests/test_fp8.py runs those, beside the FP8
+    tests; imported here, not at the top, since test_fp8 imports Bad from this module)."""
+    from test_fp8 import FP8_BAD_INPUT
+
+    return CASES + FP8_BAD_INPUT
+
+
 def render_page() -> str:
+    cases = page_cases()
     lines = [
         "# Bad input: what the public API and the CLI say",
         "",
@@ -475,7 +484,7 @@ def render_page() -> str:
     ]
     for kind, title in KINDS.items():
         lines += ["", f"## {title}", "", "| function | bad value | message now given |", "|---|---|---|"]
-        lines += [f"| {code(c.function)} | {prose(c.value)} | {code(c.message)} |" for c in CASES if c.kind == kind]
+        lines += [f"| {code(c.function)} | {prose(c.value)} | {code(c.message)} |" for c in cases if c.kind == kind]
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,8 @@ NumPy executor on an FP8 cache against float64, and the FP8 bad inputs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import types
 
@@ -124,11 +126,13 @@ def test_fit_scale_maps_the_largest_magnitude_to_448():
 # -- the spec and the capabilities ----------------------------------------------------------------
 def test_kv_dtype_defaults_to_the_query_dtype_and_takes_fp8():
     plain = AttentionSpec(dtype="bfloat16")
-    assert plain.kv_dtype == "bfloat16" and not plain.fp8_kv and plain.kv_itemsize == 2
+    assert plain.kv_dtype is None and plain.cache_dtype == "bfloat16" and not plain.fp8_kv and plain.kv_itemsize == 2
     spec = AttentionSpec(kv_dtype=FP8_KV)
     assert spec.fp8_kv and spec.kv_itemsize == 1 and spec.itemsize == 2
     assert spec.kv_bytes_per_token * 2 == AttentionSpec().kv_bytes_per_token == 2 * 8 * 128 * 2
-    assert AttentionSpec(kv_dtype="float16").kv_dtype == "float16"
+    # the query's dtype spelled out is stored as None, so replace(spec, dtype=) keeps the cache in step
+    assert AttentionSpec(kv_dtype="float16") == AttentionSpec()
+    assert replace(AttentionSpec(kv_dtype="float16"), dtype="bfloat16").cache_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("kv_dtype", ["float8_e5m2", "float32", "int8", ["float8_e4m3"]])
@@ -229,7 +233,7 @@ def test_random_fp8_cache_quantises_random_cache():
     kc2, _, ks2, _ = random_fp8_cache(spec, 5, 3, per_head=True)
     assert ks2.shape == (2,) and np.array_equal(kc2, fp8.quantize(k, ks2, 2))
     assert np.array_equal(random_fp8_cache(spec, 5, 3)[0], kc)       # seeded
-    with pytest.raises(PKVError, match="^random_fp8_cache makes an FP8 cache; this spec's kv_dtype is float32$"):
+    with pytest.raises(PKVError, match="^random_fp8_cache makes an FP8 cache; this spec's cache is float32$"):
         random_fp8_cache(plain, 5, 3)
 
 
@@ -346,7 +350,7 @@ FP8_BAD_INPUT = [
         "numpy: q is uint8; an FP8 query is not supported (queries and outputs stay in the spec's dtype, float16)"),
     Bad("accepted", "cache.random_fp8_cache", "a float16 spec",
         lambda: random_fp8_cache(SPEC16, 4, 0),
-        "random_fp8_cache makes an FP8 cache; this spec's kv_dtype is float16"),
+        "random_fp8_cache makes an FP8 cache; this spec's cache is float16"),
     Bad("silent", "model.step_ops.append_kv", "an e5m2 cache",
         lambda: step_append(cache=torch.float8_e5m2, no_device=True),
         "append_kv: the cache is float8_e5m2; e5m2 is not supported (an FP8 cache holds float8_e4m3fn codes)"),

@@ -271,7 +271,7 @@ def random_fp8_cache(spec: AttentionSpec, num_pages: int, seed: int, per_head: b
     from . import fp8
 
     _check_spec(spec)
-    require(spec.fp8_kv, f"random_fp8_cache makes an FP8 cache; this spec's kv_dtype is {spec.kv_dtype}")
+    require(spec.fp8_kv, f"random_fp8_cache makes an FP8 cache; this spec's cache is {spec.cache_dtype}")
     k, v = random_cache(AttentionSpec(**{**spec.to_dict(), "kv_dtype": None}), num_pages, seed)
     axis = 2 if per_head else None
     k_scale, v_scale = fp8.fit_scale(k, axis), fp8.fit_scale(v, axis)
