@@ -287,11 +287,18 @@ class Kernels:
         return (self.name == "pkv" and x.dim() == 2 and x.shape[0] <= step_ops.MAX_ROWS
                 and not step_ops.gemv_unsupported(x, w, silu=silu))
 
-    def append(self, k_flat, v_flat, slots, k, v) -> None:
+    def append(self, k_flat, v_flat, slots, k, v, k_scale=None, v_scale=None) -> None:
         """``k_flat[slots] = k``, ``v_flat[slots] = v`` (k, v [T, Hkv, D]; caches [S, Hkv, D];
-        slots int64 [T]); pkv: one step_ops.append_kv."""
-        if self.name == "pkv" and not step_ops.append_kv_unsupported(k_flat, v_flat, slots, k, v):
-            step_ops.launch_append_kv(k_flat, v_flat, slots, k, v)
+        slots int64 [T]); into an FP8 cache (``k_scale``/``v_scale`` float32 [1] or [Hkv]) the e4m3
+        codes of k / k_scale and v / v_scale, saturated at +-448; pkv: one step_ops.append_kv."""
+        if self.name == "pkv" and not step_ops.append_kv_unsupported(k_flat, v_flat, slots, k, v, k_scale, v_scale):
+            step_ops.launch_append_kv(k_flat, v_flat, slots, k, v, k_scale, v_scale)
+            return
+        if k_scale is not None:
+            from .pages import store_e4m3
+
+            store_e4m3(k_flat, slots, k, k_scale)
+            store_e4m3(v_flat, slots, v, v_scale)
             return
         k_flat.index_copy_(0, slots, k)
         v_flat.index_copy_(0, slots, v)

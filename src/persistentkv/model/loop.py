@@ -42,7 +42,7 @@ import numpy as np
 from ..cache import Batch
 from ..errors import require
 from .llama import Kernels, Sampling, Weights, sample
-from .pages import PagedKV
+from .pages import PagedKV, store_e4m3
 from .shape import ModelShape
 
 FOLLOW_MODES = ("device", "host", "replan")
@@ -118,7 +118,7 @@ class DecodeLoop:
 
         self.model, self.kv, self.sampling = model, kv, sampling
         self.backend = registry.create(backend) if isinstance(backend, str) else backend
-        self.spec = model.shape.attention_spec(kv.page_size, kv.dtype_name)
+        self.spec = model.shape.attention_spec(kv.page_size, kv.dtype_name, kv.kv_dtype)
         reasons = self.backend.unavailable(self.spec)
         require(not reasons, f"backend {self.backend.name} cannot run {self.spec}: {'; '.join(reasons)}")
         #: run() takes host NumPy arrays (read once: _run is called per layer)
@@ -202,8 +202,13 @@ class DecodeLoop:
 
         def attend(l, q, k, v):
             k_flat, v_flat = self.kv.flat(l)
-            k_flat.index_copy_(0, slots, k)
-            v_flat.index_copy_(0, slots, v)
+            k_scale, v_scale = self.kv.layer_scales(l)
+            if k_scale is None:
+                k_flat.index_copy_(0, slots, k)
+                v_flat.index_copy_(0, slots, v)
+            else:  # an FP8 cache stores the codes; the prompt's own attention reads k and v as computed
+                store_e4m3(k_flat, slots, k, k_scale)
+                store_e4m3(v_flat, slots, v, v_scale)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, enable_gqa=True, scale=s.head_dim ** -0.5)
             return o.transpose(0, 1)
@@ -382,11 +387,14 @@ class DecodeLoop:
     def attend(self, layer: int, q) -> None:
         """Layer ``layer``'s attention on ``q`` [B, Hq, D] over its cache with the step's plan, into
         the loop's ``out`` [B, Hq, D]."""
-        k, v = self.kv.layer(layer)
-        if self.host_arrays:  # e.g. the NumPy executor: host arrays (the CPU tensors' memory)
-            self.backend.run(q.numpy(), (k.numpy(), v.numpy()), self.plan, self.out.numpy())
+        cache = self.kv.cache_of(layer)
+        if self.host_arrays:  # e.g. the NumPy executor: host arrays (the CPU tensors' memory; FP8 codes as uint8)
+            import torch
+
+            arrays = tuple((t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).numpy() for t in cache)
+            self.backend.run(q.numpy(), arrays, self.plan, self.out.numpy())
         else:
-            self.backend.run(q, (k, v), self.plan, self.out)
+            self.backend.run(q, cache, self.plan, self.out)
 
     def slots(self):
         """Each row's cache row for its position: the last page's slot (index math on the device)."""
@@ -396,7 +404,7 @@ class DecodeLoop:
     def append(self, layer: int, slots, k, v) -> None:
         """Write k, v [B, Hkv, D] into layer ``layer``'s cache rows ``slots`` (:meth:`slots`)."""
         k_flat, v_flat = self.kv.flat(layer)
-        self.model.kernels.append(k_flat, v_flat, slots, k, v)
+        self.model.kernels.append(k_flat, v_flat, slots, k, v, *self.kv.layer_scales(layer))
 
     def _body(self, attention: bool = True) -> None:
         """The step; ``attention`` False: the step without attention (the rest graph), the plan's

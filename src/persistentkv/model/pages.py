@@ -1,7 +1,8 @@
 """The paged cache of a decode loop: one tensor for every layer's K and V, and its page pool.
 
     kv = PagedKV(shape, num_pages, page_size=16, dtype=torch.float16, device="cuda")
-    k, v = kv.layer(l)      # layer l's [pages, P, Hkv, D] views, what every backend reads
+    k, v = kv.layer(l)      # layer l's [pages, P, Hkv, D] views
+    kv.cache_of(l)          # what every backend reads: (K, V), or (K, V, k_scale, v_scale) when FP8
     pages = kv.pool.reserve(request_id, tokens)   # a row's physical pages, in logical order
 
 Loops that share a cache share its rows' pages (PagePool): every backend reads the same bytes.
@@ -72,24 +73,51 @@ class PagedKV:
     ``layer(l)`` is layer l's (K, V), each [pages, P, Hkv, D] (strides [P*Hkv*D, Hkv*D, D, 1]:
     what every backend reads; the engine's page stride stays far below 4 GiB);
     ``flat(l)`` the same as [pages * P, Hkv, D], the rows the append writes.
+
+    ``kv_dtype="float8_e4m3"``: the cache holds e4m3 codes (torch.float8_e4m3fn) and ``scales``
+    float32 [L, 2, S] (S = 1: per tensor, or Hkv: per KV head) on the device, layer l's K and V
+    scales at ``scales[l, 0]`` and ``scales[l, 1]``; ``dtype`` stays the model's (queries,
+    appended rows). Default scales are 1 (what a server without calibrated scales uses); a
+    caller sets calibrated ones before the first append (``scales.copy_(...)``: a captured step
+    reads them in place).
     """
 
-    def __init__(self, shape: ModelShape, num_pages: int, page_size: int, dtype, device, seed: int = 0):
+    def __init__(self, shape: ModelShape, num_pages: int, page_size: int, dtype, device, seed: int = 0,
+                 kv_dtype: str | None = None, scales=None):
         import torch
 
+        from ..spec import FP8_KV
+
+        require(kv_dtype in (None, FP8_KV), f"kv_dtype must be None (the model's dtype) or {FP8_KV}, got {kv_dtype!r}")
         self.shape, self.page_size, self.dtype = shape, int(page_size), dtype
+        self.kv_dtype = kv_dtype
+        self.cache_dtype = torch.float8_e4m3fn if kv_dtype else dtype
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             from ..measure.device import TorchDevice
 
-            item = torch.empty((), dtype=dtype).element_size()
+            item = torch.empty((), dtype=self.cache_dtype).element_size()
             size = 2 * shape.num_layers * int(num_pages) * self.page_size * shape.num_kv_heads * shape.head_dim * item
             check_fits(Footprint(0, size, 0), TorchDevice(str(self.device)).free_bytes(),
                        f"a paged cache of {num_pages} pages x {shape.num_layers} layers")
         # zeros, not empty: torch-sdpa gathers whole pages and its masked-out slots still multiply
         # their V (0 x NaN of stale memory is NaN)
         self.cache = torch.zeros((shape.num_layers, 2, int(num_pages), self.page_size, shape.num_kv_heads,
-                                  shape.head_dim), dtype=dtype, device=self.device)
+                                  shape.head_dim), dtype=self.cache_dtype, device=self.device)
+        self.scales = None
+        if kv_dtype:
+            self.scales = torch.ones((shape.num_layers, 2, 1), dtype=torch.float32, device=self.device)
+            if scales is not None:
+                scales = torch.as_tensor(scales, dtype=torch.float32, device=self.device)
+                require(scales.dim() == 3 and tuple(scales.shape[:2]) == (shape.num_layers, 2)
+                        and scales.shape[2] in (1, shape.num_kv_heads),
+                        f"scales must be [layers, 2, 1 or num_kv_heads] = [{shape.num_layers}, 2, 1 or "
+                        f"{shape.num_kv_heads}], got {list(scales.shape)}")
+                require(bool(torch.isfinite(scales).all()) and bool((scales > 0).all()),
+                        "scales must be finite and > 0")
+                self.scales = scales.contiguous()
+        else:
+            require(scales is None, "scales are for an FP8 cache (kv_dtype='float8_e4m3')")
         self.pool = PagePool(num_pages, page_size, seed)
 
     @property
@@ -103,6 +131,16 @@ class PagedKV:
     def layer(self, l: int):
         return self.cache[l, 0], self.cache[l, 1]
 
+    def layer_scales(self, l: int):
+        """Layer l's (k_scale, v_scale) of an FP8 cache, float32 [S] views; (None, None) otherwise."""
+        return (None, None) if self.scales is None else (self.scales[l, 0], self.scales[l, 1])
+
+    def cache_of(self, l: int) -> tuple:
+        """Layer l's cache as a backend's run() takes it: (K, V), or (K, V, k_scale, v_scale)."""
+        if self.scales is None:
+            return self.cache[l, 0], self.cache[l, 1]
+        return self.cache[l, 0], self.cache[l, 1], self.scales[l, 0], self.scales[l, 1]
+
     def flat(self, l: int):
         s = self.shape
         return (self.cache[l, 0].view(-1, s.num_kv_heads, s.head_dim),
@@ -115,4 +153,31 @@ class PagedKV:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
         for l in range(self.shape.num_layers):
-            self.cache[l].normal_(generator=gen)
+            if self.scales is None:
+                self.cache[l].normal_(generator=gen)
+                continue
+            values = torch.empty(self.cache[l].shape, dtype=self.dtype, device=self.device).normal_(generator=gen)
+            scales = self.scales[l].view(2, 1, 1, 1, -1, 1)
+            self.cache[l].copy_(quantize_e4m3(values, scales))
+
+
+def quantize_e4m3(values, scale):
+    """The e4m3 codes (torch.float8_e4m3fn) of ``values / scale`` (``scale`` broadcast), rounded to
+    nearest even and saturated at +-448 (torch's own cast of a larger value is NaN on the GPU): a
+    decode step's append outside the step_ops kernel (which rounds once, from the exact quotient;
+    here the float32 quotient is rounded first)."""
+    import torch
+
+    from ..fp8 import E4M3_MAX
+
+    return (values.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def store_e4m3(flat, slots, values, scale) -> None:
+    """``flat[slots] = quantize_e4m3(values, scale)`` for a cache's rows ``flat`` [S, Hkv, D] of
+    float8_e4m3fn, ``values`` [T, Hkv, D], ``scale`` float32 [1] or [Hkv]; the codes are copied as
+    bytes (torch's index_copy_ has no float8 kernel on the CPU)."""
+    import torch
+
+    codes = quantize_e4m3(values, scale.view(1, -1, 1))
+    flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))

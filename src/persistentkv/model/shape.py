@@ -98,9 +98,10 @@ class ModelShape:
         """K and V of one cached token over every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
-    def attention_spec(self, page_size: int, dtype: str) -> AttentionSpec:
-        """The per-layer attention problem (one AttentionSpec shared by every layer)."""
-        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, page_size, dtype)
+    def attention_spec(self, page_size: int, dtype: str, kv_dtype: str | None = None) -> AttentionSpec:
+        """The per-layer attention problem (one AttentionSpec shared by every layer); ``kv_dtype``
+        ``float8_e4m3`` for an FP8 cache."""
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, page_size, dtype, kv_dtype=kv_dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)
