@@ -223,3 +223,65 @@ def test_a_configuration_that_does_not_fit_is_refused_before_allocating():
     with pytest.raises(PKVError, match="needs .* GiB .* use a smaller batch or context"):
         check_fits(need, TorchDevice("cuda").free_bytes(), "the 70B shard at B=256 x 131072")
     assert torch.cuda.memory_allocated() == before
+
+
+# -- an FP8 cache -------------------------------------------------------------------------------
+def fp8_scales(weights):
+    """float32 [L, 2, Hkv]: the float16 loop's prefilled K/V, largest magnitude per layer and head
+    over 448 (an offline calibration of the FP8 cache's scales)."""
+    import torch
+
+    from persistentkv.fp8 import E4M3_MAX
+
+    loop = make_loop("torch-sdpa", weights, "float16")
+    with torch.no_grad():
+        prefill_all(loop)
+    amax = loop.kv.cache.float().abs().amax(dim=(2, 3, 5))
+    return amax / E4M3_MAX
+
+
+@pytest.mark.parametrize("kernels", ["torch", "pkv"])
+@pytest.mark.parametrize("backend", graph_backends())
+def test_fp8_captured_step_against_the_float32_loop(backend, kernels, weights, reference):
+    """The step on an FP8 cache (written by the step's own append, quantised with per-head scales),
+    captured and replayed with teacher forcing: its logits against the float32 loop's, measured
+    and printed (the FP8 cache's cost), gated loosely: top-1 agreement >= 95 %."""
+    import torch
+
+    from persistentkv.backends import registry
+    from persistentkv.model import DecodeLoop, Model, PagedKV
+
+    instance = registry.create(backend)
+    spec = gpu_shape().attention_spec(PAGE, "float16", "float8_e4m3")
+    reasons = instance.unavailable(spec)
+    if reasons or instance.capabilities.graph == "none":
+        pytest.skip(f"{backend}: {'; '.join(reasons) or 'not graph-safe'}")
+    if kernels == "pkv" and backend != "pkv-workqueue":
+        pytest.skip("the step_ops append is checked once, under our queue")
+    inputs, ref = reference
+    shape = gpu_shape()
+    per_head = fp8_scales(weights)
+    scales = per_head.amax(dim=2, keepdim=True) if backend in ("flashinfer-cc", "flashinfer-tc", "trtllm-xqa") \
+        else per_head  # FlashInfer and XQA take one scale per tensor
+    pages = sum(-(-(n + STEPS + 8) // PAGE) for n in PROMPTS) + 32
+    kv = PagedKV(shape, pages, PAGE, torch.float16, "cuda", seed=9, kv_dtype="float8_e4m3", scales=scales)
+    loop = DecodeLoop(Model(shape, weights, kernels, max_position=max(PROMPTS) + STEPS + 8), kv, instance)
+    got = []
+    with torch.no_grad():
+        prefill_all(loop)
+        loop.set_tokens(inputs[0])
+        marked = loop.mark()
+        loop.step()  # eager first: the baselines that read their scales on the host read them here
+        loop.rewind(marked)  # its append is rewritten by the first replay, at the same slots
+        loop.capture("step")
+        for t in range(STEPS):
+            loop.set_tokens(inputs[t])
+            loop.replay("step")
+            got.append(loop.logits.clone())
+    got = torch.stack(got)
+    assert torch.isfinite(got).all()
+    per_step = (got - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"FP8 {backend} ({loop.mode}, {kernels} kernels, {'per-head' if scales.shape[2] > 1 else 'per-tensor'} "
+          f"scales): max logit error per step <= {float(per_step.max()):.2e} of max |logit|, top-1 agreement {agree:.4f}")
+    assert agree >= 0.95
