@@ -98,7 +98,8 @@ class _Against:
 
     def plan(self, batch, route="workqueue", **options):
         spec = self._spec.AttentionSpec(**{k: getattr(batch.spec, k) for k in
-                                           ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")})
+                                           ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")},
+                                        **({"kv_dtype": batch.spec.kv_dtype} if batch.spec.kv_dtype else {}))
         theirs = self._cache.Batch(spec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
         return self._engine.plan(theirs, route, **options)
 
@@ -152,7 +153,7 @@ def against_variants(path: str, spec, *, warps=WARPS) -> list[Variant]:
 
     def make_engine(spec, **options):
         theirs = package.spec.AttentionSpec(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
-                                            spec.dtype)
+                                            spec.dtype, **({"kv_dtype": spec.kv_dtype} if spec.kv_dtype else {}))
         return _Against(package.engine.engine_for(theirs, **options), package)
 
     return [v._replace(name=f"{v.name}-{tag}") for v in variants(spec, warps=warps, make_engine=make_engine)]

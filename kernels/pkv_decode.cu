@@ -70,6 +70,12 @@
 #ifndef PKV_FP8
 #define PKV_FP8 0
 #endif
+#ifndef PKV_FP8_STAGES
+#define PKV_FP8_STAGES 3
+#endif
+#ifndef PKV_FP8_CVT
+#define PKV_FP8_CVT 0
+#endif
 
 #if PKV_BF16
 typedef __nv_bfloat16 kv_t;
@@ -108,7 +114,7 @@ constexpr int CHUNKS = ROW_BYTES / 16;           // 16-byte chunks per token row
 constexpr int Q_CHUNKS = D / 8;                  // 16-byte chunks per query row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // token rows one pass of all threads loads
 constexpr int LOADS = TILE / ROWS_PER_PASS;      // chunks per thread per tile (each of K and V)
-constexpr int STAGES = (D == 256) ? 2 : 3;
+constexpr int STAGES = FP8 ? (D == 256 ? (PKV_FP8_STAGES > 4 ? 4 : PKV_FP8_STAGES) : PKV_FP8_STAGES) : (D == 256) ? 2 : 3;
 constexpr int STAGE_BYTES = TILE * ROW_BYTES;    // bytes of K (or V) per stage
 constexpr int NT = D / 8;                        // n-tiles of 8 dims in the output
 constexpr int OBUF_STRIDE = D + 8;               // padded row of the cross-warp buffer (floats)
@@ -259,6 +265,13 @@ __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od)
   kv2_t oo = __hmul2(*reinterpret_cast<kv2_t*>(&o), bias);
   ev = *reinterpret_cast<unsigned*>(&eo);
   od = *reinterpret_cast<unsigned*>(&oo);
+}
+#elif PKV_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr float FP8_SCALE_BIAS = 1.f;
+__device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
+  const unsigned p = __byte_perm(r, 0u, 0x3120);  // x0, x2, x1, x3
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+      : "=r"(ev), "=r"(od) : "r"(p));
 }
 #else
 constexpr float FP8_SCALE_BIAS = 256.f;
