@@ -15,7 +15,7 @@ PACKAGE = Path(persistentkv.__file__).resolve().parent
 #: Files whose imports are brought onto the table with the kernel cut (engine, plan and their new
 #: neighbours), with why each is skipped; the table already gives them their layers.
 OWNED_ELSEWHERE: dict[str, str] = {}
-_ROW = re.compile(r"^ +(\d+)  +([a-z_ ]+?) +-- ")
+_ROW = re.compile(r"^ +(\d+)  +([a-z0-9_ ]+?) +-- ")
 
 
 def layers_table() -> dict[str, int]:

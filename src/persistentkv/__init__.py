@@ -5,7 +5,7 @@ The library's import layers, ground first. A module imports only from layers bel
 other, never in a circle. tests/test_layers.py holds every import to this table.
 
      1  errors names io                   -- user errors, the vocabulary, atomic files
-     2  spec hardware analysis            -- the attention shape, the machine, timing statistics
+     2  spec fp8 hardware analysis        -- the attention shape, e4m3 codes, the machine, timing statistics
      3  persistentkv env traces results   -- the package, what can run here, traces, the loader
      3  job_resources                     -- a job's GPU and CPUs (the workflow's job wrapper)
      4  configuration cache provenance    -- the config; the paged cache; what a run ran on

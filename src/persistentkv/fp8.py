@@ -129,3 +129,23 @@ def fit_scale(values, head_axis: int | None = None) -> np.ndarray:
     else:
         amax = np.moveaxis(x, head_axis, 0).reshape(x.shape[head_axis], -1).max(axis=1)
     return np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+
+
+def quantize_e4m3(values, scale):
+    """The e4m3 codes (torch.float8_e4m3fn) of ``values / scale`` (``scale`` broadcast), rounded to
+    nearest even and saturated at +-448 (torch's own cast of a larger value is NaN on the GPU): a
+    decode step's append outside the step_ops kernel (which rounds once, from the exact quotient;
+    here the float32 quotient is rounded first)."""
+    import torch
+
+    return (values.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def store_e4m3(flat, slots, values, scale) -> None:
+    """``flat[slots] = quantize_e4m3(values, scale)`` for a cache's rows ``flat`` [S, Hkv, D] of
+    float8_e4m3fn, ``values`` [T, Hkv, D], ``scale`` float32 [1] or [Hkv]; the codes are copied as
+    bytes (torch's index_copy_ has no float8 kernel on the CPU)."""
+    import torch
+
+    codes = quantize_e4m3(values, scale.view(1, -1, 1))
+    flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))

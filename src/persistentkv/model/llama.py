@@ -295,7 +295,7 @@ class Kernels:
             step_ops.launch_append_kv(k_flat, v_flat, slots, k, v, k_scale, v_scale)
             return
         if k_scale is not None:
-            from .pages import store_e4m3
+            from ..fp8 import store_e4m3
 
             store_e4m3(k_flat, slots, k, k_scale)
             store_e4m3(v_flat, slots, v, v_scale)

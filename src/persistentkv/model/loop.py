@@ -42,7 +42,8 @@ import numpy as np
 from ..cache import Batch
 from ..errors import require
 from .llama import Kernels, Sampling, Weights, sample
-from .pages import PagedKV, store_e4m3
+from ..fp8 import store_e4m3
+from .pages import PagedKV
 from .shape import ModelShape
 
 FOLLOW_MODES = ("device", "host", "replan")
