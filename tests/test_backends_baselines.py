@@ -71,7 +71,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
 def test_registry_names_cover_every_backend():
     names = registry.names()
     for name in ("pkv-workqueue", "pkv-buckets", "pkv-split", "adaptive", "flashinfer-cc", "flashinfer-tc",
-                 "vllm-fa3", "trtllm-xqa", "trtllm-native", "torch-sdpa", "numpy"):
+                 "vllm-fa3", "trtllm-xqa", "trtllm-native", "flashinfer-cudnn", "torch-sdpa", "numpy"):
         assert name in names
     assert len(set(names)) == len(names)
 
@@ -79,7 +79,7 @@ def test_registry_names_cover_every_backend():
 #: what each backend declares (capabilities.graph): how a captured decode step follows the lengths
 DECLARED_GRAPH = {"pkv-workqueue": "device", "pkv-buckets": "replan", "pkv-split": "replan", "adaptive": "replan",
                   "flashinfer-cc": "host", "flashinfer-tc": "host", "vllm-fa3": "device", "trtllm-xqa": "device",
-                  "trtllm-native": "none", "torch-sdpa": "device", "numpy": "none"}
+                  "trtllm-native": "none", "flashinfer-cudnn": "device", "torch-sdpa": "device", "numpy": "none"}
 
 
 def test_every_backend_declares_its_capabilities(tmp_path):
@@ -129,7 +129,7 @@ def test_available_never_raises_and_gives_reasons_here():
     for name, reasons in result.items():
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), name
     if not torch.cuda.is_available():
-        for gpu_only in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa"):
+        for gpu_only in ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa", "flashinfer-cudnn"):
             assert any("CUDA" in r for r in result[gpu_only]), result[gpu_only]
     assert any("tensorrt_llm" in r for r in result["trtllm-native"])
     assert result["torch-sdpa"] == []
@@ -323,6 +323,22 @@ def fake_flashinfer(monkeypatch):
         return out
 
     decode.trtllm_batch_decode_with_kv_cache = trtllm_batch_decode_with_kv_cache
+
+    def cudnn_batch_decode_with_kv_cache(q, k_cache, v_cache, scale, workspace_buffer, *, max_sequence_kv,
+                                         actual_seq_lens_kv=None, block_tables=None, is_cuda_graph_compatible=False,
+                                         out=None, **kwargs):
+        # flashinfer/cudnn/decode.py: K/V [pages, Hkv, P, D] with any strides, lengths [B, 1, 1, 1]
+        calls.append(dict(backend="cudnn", k=k_cache, v=v_cache, scale=scale, workspace=workspace_buffer,
+                          max_seq_len=max_sequence_kv, lengths=actual_seq_lens_kv, table=block_tables,
+                          graph=is_cuda_graph_compatible, out=out))
+        assert block_tables.dtype == torch.int32 and actual_seq_lens_kv.dtype == torch.int32
+        assert tuple(actual_seq_lens_kv.shape) == (q.shape[0], 1, 1, 1)
+        assert max_sequence_kv == block_tables.shape[1] * k_cache.shape[2]
+        k, v = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)  # back to [pages, P, Hkv, D]
+        out.copy_(paged_attention(q, k, v, block_tables, actual_seq_lens_kv.reshape(-1), scale).to(out.dtype))
+        return out
+
+    decode.cudnn_batch_decode_with_kv_cache = cudnn_batch_decode_with_kv_cache
     package = types.ModuleType("flashinfer")
     package.decode = decode
     monkeypatch.setitem(sys.modules, "flashinfer", package)
@@ -437,6 +453,46 @@ def test_xqa_adapter_reads_nhd_in_place_with_plain_softmax_scale(fake_flashinfer
     assert call["kv_layout"] == "NHD" and call["backend"] == "xqa"
     assert call["bmm1_scale"] == pytest.approx(1 / 8) and call["bmm2_scale"] == 1.0
     assert call["workspace"].dtype == torch.uint8 and not call["workspace"].any()
+
+
+def test_cudnn_adapter_reads_the_nhd_cache_as_an_hnd_view_without_a_copy(fake_flashinfer):
+    backend = registry.create("flashinfer-cudnn", device="cpu", workspace_bytes=1 << 20)
+    assert backend.capabilities.graph == "device" and backend.capabilities.kv_dtypes == ()
+    batch, q, k, v = host_case(GPU_SPEC, LENGTHS, hole_fraction=0.4, seed=5)
+    plan = backend.plan(batch)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    out = torch.full(qt.shape, -24576.0, dtype=qt.dtype)
+    backend.run(qt, (kt, vt), plan, out)
+    assert gate(out.numpy(), reference_decode(q, k, v, batch), TOLERANCE[GPU_SPEC.dtype]).passed
+    (call,) = fake_flashinfer
+    assert call["backend"] == "cudnn" and call["graph"] and call["out"] is out
+    # the same bytes: a permuted view of K and V, never a copy
+    assert call["k"].data_ptr() == kt.data_ptr() and call["v"].data_ptr() == vt.data_ptr()
+    assert tuple(call["k"].shape) == (batch.num_pages, GPU_SPEC.num_kv_heads, GPU_SPEC.page_size, GPU_SPEC.head_dim)
+    assert call["scale"] == pytest.approx(1 / math.sqrt(GPU_SPEC.head_dim))
+    assert call["workspace"].numel() == 1 << 20
+
+
+def test_cudnn_plan_for_the_reservation_follows_lengths_by_update_lengths(fake_flashinfer):
+    """A plan made for whole pages and told shorter lengths on the device computes what a plan
+    made for those lengths computes (the captured step's contract, capabilities.graph 'device')."""
+    backend = registry.create("flashinfer-cudnn", device="cpu", workspace_bytes=1 << 20)
+    full, q, k, v = host_case(GPU_SPEC, [64, 64, 64], hole_fraction=0.4, seed=9)
+    plan = backend.plan(full)
+    plan.update_lengths(torch.tensor([50, 17, 64], dtype=torch.int32))
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    out = torch.empty_like(qt)
+    backend.run(qt, (kt, vt), plan, out)
+    want = paged_attention(qt, kt, vt, torch.from_numpy(full.padded_block_table()), [50, 17, 64],
+                           1 / math.sqrt(GPU_SPEC.head_dim))
+    assert gate(out.numpy(), want.numpy(), GPU_SPEC.dtype).passed
+
+
+def test_cudnn_says_what_it_does_not_run_before_any_launch():
+    backend = registry.create("flashinfer-cudnn", device="cpu")
+    fp8_spec = AttentionSpec(dtype="float16", kv_dtype="float8_e4m3")
+    assert any("float8_e4m3" in r and "cuDNN" in r for r in backend.unavailable(fp8_spec))
+    assert any("float32" in r for r in backend.unavailable(AttentionSpec(dtype="float32")))
 
 
 # -- FP8 KV caches (kv_dtype float8_e4m3): torch-sdpa for real, the GPU adapters through the fakes --------

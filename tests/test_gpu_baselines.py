@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)"),
 ]
 
-BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa", "torch-sdpa")
+BASELINES = ("flashinfer-cc", "flashinfer-tc", "vllm-fa3", "trtllm-xqa", "flashinfer-cudnn", "torch-sdpa")
 LENGTHS = [1, 15, 16, 17, 1000, 4097]
 
 

@@ -22,7 +22,7 @@ PKV_BACKENDS = {"pkv-workqueue": "workqueue", "pkv-buckets": "buckets", "pkv-spl
 #: FlashInfer's two decode kernels.
 FLASHINFER = ("flashinfer-cc", "flashinfer-tc")
 #: The baselines our routes are compared with; "best baseline" is the fastest of these per cell.
-BASELINES = (*FLASHINFER, "vllm-fa3", "trtllm-xqa")
+BASELINES = (*FLASHINFER, "vllm-fa3", "trtllm-xqa", "flashinfer-cudnn")
 #: Named composite references, resolved per cell to the fastest member present.
 COMPOSITE_REFERENCES = {"flashinfer-best": FLASHINFER, "baseline-best": BASELINES}
 #: The frozen-policy backend that routes each step to one of the others.

@@ -103,6 +103,24 @@ class Capabilities:
         return reasons
 
 
+@dataclass
+class TablePlan:
+    """A step as kernels that read a block table on the device take it (XQA, cuDNN): the
+    ``block_tables`` int32 [B, W] and the rows' lengths ``seq_lens`` int32 (shaped as the library
+    takes them, B values) on the device; ``max_seq_len`` = W x page size."""
+
+    spec: AttentionSpec
+    batch_size: int
+    block_tables: Any
+    seq_lens: Any
+    max_seq_len: int
+
+    def update_lengths(self, lengths) -> None:
+        """Follow the rows' lengths (int32 [B] on the device, within the planned block table):
+        ``seq_lens`` takes them (``max_seq_len`` covers the reservation). One device copy."""
+        self.seq_lens.view(-1).copy_(lengths)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One kernel family behind the five members every harness, policy and loop uses.

@@ -44,6 +44,7 @@ _ENTRIES: dict[str, Entry] = {
     "vllm-fa3": Entry("vllm_backend", "VllmFA3Backend"),
     "trtllm-xqa": Entry("trtllm_backend", "TrtllmXqaBackend"),
     "trtllm-native": Entry("trtllm_backend", "TrtllmNativeBackend"),
+    "flashinfer-cudnn": Entry("cudnn_backend", "CudnnDecodeBackend"),
     "torch-sdpa": Entry("torch_sdpa", "TorchSdpaBackend"),
     "numpy": Entry("numpy_backend", "NumpyBackend"),
 }

@@ -46,14 +46,11 @@ kernel and is measured as ``trtllm-xqa``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
-
 from ..cache import Batch
 from ..errors import PKVError
 from ..spec import AttentionSpec
 from ..env import cuda_reasons, dtype_reasons, missing_module
-from .base import Capabilities
+from .base import Capabilities, TablePlan
 from .flashinfer_backend import HostScales
 from .torch_sdpa import check_step_tensors
 
@@ -66,24 +63,8 @@ XQA_MAJOR_CAPABILITIES = (9, 10, 12)
 XQA_HEAD_DIMS = tuple(range(16, 257, 16))
 
 
-@dataclass
-class XqaPlan:
-    """block_tables int32 [B, W] and seq_lens int32 [B] on the device; max_seq_len = W * P."""
-
-    spec: AttentionSpec
-    batch_size: int
-    block_tables: Any
-    seq_lens: Any
-    max_seq_len: int
-
-    def update_lengths(self, lengths) -> None:
-        """Follow the rows' lengths (int32 [B] on the device, within the planned block table):
-        ``seq_lens`` takes them (``max_seq_len`` covers the reservation). One device copy."""
-        self.seq_lens.copy_(lengths)
-
-
 class TrtllmXqaBackend:
-    #: a plan for the reserved pages follows the lengths through seq_lens (XqaPlan.update_lengths)
+    #: a plan for the reserved pages follows the lengths through seq_lens (TablePlan.update_lengths)
     capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", head_dims=XQA_HEAD_DIMS,
                                 page_sizes=XQA_PAGE_SIZES, kv_dtypes=("float8_e4m3",))
 
@@ -121,16 +102,16 @@ class TrtllmXqaBackend:
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         return self._workspace
 
-    def plan(self, batch: Batch) -> XqaPlan:
+    def plan(self, batch: Batch) -> TablePlan:
         import torch
 
         dev = torch.device(self.device)
         table = batch.padded_block_table()
         self._workspace_buffer()  # allocated here, never inside run()
-        return XqaPlan(batch.spec, batch.batch_size, torch.from_numpy(table).to(dev),
+        return TablePlan(batch.spec, batch.batch_size, torch.from_numpy(table).to(dev),
                        torch.from_numpy(batch.seq_lens).to(dev), int(table.shape[1]) * batch.spec.page_size)
 
-    def run(self, q, cache, plan: XqaPlan, out) -> None:
+    def run(self, q, cache, plan: TablePlan, out) -> None:
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
         check_step_tensors(plan.spec, plan.batch_size, q, cache, out, self.name)

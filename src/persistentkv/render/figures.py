@@ -36,10 +36,10 @@ from . import FIGURE_NAMES as _NAMES
 WIDTH = 6.8     # inches: the paper's text width and a comfortable report width
 #: One colour per backend in every figure (colour-blind-safe base palette).
 BACKEND_ORDER = ("pkv-workqueue", "pkv-buckets", "pkv-split", "adaptive", "flashinfer-tc", "flashinfer-cc",
-                 "vllm-fa3", "trtllm-xqa", "torch-sdpa")
+                 "vllm-fa3", "trtllm-xqa", "torch-sdpa", "flashinfer-cudnn")
 _PALETTE = sns.color_palette("colorblind", 10)
 #: Ours in blues/greens, FlashInfer in oranges/browns, other baselines purple/grey/yellow.
-BACKEND_COLORS = {b: _PALETTE[i] for b, i in zip(BACKEND_ORDER, (0, 2, 9, 3, 1, 5, 4, 7, 8))}
+BACKEND_COLORS = {b: _PALETTE[i] for b, i in zip(BACKEND_ORDER, (0, 2, 9, 3, 1, 5, 4, 7, 8, 6))}
 PROTOCOL_LABELS = {"published": "published protocol (CUDA events)",
                    "step": "fair protocol (step: plan + L layers)"}
 #: Tick values offered on ratio axes (log scale): readable numbers rather than powers of ten.
