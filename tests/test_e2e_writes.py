@@ -72,7 +72,7 @@ def fake_gpu(monkeypatch):
         if calls["stop_at"] == len(calls["cells"]):
             raise Stop("time limit")
         setting = e2e.Setting(ctx.run_id, shape, ctx.dtype, ctx.page_size, "cases", ctx.seed, model.kernels.name, 0,
-                              ctx.kernel_floors[shape.name])
+                              ctx.kernel_floors[shape.name], ctx.kv_dtype)
         return [setting.row(name, batch_size, [context] * batch_size, 0, repeat=0, step_us=1000.0 * batch_size,
                             attention_us=100.0, non_attention_us=1000.0 * batch_size - 100.0)
                 for name in names]
@@ -81,10 +81,10 @@ def fake_gpu(monkeypatch):
     return calls
 
 
-def args(out: Path) -> argparse.Namespace:
+def args(out: Path, kv_dtype=None) -> argparse.Namespace:
     return argparse.Namespace(config=str(CONFIG), out=str(out), models="llama3_8b",
                               cases=",".join(f"{b}x{n}" for b, n in CELLS), traces="none",
-                              backends="pkv-workqueue,flashinfer-tc", kernels="torch", quick=False)
+                              backends="pkv-workqueue,flashinfer-tc", kernels="torch", kv_dtype=kv_dtype, quick=False)
 
 
 def sidecar(out: Path) -> dict:
@@ -145,6 +145,41 @@ def test_the_last_write_replaces_the_partial_file_with_the_whole_run(tmp_path, f
     assert all(math.isclose(r.kv_floor_us, r.kv_bytes / (AFTER_GBPS * 1e3)) for r in timed.itertuples())
     seed = configuration.calibration_seed(configuration.load_config(CONFIG, base_dir=ROOT))
     assert record["seeds"] == [seed]
+
+
+def test_an_fp8_cache_run_says_so_in_its_rows_and_its_floors_read_one_byte_per_value(tmp_path, fake_gpu):
+    from persistentkv.model import model_shape
+
+    out = tmp_path / "e2e_fp8.parquet"
+    assert e2e.measure(args(out, "float8_e4m3")) == 0
+    frame = pd.read_parquet(out)
+    fp8 = frame[frame["model"] != ""]
+    assert set(fp8["kv_dtype"]) == {"float8_e4m3"}
+    assert set(fp8["dtype"]) == {"float16"}  # the query, weights and activations keep the model's dtype
+    shape = model_shape(configuration.load_config(str(CONFIG)), "llama3_8b")
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim  # one byte per K or V value
+    assert (fp8["kv_bytes"] == fp8["batch_size"] * fp8["context"] * per_token).all()
+    assert fp8["kv_floor_us"].to_numpy() == pytest.approx(fp8["kv_bytes"].to_numpy() / (AFTER_GBPS * 1e3))
+    assert (fp8["weight_bytes"] == [shape.step_weight_bytes("float16", b) for b in fp8["batch_size"]]).all()
+
+
+def test_measure_e2e_refuses_an_unknown_kv_dtype_in_one_line(capsys):
+    parser = argparse.ArgumentParser(prog="persistentkv measure-e2e")
+    e2e.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "x.parquet", "--kv-dtype", "float8_e5m2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--kv-dtype" in err and "float8_e5m2" in err and "float8_e4m3" in err
+
+
+def test_the_footprint_counts_an_fp8_cache_at_one_byte_per_value():
+    from persistentkv.model import footprint, model_shape
+
+    shape = model_shape(configuration.load_config(str(CONFIG)), "llama3_8b")
+    fp16 = footprint(shape, "float16", 1000, 16, 4)
+    fp8 = footprint(shape, "float16", 1000, 16, 4, kv_dtype="float8_e4m3")
+    assert fp16.kv_cache == 2 * fp8.kv_cache == 2 * 2 * shape.num_layers * 1000 * 16 * shape.num_kv_heads * shape.head_dim
+    assert (fp8.weights, fp8.workspaces) == (fp16.weights, fp16.workspaces)
 
 
 def test_a_new_run_marks_the_file_partial_before_it_writes_a_row(tmp_path, fake_gpu, monkeypatch):

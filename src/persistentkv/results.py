@@ -196,6 +196,8 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     e2e_paths = finished(sorted((results_dir / "e2e").glob("*.parquet")))   # measure-e2e's passes
     if e2e_paths:
         e2e = pd.concat([_read_parquet(p) for p in e2e_paths], ignore_index=True)
+        if "kv_dtype" not in e2e.columns:  # runs before the column: the cache was of the query's dtype
+            e2e["kv_dtype"] = e2e["dtype"]
         found.update({f"e2e/{p.stem}": str(p) for p in e2e_paths})
     else:
         e2e = pd.DataFrame()

@@ -2,7 +2,8 @@
 
     persistentkv measure-e2e --config config/config.yaml --out results/nvidia-h200/e2e/pass1.parquet \
         [--models llama3_8b,llama3_70b_tp8] [--cases 1x4096,64x4096] [--traces bimodal_b8,zipf_b8] \
-        [--backends pkv-workqueue,flashinfer-tc,...] [--kernels auto|torch|flashinfer|pkv[,...]] [--quick]
+        [--backends pkv-workqueue,flashinfer-tc,...] [--kernels auto|torch|flashinfer|pkv[,...]] \
+        [--kv-dtype float8_e4m3] [--quick]
 
 For every model of ``--models`` (config ``models:``; seeded random weights, the spec's dtype and
 page size), every (B, context) cell of its ``cases`` and every trace of ``--traces``, each backend
@@ -39,6 +40,11 @@ one kernel, cold L2, graph-replayed), measured before the cases, times the step'
 
 Traces: the loop follows the trace's rows (arrivals and departures), every ``measure.step_stride``
 th step is timed; a change of rows re-plans and re-captures, and ``recaptures`` counts them.
+``--kv-dtype float8_e4m3``: every loop's cache holds e4m3 codes (persistentkv.model.PagedKV, scales
+1 per tensor), the append quantises, and each backend that reads no FP8 cache gets an
+``unavailable`` row with its reason; the rows' ``kv_dtype`` and ``kv_bytes`` (and so the floors)
+are the cache's.
+
 A configuration that does not fit in free device memory is refused with one line before anything
 is allocated for it, and its rows say so (status ``refused``).
 
@@ -61,12 +67,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PKVError, require
+from ..spec import FP8_KV
 
 #: Column -> dtype of the rows this command writes (one per repeat of a backend in a cell or step).
 E2E_COLUMNS: dict[str, str] = {
     "run_id": "string", "experiment": "string", "model": "string", "tensor_parallel": "int64",
     "trace": "string", "seed": "int64", "step": "int64", "batch_size": "int64", "context": "int64",
-    "total_tokens": "int64", "dtype": "string", "page_size": "int64", "backend": "string",
+    "total_tokens": "int64", "dtype": "string", "kv_dtype": "string", "page_size": "int64", "backend": "string",
     "kernels": "string", "follow": "string", "repeat": "int64", "step_us": "float64", "attention_us": "float64",
     "non_attention_us": "float64", "rest_us": "float64", "append_us": "float64", "tokens_per_s": "float64",
     "weight_bytes": "int64", "kv_bytes": "int64",
@@ -94,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="auto",
                         help="the non-attention kernels (persistentkv.model.Kernels): auto (pkv on CUDA where FlashInfer "
                              "and CuPy import), torch, flashinfer, pkv, or a comma list (one run each)")
+    parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
+                        help=f"the cache's dtype when it is not the spec's: {FP8_KV} (e4m3 codes, scales 1)")
     parser.add_argument("--quick", action="store_true",
                         help="one cell per model, one trace of two timed steps, 3 rounds: a smoke run, not a result")
 
@@ -135,9 +144,11 @@ class Setting:
     """What the rows of one (model, cell or trace) share."""
 
     def __init__(self, run_id, shape, dtype, page_size, trace, seed, kernels, mem_estimate,
-                 weight_kernel_floor_us: float = math.nan):
+                 weight_kernel_floor_us: float = math.nan, kv_dtype: str | None = None):
+        self.kv_dtype = kv_dtype or dtype
         self.fields = dict(run_id=run_id, experiment=EXPERIMENT, model=shape.name,
                            tensor_parallel=shape.tensor_parallel, trace=trace, seed=int(seed), dtype=dtype,
+                           kv_dtype=self.kv_dtype,
                            page_size=int(page_size), kernels=kernels, mem_estimate_bytes=int(mem_estimate),
                            weight_kernel_floor_us=float(weight_kernel_floor_us))
         self.shape, self.dtype = shape, dtype
@@ -148,7 +159,7 @@ class Setting:
         row.update(self.fields, backend=backend, step=int(step), batch_size=int(batch_size),
                    context=int(lengths.max()) if lengths.size else 0, total_tokens=int(lengths.sum()),
                    weight_bytes=self.shape.step_weight_bytes(self.dtype, batch_size),
-                   kv_bytes=int(lengths.sum()) * self.shape.kv_bytes_per_token(self.dtype), follow="",
+                   kv_bytes=int(lengths.sum()) * self.shape.kv_bytes_per_token(self.kv_dtype), follow="",
                    repeat=-1, mem_peak_bytes=0, recaptures=0, reason="", status="ok")
         for name in ("step_us", "attention_us", "non_attention_us", "rest_us", "append_us", "tokens_per_s", "floor_us",
                      "weight_floor_us", "kv_floor_us", "read_ceiling_gbps"):
@@ -210,11 +221,12 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
     dtype, P = ctx.dtype, ctx.page_size
     reserve = context + ROOM
     pages = batch_size * pages_for(reserve, P)
-    need = footprint(shape, dtype, pages, P, batch_size, backends=len(names))
+    need = footprint(shape, dtype, pages, P, batch_size, backends=len(names), kv_dtype=ctx.kv_dtype)
     need = replace(need, weights=0)  # the weights are already on the device
     label = f"{shape.name} at B={batch_size} x {context}"
     setting = Setting(ctx.run_id, shape, dtype, P, "cases", ctx.seed, model.kernels.name,
-                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan))
+                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan),
+                      ctx.kv_dtype)
     lengths = [context] * batch_size
     try:
         check_fits(need, ctx.device.free_bytes(), label)
@@ -222,7 +234,7 @@ def _run_cell(ctx, model, shape, batch_size: int, context: int, names) -> list[d
         ctx.log(f"refused: {exc}")
         return _refused_rows(setting, names, batch_size, lengths, 0, {n: str(exc) for n in names}, "refused")
     torch.cuda.reset_peak_memory_stats()
-    kv = PagedKV(shape, pages, P, model.dtype, "cuda", seed=ctx.seed)
+    kv = PagedKV(shape, pages, P, model.dtype, "cuda", seed=ctx.seed, kv_dtype=ctx.kv_dtype)
     kv.fill_random(ctx.seed)
     tokens = np.random.default_rng(ctx.seed).integers(0, shape.vocab_size, batch_size)
 
@@ -258,10 +270,11 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
     dtype, P = ctx.dtype, ctx.page_size
     timed, reserve, live = trace_layout(trace, ctx.stride, ctx.quick, P)
     widest = max(step.batch_size for step in timed)
-    need = footprint(shape, dtype, live, P, widest, backends=len(names))
+    need = footprint(shape, dtype, live, P, widest, backends=len(names), kv_dtype=ctx.kv_dtype)
     need = replace(need, weights=0)
     setting = Setting(ctx.run_id, shape, dtype, P, trace.name, trace.seed, model.kernels.name,
-                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan))
+                      need.total + shape.weight_bytes(dtype), ctx.kernel_floors.get(shape.name, math.nan),
+                      ctx.kv_dtype)
     try:
         check_fits(need, ctx.device.free_bytes(), f"{shape.name} on trace {trace.name}")
     except PKVError as exc:
@@ -270,7 +283,7 @@ def _run_trace(ctx, model, shape, trace, names) -> list[dict]:
         return [row for step in timed for row in _refused_rows(
             setting, names, step.batch_size, step.lengths, step.index, {n: str(exc) for n in names}, "refused")]
     torch.cuda.reset_peak_memory_stats()
-    kv = PagedKV(shape, live, P, model.dtype, "cuda", seed=trace.seed)
+    kv = PagedKV(shape, live, P, model.dtype, "cuda", seed=trace.seed, kv_dtype=ctx.kv_dtype)
     kv.fill_random(trace.seed)
     first = timed[0]
     first_token = functools.partial(trace_first_token, vocab=shape.vocab_size)
@@ -361,12 +374,13 @@ def measure(args: argparse.Namespace) -> int:
     started = utc_now()
     run_id = new_run_id(EXPERIMENT, started)
     device = TorchDevice("cuda")
-    ctx = _Context(run_id=run_id, device=device, dtype=dtype, page_size=P, seed=seed, quick=quick,
+    ctx = _Context(run_id=run_id, device=device, dtype=dtype, kv_dtype=args.kv_dtype, page_size=P, seed=seed,
+                   quick=quick,
                    rounds=3 if quick else int(config["measure"].get("step_repeats", config["measure"]["repeats"])),
                    warmup=1 if quick else int(config["measure"]["warmup"]),
                    stride=int(config["measure"]["step_stride"]), log=tqdm.write)
     print(f"device: {device.name}; models {', '.join(models)}; backends {', '.join(names)}; kernels "
-          f"{', '.join(kernels)}; {ctx.rounds} rounds after {ctx.warmup} warm-up")
+          f"{', '.join(kernels)}; cache {args.kv_dtype or dtype}; {ctx.rounds} rounds after {ctx.warmup} warm-up")
     before, failed_before = measure_ceilings(device, repeats=3 if quick else 5, log=print)
     plans = []
     for name in models:

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import PKVError, require
-from ..spec import DTYPE_BYTES, AttentionSpec
+from ..spec import DTYPE_BYTES, KV_DTYPE_BYTES, AttentionSpec
 
 #: Bytes a step keeps beside weights and cache for each backend's own buffers: FlashInfer's and
 #: XQA's float workspaces (256 MiB each, backends/*_backend.py WORKSPACE_BYTES) and room for the
@@ -95,8 +95,8 @@ class ModelShape:
                 "down": (H * I * b, L), "lm_head": (self.vocab_size * H * b, 1)}
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """K and V of one cached token over every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        """K and V of one cached token over every layer; ``dtype`` the cache's (``float8_e4m3``: 1 byte)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[dtype]
 
     def attention_spec(self, page_size: int, dtype: str, kv_dtype: str | None = None) -> AttentionSpec:
         """The per-layer attention problem (one AttentionSpec shared by every layer); ``kv_dtype``
@@ -154,7 +154,7 @@ class Footprint:
 
 
 def footprint(shape: ModelShape, dtype: str, num_pages: int, page_size: int, batch_size: int,
-              backends: int = 1) -> Footprint:
+              backends: int = 1, kv_dtype: str | None = None) -> Footprint:
     """The device bytes of one configuration, before anything is allocated.
 
     Parameters
@@ -169,6 +169,8 @@ def footprint(shape: ModelShape, dtype: str, num_pages: int, page_size: int, bat
         the float32 logits [B, V]).
     backends : int
         Loops (each with its workspace, BACKEND_WORKSPACE_BYTES, and its activations).
+    kv_dtype : str or None
+        The cache's dtype when it is not ``dtype`` (``float8_e4m3``).
 
     Returns
     -------
@@ -176,7 +178,8 @@ def footprint(shape: ModelShape, dtype: str, num_pages: int, page_size: int, bat
     """
     item = DTYPE_BYTES[dtype]
     weights = shape.weight_bytes(dtype)
-    kv = 2 * shape.num_layers * num_pages * page_size * shape.num_kv_heads * shape.head_dim * item
+    kv = 2 * shape.num_layers * num_pages * page_size * shape.num_kv_heads * shape.head_dim \
+        * KV_DTYPE_BYTES[kv_dtype or dtype]
     activations = batch_size * (6 * shape.hidden_size + shape.qkv_size + 3 * shape.intermediate_size) * item \
         + batch_size * shape.vocab_size * (item + 8)
     return Footprint(weights, kv, backends * (BACKEND_WORKSPACE_BYTES + activations))
