@@ -111,3 +111,24 @@ def test_a_stale_merge_names_no_run_whose_rows_and_sidecar_are_gone(tmp_path):
     with pytest.warns(UserWarning, match=r"\(old\); left out"):
         results = load_results(hw, tmp_path / "counters")
     assert results.provenance == {"r": {"gpu": "G", "git_commit": "new"}}
+
+
+def test_the_loader_reads_rows_before_the_fp8_columns_as_the_query_dtype(tmp_path):
+    """validation_gpu and e2e files written before ``kv_dtype`` (and validation's ``fp8_query``)
+    load with the cache of the query's dtype and no FP8 query; files that have them keep theirs."""
+    hw = tmp_path / "gpu-x"
+    (hw / "e2e").mkdir(parents=True)
+    old = pd.DataFrame({"backend": ["a", "b"], "dtype": ["float16", "bfloat16"], "passed": [True, True]})
+    io.atomic_write_parquet(hw / "validation_gpu.parquet", old)
+    io.atomic_write_parquet(hw / "e2e" / "pass1.parquet", old[["backend", "dtype"]])
+    results = load_results(hw, counters_dir=tmp_path / "counters")
+    assert results.validation_gpu["kv_dtype"].tolist() == ["float16", "bfloat16"]
+    assert not results.validation_gpu["fp8_query"].any()
+    assert results.e2e["kv_dtype"].tolist() == ["float16", "bfloat16"]
+    new = old.assign(kv_dtype="float8_e4m3", fp8_query=[False, True])
+    io.atomic_write_parquet(hw / "validation_gpu.parquet", new)
+    io.atomic_write_parquet(hw / "e2e" / "pass1.parquet", new[["backend", "dtype", "kv_dtype"]])
+    results = load_results(hw, counters_dir=tmp_path / "counters")
+    assert set(results.validation_gpu["kv_dtype"]) == {"float8_e4m3"}
+    assert results.validation_gpu["fp8_query"].tolist() == [False, True]
+    assert set(results.e2e["kv_dtype"]) == {"float8_e4m3"}

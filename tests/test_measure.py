@@ -160,7 +160,7 @@ def test_validation_columns_are_the_documented_ones():
     text = (ROOT / "docs" / "DATA.md").read_text()
     line = text.split("## results/{hw}/validation_gpu.parquet", 1)[1].split("\n\n", 2)[1]
     key = re.search(r"Per \(([^)]*)\)", line).group(1)
-    documented = [n.strip() for n in key.split(",")] + re.findall(r"`([a-z_]+)`", line.split(":", 1)[1])
+    documented = [n.strip() for n in key.split(",")] + re.findall(r"`([a-z][a-z0-9_]*)`", line.split(":", 1)[1])
     assert sorted(VALIDATION_COLUMNS) == sorted(documented)
 
 
@@ -876,6 +876,77 @@ def test_validate_case_on_cpu_catches_unwritten_rows_and_reports_unavailable():
     assert validation_frame(rows).shape[0] == 6
 
 
+class E4m3Query:
+    """torch-sdpa with its query rounded to e4m3 first, declaring it (Capabilities.fp8_query): an
+    FP8-query baseline's error class, on the CPU."""
+
+    name = "e4m3-query"
+
+    def __init__(self):
+        from dataclasses import replace
+
+        from persistentkv.backends.torch_sdpa import TorchSdpaBackend
+
+        self.inner = TorchSdpaBackend(device="cpu")
+        self.capabilities = replace(self.inner.capabilities, fp8_query=True)
+
+    def unavailable(self, spec):
+        return self.inner.unavailable(spec)
+
+    def plan(self, batch):
+        return self.inner.plan(batch)
+
+    def run(self, q, cache, plan, out):
+        self.inner.run(q.to(torch.float8_e4m3fn).to(q.dtype), cache, plan, out)
+
+
+def test_validate_case_over_an_fp8_cache_gates_every_backend_and_reports_an_fp8_query():
+    spec = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16",
+                         kv_dtype="float8_e4m3")
+    case = workload.synthetic_case("v", "c", [1, 17, 300], spec,
+                                   (workload.Variant("torch-sdpa"), workload.Variant("e4m3-query"),
+                                    workload.Variant("skipper")), hole_fraction=0.5)
+
+    def create(name, **options):
+        from persistentkv.backends import registry
+
+        if name == "e4m3-query":
+            return E4m3Query()
+        if name == "skipper":
+            return SkipRowZero(registry.create("torch-sdpa", device="cpu"))
+        return registry.create(name, device="cpu", **options)
+
+    rows = validation.validate_case(case, TorchDevice("cpu"), BackendFactory(create), dtypes=("float16", "bfloat16"),
+                                    rtols={"float16": 2e-3, "bfloat16": 1e-2})
+    by = {(r["backend"], r["dtype"]): r for r in rows}
+    assert {r["kv_dtype"] for r in rows} == {"float8_e4m3"}
+    for dtype in ("float16", "bfloat16"):
+        # the cache's own rounding is not an error: the reference reads the dequantised codes
+        exact = by[("torch-sdpa", dtype)]
+        assert exact["passed"] and not exact["fp8_query"], exact
+        rounded = by[("e4m3-query", dtype)]
+        assert rounded["fp8_query"] and rounded["status"] == "ok" and rounded["rtol"] == exact["rtol"]
+        assert rounded["max_row_head_err"] > 1e-2  # e4m3 keeps 3 mantissa bits: the FP8-query class
+        assert not rounded["passed"] and "reported, not gated" in rounded["reason"]
+        assert not by[("skipper", dtype)]["passed"]
+    assert {r["backend"] for r in validation.failing(rows)} == {"skipper"}
+    frame = validation_frame(rows)
+    assert frame["fp8_query"].dtype == bool and frame.shape[0] == 6
+
+
+def test_fp8_inputs_are_codes_with_one_scale_per_tensor_and_their_exact_values():
+    from persistentkv import fp8
+
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((3, 16, 2, 8)).astype(np.float32) * s for s in (1.0, 100.0))
+    (kc, vc, ks, vs), (k64, v64) = validation.fp8_inputs(k, v)
+    assert kc.dtype == torch.float8_e4m3fn and ks.shape == (1,)
+    for codes, scale, values, ref in ((kc, ks, k, k64), (vc, vs, v, v64)):
+        assert float(scale[0]) == pytest.approx(np.abs(values).max() / 448.0)
+        assert np.array_equal(ref, fp8.dequantize(codes.view(torch.uint8).numpy(), scale))
+        assert np.abs(ref).max() <= 448.0 * float(scale[0]) and np.allclose(ref, values, rtol=0.07, atol=scale[0])
+
+
 def test_host_inputs_are_seeded():
     batch = make_batch(SPEC, [20, 5])
     a, b = validation.host_inputs(batch, 3), validation.host_inputs(batch, 3)
@@ -1052,7 +1123,8 @@ def test_validate_gpu_stopped_part_way_keeps_the_finished_steps(tmp_path, monkey
         if len(seen) == 3:
             raise KeyboardInterrupt
         return [{"backend": "pkv-workqueue", "trace": case.trace, "seed": 0, "step": int(case.step),
-                 "dtype": "float16", "rel_err": 1e-4, "max_row_head_err": 3e-4, "worst_row": 0, "worst_head": 0,
+                 "dtype": "float16", "kv_dtype": "float16", "fp8_query": False, "rel_err": 1e-4,
+                 "max_row_head_err": 3e-4, "worst_row": 0, "worst_head": 0,
                  "row_heads_failing": 0, "max_abs_err": 1e-4, "rtol": 1e-2, "passed": True,
                  "nan_count": 0, "unwritten": 0, "status": "ok", "reason": ""}]
 

@@ -203,6 +203,8 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         e2e = pd.DataFrame()
         missing.append("e2e")
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
+    if not validation_gpu.empty and "kv_dtype" not in validation_gpu.columns:  # rows before the FP8 columns
+        validation_gpu = validation_gpu.assign(kv_dtype=validation_gpu["dtype"], fp8_query=False)
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
     ablation_buckets = optional_parquet("ablation_buckets", counters / "ablation_buckets.parquet")

@@ -70,6 +70,10 @@ class Capabilities:
         one Python call fewer per layer.
     kv_dtypes : tuple of str
         Cache dtypes it reads besides the query's (``float8_e4m3``: an FP8 cache with scales).
+    fp8_query : bool
+        With an FP8 cache, the query is rounded to e4m3 (by the library or its kernel): its error is
+        of the FP8-query class, which validation reports beside the dtype's tolerance instead of
+        failing the run on it (never under a looser tolerance).
     """
 
     dtypes: tuple[str, ...]
@@ -79,6 +83,7 @@ class Capabilities:
     host_arrays: bool = False
     plan_engine: bool = False
     kv_dtypes: tuple[str, ...] = ()
+    fp8_query: bool = False
 
     def __post_init__(self):
         require(self.graph in GRAPH_MODES, f"Capabilities.graph must be one of {', '.join(GRAPH_MODES)}, "

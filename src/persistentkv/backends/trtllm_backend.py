@@ -66,7 +66,7 @@ XQA_HEAD_DIMS = tuple(range(16, 257, 16))
 class TrtllmXqaBackend:
     #: a plan for the reserved pages follows the lengths through seq_lens (TablePlan.update_lengths)
     capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", head_dims=XQA_HEAD_DIMS,
-                                page_sizes=XQA_PAGE_SIZES, kv_dtypes=("float8_e4m3",))
+                                page_sizes=XQA_PAGE_SIZES, kv_dtypes=("float8_e4m3",), fp8_query=True)
 
     def __init__(self, name: str = "trtllm-xqa", workspace_bytes: int = WORKSPACE_BYTES, device: str = "cuda"):
         self.name = name

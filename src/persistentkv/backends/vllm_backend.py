@@ -92,7 +92,8 @@ class VllmPlan:
 
 class VllmFA3Backend:
     #: a plan for the reserved pages follows the lengths through seqused_k (VllmPlan.update_lengths)
-    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", kv_dtypes=("float8_e4m3",))
+    capabilities = Capabilities(dtypes=("float16", "bfloat16"), graph="device", kv_dtypes=("float8_e4m3",),
+                                fp8_query=True)
 
     def __init__(self, name: str = "vllm-fa3", max_num_splits: int = VLLM_CUDA_GRAPH_MAX_SPLITS,
                  device: str = "cuda"):

@@ -9,6 +9,11 @@ in float16 and bfloat16, each (row, query head) against the rtol of each dtype
 (measure.validation.compare), writes the table, then exits 1 if any backend that ran failed. ``--smoke`` is the one call that shows what works on a new machine: every
 backend on three small cases (correctness in both dtypes + a short kernel/eager timing) and the
 ceilings, as one printed table.
+
+``--kv-dtype float8_e4m3`` runs the same cases over an FP8 cache (e4m3 codes, one scale per
+tensor; the reference reads their dequantised values) at the same tolerances; a backend whose
+FP8 path rounds the query to e4m3 is reported with its error, not failed on it
+(persistentkv.measure.validation).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import require
+from ..spec import FP8_KV
 from ..measure.device import require_cuda
 from .measure import parse_backends
 
@@ -26,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="results/{hw}/validation_gpu.parquet (required without --smoke)")
     parser.add_argument("--policy", default=None, help="policy.json for the adaptive backend (else it is unavailable)")
     parser.add_argument("--backends", default=None, help="comma-separated subset (default: config measure.backends)")
+    parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
+                        help=f"the cache's dtype when it is not the query's: {FP8_KV} (e4m3 codes, per-tensor scales)")
     parser.add_argument("--smoke", action="store_true", help="every backend once on small cases; print what works")
 
 
@@ -34,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from ..measure.runner import run_smoke_command, run_validation  # the harness and pandas: loaded to run
 
     backends = parse_backends(args.backends)
+    require(not (args.smoke and args.kv_dtype), "validate-gpu --smoke runs the query's dtype only; drop --kv-dtype")
     if args.smoke:
         return run_smoke_command(args.config, args.out, args.policy, backends)
     require(args.config is not None, "validate-gpu needs --config (or --smoke)")
     require(args.out is not None, "validate-gpu needs --out (or --smoke)")
-    return run_validation(args.config, args.traces_dir, args.out, args.policy, backends)
+    return run_validation(args.config, args.traces_dir, args.out, args.policy, backends, args.kv_dtype)

@@ -62,6 +62,8 @@ VALIDATION_COLUMNS: dict[str, str] = {
     "step": "int64",
     "backend": "string",
     "dtype": "string",
+    "kv_dtype": "string",
+    "fp8_query": "bool",
     "rel_err": "float64",
     "max_row_head_err": "float64",
     "worst_row": "int64",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import configuration
@@ -263,11 +264,13 @@ def run_shapes(config_path: str, out: str, backends: list[str] | None, quick: bo
 
 
 def run_validation(config_path: str, traces_dir: str, out: str, policy: str | None,
-                   backends: list[str] | None) -> int:
+                   backends: list[str] | None, kv_dtype: str | None = None) -> int:
+    """validate-gpu's run; ``kv_dtype`` float8_e4m3: every case over an FP8 cache
+    (measure.validation)."""
     from tqdm import tqdm
 
     config = configuration.load_config(config_path)
-    spec = configuration.spec(config)
+    spec = replace(configuration.spec(config), kv_dtype=kv_dtype)
     names = list(backends) if backends else list(config["measure"]["backends"])
     seed = int(config["seeds"]["calibration"])
     gpu = config["validation"]["gpu"]
@@ -295,6 +298,9 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
     frame = validation_frame(rows)
     _write(frame, partial)
     bad = failing(rows)
+    reported = [r for r in rows if r["fp8_query"] and r["status"] == "ok" and not r["passed"]]
+    for row in reported[:20]:
+        log(f"reported {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['reason']}")
     for row in bad[:20]:
         log(f"FAIL {row['backend']} {row['dtype']} {row['trace']} step {row['step']}: {row['status']}: {row['reason']}")
     if bad:
