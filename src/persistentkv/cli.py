@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "measure": ("measure", "GPU: one experiment under the fair and the published protocol"),
     "measure-e2e": ("measure_e2e", "GPU: the full Llama decode step per backend (graph replay), attention's share"),
     "validate-gpu": ("validate_gpu", "GPU: every backend against float64 at sampled steps of every trace"),
+    "fp8-logits": ("fp8_logits", "an FP8 cache's effect on a decode loop's logits (GPU, or the CPU)"),
     "calibrate": ("calibrate", "fit the policy (thresholds and cost model) on calibration timings"),
     "claims": ("claims", "judge each numbered claim of the paper from measured results"),
     "figures": ("figures", "render seaborn figures"),
