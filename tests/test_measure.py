@@ -1109,6 +1109,35 @@ def test_a_run_stopped_part_way_keeps_its_finished_cases_rows_beside_its_output(
     assert out.exists() and not (tmp_path / "raw" / "partial").exists()
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3"])
+def test_validate_gpu_runs_every_trace_step_and_the_long_row_on_the_cache_asked_for(tmp_path, monkeypatch,
+                                                                                       traces_dir, kv_dtype):
+    from persistentkv.measure import runner
+
+    monkeypatch.setattr(runner, "_device", lambda: FakeDevice(l2_bytes=0))
+    seen = []
+
+    def validate_case(case, device, factory, rtols, log):
+        seen.append(case)
+        return [{"backend": "pkv-workqueue", "trace": case.trace, "seed": 0, "step": int(case.step),
+                 "dtype": "float16", "kv_dtype": case.spec.cache_dtype, "fp8_query": False, "rel_err": 1e-4,
+                 "max_row_head_err": 3e-4, "worst_row": 0, "worst_head": 0, "row_heads_failing": 0,
+                 "max_abs_err": 1e-4, "rtol": 1e-2, "passed": True, "nan_count": 0, "unwritten": 0, "status": "ok",
+                 "reason": ""}]
+
+    monkeypatch.setattr(runner, "validate_case", validate_case)
+    out = tmp_path / "validation_gpu.parquet"
+    assert runner.run_validation(str(CONFIG), str(traces_dir), str(out), None, ["pkv-workqueue"], kv_dtype) == 0
+    config = configuration.load_config(CONFIG)
+    gpu = config["validation"]["gpu"]
+    assert len(seen) == len(config["traces"]) * gpu["steps_per_trace"] + 1
+    assert {c.spec.cache_dtype for c in seen} == {kv_dtype or config["spec"]["dtype"]}
+    long = seen[-1]
+    assert long.trace == f"B1xN{gpu['long_row']}" and long.batch.seq_lens.tolist() == [gpu["long_row"]]
+    pages = long.batch.kv_indices
+    assert pages.size == -(-gpu["long_row"] // long.spec.page_size) and (np.diff(pages) != 1).any()  # scattered
+
+
 def test_validate_gpu_stopped_part_way_keeps_the_finished_steps(tmp_path, monkeypatch, traces_dir):
     import pandas as pd
 

@@ -19,7 +19,7 @@ from ..analysis import pinning
 from ..backends import registry
 from ..ceiling import ceiling_gbps, measure_ceilings, renumbered, run_read_gbps
 from ..io import atomic_write_parquet
-from ..names import CPU_ONLY, SHAPES_EXPERIMENT
+from ..names import CPU_ONLY, SHAPES_EXPERIMENT, synthetic_name
 from ..provenance import collect, new_run_id, sidecar_path, utc_now, write_sidecar
 from ..reference import TOLERANCE
 from ..spec import AttentionSpec
@@ -281,6 +281,10 @@ def run_validation(config_path: str, traces_dir: str, out: str, policy: str | No
         steps = sampled_steps(trace, int(gpu["steps_per_trace"]))
         cases += trace_cases("validation", trace, spec, 0.0, steps,
                              variants(names, config, int(entry["splits"]), policy), entry["name"])
+    if gpu.get("long_row"):  # the longest row the engine addresses, its pages scattered
+        lengths = [int(gpu["long_row"])]
+        cases.append(synthetic_case("validation", synthetic_name(lengths), lengths, spec,
+                                    variants(names, config, default_splits(config), policy), hole_fraction=0.5))
     device = _device()
     started = utc_now()
     run_id = new_run_id("validation_gpu", started)
