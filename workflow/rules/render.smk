@@ -21,6 +21,7 @@ RENDER_COUNTERS = [
 RENDER_MEASURED = ["raw/*.parquet", "raw/*.json", "bench_kernels.parquet", "validation_gpu.parquet",
                    "provenance.json", "policy.json", "kernels.json"]
 RENDER_MEASURED += ["bench_shapes.parquet"]  # the shapes experiment (measure.smk, rule bench_shapes)
+RENDER_MEASURED += ["bench_kernels_*.parquet", "bench_shapes_*.parquet"]  # the grids per cache dtype (measure.kv_dtypes)
 RENDER_MEASURED += ["e2e/*.parquet", "e2e/*.json"]  # the full decode step's passes (rule measure_e2e_pass)
 #: Files the GPU rules of this run will write (measure.smk, included only when measuring).
 RENDER_MEASURING = [str(t) for t in globals().get("MEASURE_TARGETS", [])]
