@@ -1,5 +1,7 @@
 """The FP8 KV cache as a pipeline axis: bench-kernels / bench-shapes --kv-dtype, the kv_dtype column
-and the loader's fill for files without it, and the Snakemake targets of config measure.kv_dtypes."""
+and the loader's fill for files without it, targets_fp8.fp8_verdicts on constructed rows (every rule
+holding, each rule missed once, nothing measured), and the Snakemake targets of config
+measure.kv_dtypes."""
 
 from __future__ import annotations
 
@@ -13,15 +15,15 @@ import yaml
 from workflow_support import NO_GPU, ROOT, copy_workflow, job_counts, needs_snakemake, snakemake
 
 import synthetic
-from persistentkv import cli, configuration, targets
+from persistentkv import cli, configuration, targets, targets_fp8
 from persistentkv.commands import bench_kernels, bench_shapes
 from persistentkv.commands.measure import parse_kv_dtype
 from persistentkv.errors import PKVError
 from persistentkv.measure import runner
 from persistentkv.measure.rows import RAW_COLUMNS, raw_frame, raw_row
 from persistentkv.measure.workload import shapes_cases
-from persistentkv.names import FP8_KV, kv_grid_name
-from persistentkv.results import load_results
+from persistentkv.names import FLOOR_BACKEND, FP8_KV, SHAPES_EXPERIMENT, kv_grid_name
+from persistentkv.results import Results, load_results
 from persistentkv.spec import AttentionSpec
 
 CONFIG = configuration.load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
@@ -108,6 +110,7 @@ def test_the_committed_files_read_as_caches_of_their_query_dtype():
     assert loaded.kv_grids == {}
 
 
+# -- the verdicts ---------------------------------------------------------------------------------
 def case_rows(kv_dtype, grid, trace, batch, hkv, g, tokens, times, repeats=7, kv_bytes=None):
     """Kernel rows of one case: ``batch`` rows of ``tokens`` at Hkv, G (D=128) on a ``kv_dtype``
     cache (kv_bytes its bytes unless given), ``times``: backend -> median us (1 % noise)."""
@@ -124,6 +127,123 @@ def case_rows(kv_dtype, grid, trace, batch, hkv, g, tokens, times, repeats=7, kv
                                protocol="kernel", repeat=r, time_us=t * float(np.exp(rng.normal(0, 0.01))),
                                per_layer_us=t, status="ok"))
     return out
+
+
+#: (grid, trace, B, Hkv, G, tokens per row, speedup over the fastest baseline) of the constructed
+#: FP8 grids: the four named cells at 0.15 above their targets, the rest at 1.25.
+CASES = [("bench_kernels", "B1xN131072", 1, 8, 4, 131072, 1.50),
+         ("bench_kernels", "B8-bimodal", 8, 8, 4, 16256, 1.50),
+         ("bench_kernels", "B64xN8192", 64, 8, 4, 8192, 1.30),
+         ("bench_kernels", "B4xN4096", 4, 8, 4, 4096, 1.25),
+         ("bench_kernels", "B1xN147456", 1, 8, 4, 147456, 1.25),    # 302 MB of FP8, 604 MB of fp16
+         (SHAPES_EXPERIMENT, "B1xN32768", 1, 1, 4, 32768, 1.65),
+         (SHAPES_EXPERIMENT, "B4xN16384", 4, 2, 8, 16384, 1.25)]
+
+
+def fp8_results(speedup=None, floor_frac=None, fp16_ratio=None, grids=("bench_kernels", SHAPES_EXPERIMENT)) -> Results:
+    """Both FP8 grids and the fp16 bench grid, built to pass every rule; ``speedup``, ``floor_frac``,
+    ``fp16_ratio``: {trace: value} planted misses."""
+    speedup, floor_frac, fp16_ratio = speedup or {}, floor_frac or {}, fp16_ratio or {}
+    fp8 = {grid: [] for grid in grids}
+    fp16 = []
+    for grid, trace, b, hkv, g, n, ratio in CASES:
+        if grid not in grids:
+            continue
+        ours = 3.0 + b * n * 2 * hkv * 128 / 4.0e3       # 4 TB/s on the FP8 bytes
+        times = {OURS: ours, "flashinfer-tc": ours * speedup.get(trace, ratio),
+                 "trtllm-xqa": ours * speedup.get(trace, ratio) * 1.2,
+                 FLOOR_BACKEND: ours * floor_frac.get(trace, 0.95)}
+        fp8[grid] += case_rows(FP8_KV, grid, trace, b, hkv, g, n, times)
+        if grid == "bench_kernels":
+            fp16 += case_rows("float16", grid, trace, b, hkv, g, n,
+                              {OURS: ours * fp16_ratio.get(trace, 1.95), "flashinfer-tc": ours * 2.2})
+    unavailable = raw_row(run_id="run-fp8", experiment="bench_kernels", trace="B1xN131072", seed=0, step=0,
+                          batch_size=1, max_len=131072, total_tokens=131072, kv_bytes=131072 * 2048,
+                          num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16",
+                          kv_dtype=FP8_KV, hole_fraction=0.0, backend="vllm-fa3", route="vllm-fa3",
+                          status="unavailable", reason="vLLM FA3 with an FP8 cache writes bfloat16 only")
+    if "bench_kernels" in fp8:
+        fp8["bench_kernels"].append(unavailable)
+    empty = pd.DataFrame()
+    return Results(hw="test-gpu", raw=empty, bench=raw_frame(fp16) if fp16 else empty, validation_gpu=empty,
+                   validation_cpu=empty, ablation_buckets=empty, ablation_splits=empty, provenance={}, policy=None,
+                   kernels=None, config=synthetic.config(),
+                   kv_grids={kv_grid_name(g, FP8_KV): raw_frame(rows) for g, rows in fp8.items()})
+
+
+CHECKS = ("every_cell", "speedups", "floor", "fp16")
+
+
+def test_the_constructed_grids_pass_every_rule():
+    out = targets_fp8.fp8_verdicts(fp8_results())
+    json.dumps(out)
+    assert out["verdict"] == targets.HOLDS and out["summary"] == "holds on test-gpu"
+    for key in CHECKS:
+        assert out[key]["verdict"] == targets.HOLDS, key
+    assert len(out["every_cell"]["cases"]) == len(CASES)
+    assert [c["measured"] for c in out["speedups"]["cases"]] == [True] * 4
+    # the floor: the 67 MB-and-up cases only (B4xN4096 reads 33.5 MB, the shapes cells 8 and 33.5 MB)
+    assert {e["trace"] for e in out["floor"]["cases"]} == {"B1xN131072", "B8-bimodal", "B64xN8192", "B1xN147456"}
+    assert {e["trace"]: e["target"] for e in out["floor"]["cases"]}["B1xN131072"] == 0.90      # 268 MB
+    assert {e["trace"]: e["target"] for e in out["floor"]["cases"]}["B8-bimodal"] == 0.80      # 266 MB
+    # fp16: the cases whose fp16 step reads 537 MB or more (not the bimodal one, 533 MB)
+    assert {e["trace"] for e in out["fp16"]["cases"]} == {"B1xN131072", "B64xN8192", "B1xN147456"}
+    assert all(e["ratio"] == pytest.approx(1.95, rel=0.02) for e in out["fp16"]["cases"])
+    named = {c["case"]: c for c in out["speedups"]["cases"]}
+    assert named["Hq=4/Hkv=1 B=1 x 32K"]["ratio"] == pytest.approx(1.65, rel=0.02)
+    assert named["B=1 x 128K"]["baseline"] == "flashinfer-tc"   # the unavailable FA3 row is no baseline
+
+
+@pytest.mark.parametrize("planted, failing, case", [
+    ({"speedup": {"B4xN4096": 0.98}}, "every_cell", "B4xN4096"),
+    ({"speedup": {"B1xN131072": 1.30}}, "speedups", "B=1 x 128K"),
+    ({"floor_frac": {"B1xN147456": 0.85}}, "floor", "B1xN147456"),
+    ({"fp16_ratio": {"B1xN147456": 1.7}}, "fp16", "B1xN147456"),
+])
+def test_each_planted_miss_fails_exactly_its_rule(planted, failing, case):
+    out = targets_fp8.fp8_verdicts(fp8_results(**planted))
+    assert out["verdict"] == targets.FAILS and out["summary"] == "does not hold on test-gpu"
+    for key in CHECKS:
+        assert out[key]["verdict"] == (targets.FAILS if key == failing else targets.HOLDS), key
+    (below,) = out[failing]["below"]
+    assert below.startswith(case)
+    assert any(targets.FAILS in s for s in out["sentences"])
+
+
+def test_the_fp8_floor_and_speedup_rules_read_the_fp8_bytes():
+    """A case judged by its FP8 bytes: 302 MB of e4m3 codes is in the 0.90 band (its fp16 twin's
+    604 MB would be too; 200 MB of codes is in the 0.80 band, where 0.85 holds)."""
+    assert targets.floor_band(302_000_000, targets_fp8.FP8_FLOOR_BANDS) == 0.90
+    assert targets.floor_band(200_000_000, targets_fp8.FP8_FLOOR_BANDS) == 0.80
+    assert targets.floor_band(60_000_000, targets_fp8.FP8_FLOOR_BANDS) is None
+
+
+def test_not_measured_states_the_rules():
+    empty = pd.DataFrame()
+    bench = synthetic.bench_frame()
+    results = Results(hw="nvidia-h200", raw=empty, bench=bench, validation_gpu=empty, validation_cpu=empty,
+                      ablation_buckets=empty, ablation_splits=empty, provenance={}, policy=None, kernels=None,
+                      config=synthetic.config())
+    out = targets_fp8.fp8_verdicts(results)
+    assert out["verdict"] == targets.NOT_MEASURED and out["summary"] == "not measured on nvidia-h200"
+    assert out["measured"] is False and out["files"] == {"bench_kernels_fp8": False, "bench_shapes_fp8": False}
+    for key in CHECKS:
+        assert out[key]["verdict"] == targets.NOT_MEASURED, key
+    assert len(out["rules"]) == 4 and "1.35x at B=1 x 128K" in out["rules"][1]
+    (sentence,) = out["sentences"]
+    assert "not measured on nvidia-h200" in sentence and targets_fp8.FP8_COMMAND in sentence
+    # one FP8 grid without the other: its checks are judged, the missing named cell is not measured
+    part = targets_fp8.fp8_verdicts(fp8_results(grids=("bench_kernels",)))
+    assert part["speedups"]["not_measured"] == ["Hq=4/Hkv=1 B=1 x 32K"]
+    assert part["speedups"]["verdict"] == targets.NOT_MEASURED and part["verdict"] == targets.NOT_MEASURED
+    assert part["every_cell"]["verdict"] == targets.HOLDS
+
+
+def test_the_committed_claims_say_not_measured():
+    claims = json.loads((ROOT / "results" / "nvidia-h200" / "claims.json").read_text())
+    if "fp8" not in claims:
+        pytest.skip("claims.json not rendered since the fp8 entry exists")
+    assert claims["fp8"]["summary"] == "not measured on nvidia-h200"
 
 
 # -- the workflow ---------------------------------------------------------------------------------
