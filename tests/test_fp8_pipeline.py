@@ -149,14 +149,15 @@ def fp8_results(speedup=None, floor_frac=None, fp16_ratio=None, grids=("bench_ke
     for grid, trace, b, hkv, g, n, ratio in CASES:
         if grid not in grids:
             continue
-        ours = 3.0 + b * n * 2 * hkv * 128 / 4.0e3       # 4 TB/s on the FP8 bytes
+        ours = 3.0 + b * n * 2 * hkv * 128 / 4.0e6       # us: 4 TB/s on the FP8 bytes
         times = {OURS: ours, "flashinfer-tc": ours * speedup.get(trace, ratio),
                  "trtllm-xqa": ours * speedup.get(trace, ratio) * 1.2,
                  FLOOR_BACKEND: ours * floor_frac.get(trace, 0.95)}
         fp8[grid] += case_rows(FP8_KV, grid, trace, b, hkv, g, n, times)
         if grid == "bench_kernels":
             fp16 += case_rows("float16", grid, trace, b, hkv, g, n,
-                              {OURS: ours * fp16_ratio.get(trace, 1.95), "flashinfer-tc": ours * 2.2})
+                              {OURS: ours * fp16_ratio.get(trace, 1.95), "flashinfer-tc": ours * 2.2,
+                               FLOOR_BACKEND: ours * 1.9})
     unavailable = raw_row(run_id="run-fp8", experiment="bench_kernels", trace="B1xN131072", seed=0, step=0,
                           batch_size=1, max_len=131072, total_tokens=131072, kv_bytes=131072 * 2048,
                           num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16",
@@ -308,3 +309,53 @@ def test_the_config_refuses_an_unknown_kv_dtype():
     with pytest.raises(PKVError, match=r"^config: measure.kv_dtypes\[0\]: 'float8_e5m2' is not one of"):
         configuration.validate_config(config, ROOT)
     assert AttentionSpec().kv_dtype is None and replace(AttentionSpec(), kv_dtype=FP8_KV).kv_itemsize == 1
+
+
+# -- rendering ------------------------------------------------------------------------------------
+def test_the_fp8_figure_draws_both_caches_from_a_constructed_frame(tmp_path):
+    from persistentkv.render import figures
+
+    frame = figures.data_fp8(fp8_results())
+    assert set(frame["kv_dtype"]) == {"float16", FP8_KV}
+    b128 = frame.set_index(["kv_dtype", "trace"]).loc[(FP8_KV, "B1xN131072")]
+    assert b128["kv_bytes"] == 131072 * 2048 and b128["baseline_name"] == "flashinfer-tc"
+    assert b128["floor"] / b128["ours"] == pytest.approx(0.95, rel=0.02)
+    fig = figures.fig_fp8(frame, "test-gpu")
+    floors = [line for line in fig.axes[0].get_lines() if "one-kernel floor" in str(line.get_label())]
+    assert len(floors) == 2                                   # one floor line per cache
+    path = tmp_path / "fp8.svg"
+    figures.save(fig, path)
+    assert path.stat().st_size > 10_000 and b"<svg" in path.read_bytes()[:500]
+    # no FP8 rows, no figure data: the report then says it is not measured instead
+    without = Results(hw="test-gpu", raw=pd.DataFrame(), bench=fp8_results().bench, validation_gpu=pd.DataFrame(),
+                      validation_cpu=pd.DataFrame(), ablation_buckets=pd.DataFrame(), ablation_splits=pd.DataFrame(),
+                      provenance={}, policy=None, kernels=None, config=synthetic.config())
+    assert figures.data_fp8(without).empty
+
+
+def test_the_report_and_paper_sections_say_what_was_measured():
+    from persistentkv.render import report, tables
+
+    html = report.environment().get_template("fp8.html.j2")
+    tex = tables.environment().get_template("fp8.tex.j2")
+    missing = targets_fp8.fp8_verdicts(Results(hw="nvidia-h200", raw=pd.DataFrame(), bench=pd.DataFrame(),
+                                               validation_gpu=pd.DataFrame(), validation_cpu=pd.DataFrame(),
+                                               ablation_buckets=pd.DataFrame(), ablation_splits=pd.DataFrame(),
+                                               provenance={}, policy=None, kernels=None, config=synthetic.config()))
+    page = html.render(fp8=missing, fp8_figure=None, fp8_unavailable=[], hw="nvidia-h200", ratio_ci=report.ratio_ci)
+    assert "has not been measured on nvidia-h200" in page and "snakemake bench_kernels_fp8 --cores all" in page
+    assert "<table" not in page and "<img" not in page
+    text = tex.render(fp8=missing, hw="nvidia-h200")
+    assert [line for line in text.splitlines() if not line.startswith("%")] == [
+        r"\emph{The FP8 grid has not been measured on nvidia-h200: \texttt{snakemake bench\_kernels\_fp8 --cores "
+        r"all} measures it.}"]
+    measured = fp8_results(speedup={"B1xN131072": 1.30})
+    context = report.fp8_context(targets_fp8.fp8_verdicts(measured), measured)
+    assert context["fp8_figure"].startswith("data:image/svg+xml;base64,")
+    assert context["fp8_unavailable"] == [{"file": "bench_kernels_fp8", "backend": "vllm-fa3",
+                                           "reason": "vLLM FA3 with an FP8 cache writes bfloat16 only"}]
+    page = html.render(**context, hw="test-gpu", ratio_ci=report.ratio_ci)
+    assert page.count("<tr><td>B=1 x 128K") == 1 and "does not hold" in page and "<img" in page
+    text = tex.render(fp8=context["fp8"], hw="test-gpu")
+    row = next(line for line in text.splitlines() if line.startswith("B=1 x 128K"))
+    assert r"& bench\_kernels\_fp8 & 1.2" in row and row.endswith(r"& 1.35 & does not hold \\")

@@ -71,7 +71,8 @@ FP8_COMMAND = "snakemake bench_kernels_fp8 --cores all"
 def fp8_rules() -> list[str]:
     """The rules, in words, from the constants (claims.json, the report and the paper quote them)."""
     named = "; ".join(f"{t.target:g}x at {t.label}" for t in FP8_SPEEDUPS)
-    bands = "; ".join(f"{target:g} from {lo / 1e6:.0f} MB" for lo, _, target in FP8_FLOOR_BANDS)
+    bands = "; ".join(f"{target:g} from {lo / 1e6:.0f} MB" + (f" (under {hi / 1e6:.0f} MB)" if hi else "")
+                      for lo, hi, target in FP8_FLOOR_BANDS)
     return [f"{ENGINE_BACKEND} against the fastest FP8 baseline ({', '.join(BASELINES)} on the {FP8_KV} cache): "
             f"the speedup's 95 % interval at least {FP8_MIN_SPEEDUP:g} in every cell of bench_kernels_fp8 and "
             f"bench_shapes_fp8",
@@ -207,9 +208,9 @@ def _over_fp16(fp8: tuple, fp16_frame: pd.DataFrame) -> dict:
 
 def _sentences(entry: dict, hw: str) -> list[str]:
     if not entry["measured"]:
-        files = " and ".join(f"{stem}.parquet" for stem in entry["files"])
-        return [f"The FP8 ({FP8_KV}) grid: not measured on {hw} (no {files} in results/{hw}/; "
-                f"`{FP8_COMMAND}` and `snakemake bench_shapes_fp8 --cores all` measure them)."]
+        files = " nor ".join(f"{stem}.parquet" for stem in entry["files"])
+        return [f"The FP8 ({FP8_KV}) grid: not measured on {hw} (neither {files} is in results/{hw}/; "
+                f"{FP8_COMMAND} and snakemake bench_shapes_fp8 --cores all on a GPU measure them)."]
     said = []
     every = entry["every_cell"]
     if every["cases"]:
