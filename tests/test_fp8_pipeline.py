@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from workflow_support import NO_GPU, ROOT, copy_workflow, job_counts, needs_snakemake, snakemake
+from workflow_support import (NO_GPU, ROOT, copy_workflow, fake_calls, fake_gpu_env, job_counts, needs_snakemake,
+                              snakemake)
 
 import synthetic
 from persistentkv import cli, configuration, targets, targets_fp8
@@ -289,6 +290,22 @@ def test_the_fp8_grids_are_gpu_jobs_of_all(tmp_path):
     assert named.returncode == 0, named.stderr
     assert {k: v for k, v in job_counts(named.stdout).items() if k.endswith("_fp8")} == \
         {"bench_kernels_fp8": 1, "bench_shapes_fp8": 1}
+
+
+@needs_snakemake
+def test_each_fp8_job_runs_its_own_command(tmp_path):
+    """The jobs run (a stand-in persistentkv records bench-kernels' calls; bench-shapes runs for real
+    and stops without a GPU): each rule made in the loop over the grids runs its own grid's command."""
+    copy = _with_target(tmp_path)
+    env = fake_gpu_env(tmp_path, ["NVIDIA H200"])
+    done = snakemake(copy, "bench_kernels_fp8", "bench_shapes_fp8", "--cores", "2", "--keep-going", "--resources",
+                     "gpu=1", env=env)
+    assert done.returncode != 0          # bench_shapes_fp8, for real on a host without a GPU
+    calls = [(c["command"], c["out"]) for c in fake_calls(tmp_path) if c["command"] != "compile-kernels"]
+    assert calls == [("bench-kernels", "results/nvidia-h200/bench_kernels_fp8.parquet")]
+    assert (copy / "results" / "nvidia-h200" / "bench_kernels_fp8.json").is_file()
+    shapes_log = (copy / "logs" / "measure" / "nvidia-h200" / "bench_shapes_fp8.log").read_text()
+    assert "no CUDA device" in shapes_log
 
 
 @needs_snakemake

@@ -133,6 +133,9 @@ for _kv_dtype in config["measure"].get("kv_dtypes", []):
                 config=CONFIG_FILE,
                 spec=config["spec"],
                 measure=config["measure"],
+                # params, not the shell string: Snakemake evaluates a rule's shell when its job runs,
+                # when the loop's variables hold their last values
+                command=_command,
                 kv_dtype=_kv_dtype,
             threads: GPU_JOB_THREADS
             resources:
@@ -141,7 +144,7 @@ for _kv_dtype in config["measure"].get("kv_dtypes", []):
                 CONDA_ENV
             shell:
                 job(
-                    f"persistentkv {_command} --config {{params.config}} --kv-dtype {{params.kv_dtype}}"
+                    "persistentkv {params.command} --config {params.config} --kv-dtype {params.kv_dtype}"
                     " --out {output.table} > {log} 2>&1",
                     gpu=HW,
                 )
