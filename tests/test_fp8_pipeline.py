@@ -66,6 +66,24 @@ def test_the_bench_grid_on_fp8_caches_reads_half_the_bytes():
         assert list(b.batch.seq_lens) == list(a.batch.seq_lens)
 
 
+def test_the_one_kernel_floor_reads_the_fp8_bytes_and_the_rows_say_so():
+    from test_floor import FakeFloorDevice, FakeReader, cost_by_grid
+
+    from persistentkv.measure.harness import Settings, one_kernel_floor
+    from persistentkv.measure.rows import case_fields
+
+    (fp16,) = [c for c in runner.bench_cases(CONFIG, None, ["pkv-workqueue"], quick=True) if c.trace == "B1xN131072"]
+    (fp8,) = [c for c in runner.bench_cases(CONFIG, None, ["pkv-workqueue"], quick=True, kv_dtype=FP8_KV)
+              if c.trace == "B1xN131072"]
+    settings = Settings(protocols=("kernel",))
+    floors = {c.spec.cache_dtype: one_kernel_floor(c, FakeFloorDevice(cost_by_grid), settings, reader=FakeReader)
+              for c in (fp16, fp8)}
+    assert floors[FP8_KV].nbytes == fp8.batch.kv_bytes == 131072 * 2 * 8 * 128 * 1      # 268 MB of codes
+    assert floors["float16"].nbytes == 2 * floors[FP8_KV].nbytes
+    fields = case_fields(fp8)
+    assert (fields["dtype"], fields["kv_dtype"], fields["kv_bytes"]) == ("float16", FP8_KV, fp8.batch.kv_bytes)
+
+
 def test_the_shapes_grid_on_fp8_caches_keeps_its_cells():
     fp16, skipped16 = shapes_cases(CONFIG, ["pkv-workqueue"], quick=True)
     fp8, skipped8 = shapes_cases(CONFIG, ["pkv-workqueue"], quick=True, kv_dtype=FP8_KV)

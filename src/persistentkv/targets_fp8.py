@@ -131,12 +131,12 @@ def _source_cells(sources: dict):
 
 def _speedups(sources: dict) -> list[dict]:
     entries = []
-    for grid, cell, nbytes in _source_cells(sources):
+    for stem, cell, nbytes in _source_cells(sources):
         r = analysis.ratio(cell, ENGINE_BACKEND, FP8_REFERENCE)
         if r is None:
             continue
         lo, hi = analysis.interval(r["boot"])
-        entries.append({**_case(grid, cell, nbytes), "ratio": float(r["ratio"]), "lo": lo, "hi": hi,
+        entries.append({**_case(stem, cell, nbytes), "ratio": float(r["ratio"]), "lo": lo, "hi": hi,
                         "baseline": str(r["ref_backend"]), "holds": bool(lo >= FP8_MIN_SPEEDUP)})
     entries.sort(key=lambda e: (e["source"], e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
     return entries
@@ -165,13 +165,13 @@ def _named(speedups: list[dict]) -> dict:
 
 def _floor(sources: dict) -> dict:
     cases = []
-    for grid, cell, nbytes in _source_cells(sources):
+    for stem, cell, nbytes in _source_cells(sources):
         target = floor_band(nbytes, FP8_FLOOR_BANDS)
         r = analysis.ratio(cell, ENGINE_BACKEND, FLOOR_BACKEND) if target is not None else None
         if r is None:
             continue
         lo, hi = analysis.interval(r["boot"])
-        cases.append({**_case(grid, cell, nbytes), "frac": float(r["ratio"]), "lo": lo, "hi": hi, "target": target,
+        cases.append({**_case(stem, cell, nbytes), "frac": float(r["ratio"]), "lo": lo, "hi": hi, "target": target,
                       "ours_us": cell.time(ENGINE_BACKEND)[0], "floor_us": cell.time(FLOOR_BACKEND)[0],
                       "holds": bool(r["ratio"] >= target), "interval_clears": bool(lo >= target)})
     cases.sort(key=lambda e: (e["source"], e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))

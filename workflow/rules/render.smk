@@ -36,8 +36,8 @@ RENDER_TARGETS = expand("results/{hw}/report.html", hw=RENDER_HWS)
 #: has it (src/ layout): a change to it re-renders (Snakemake's own code trigger covers run: and
 #: script: blocks, not shell commands).
 RENDER_CODE = sorted(
-    p for pattern in ("render/*.py", "render/templates/*", "claims.py", "targets.py", "analysis.py", "results.py",
-                    "names.py")
+    p for pattern in ("render/*.py", "render/templates/*", "claims.py", "targets.py", "targets_fp8.py", "analysis.py",
+                    "results.py", "names.py")
     for p in glob.glob(f"src/persistentkv/{pattern}")
 )
 

@@ -290,5 +290,6 @@ def fp8_context(entry: dict | None, results: Results) -> dict:
     for stem, grid in sorted(results.kv_grids.items()):
         bad = grid[grid["status"] != "ok"] if "status" in grid else grid.iloc[:0]
         for (backend, reason), _ in bad.groupby(["backend", bad["reason"].fillna("")], sort=True):
-            unavailable.append({"file": stem, "backend": backend, "reason": reader_text(reason) or "(no reason recorded)"})
+            unavailable.append({"file": stem, "backend": backend,
+                                "reason": reader_text(reason) or "(no reason recorded)"})
     return {"fp8": entry, "fp8_figure": uri, "fp8_unavailable": unavailable}
