@@ -77,9 +77,12 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     # every GPU job asks for a GPU (Snakemake's gpu resource) and takes one of the target's kind
     passes = counts["measure_e2e_pass"]
     assert passes == e2e_passes(repo) and passes >= 2
-    # + bench, shapes, validate, and each of the full decode step's passes
-    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3 + passes
-    assert out.count("gpu=1") == counts["measure"] + 3 + passes
+    # + bench, shapes, validate, the two grids on each measure.kv_dtypes cache, and each of the full
+    # decode step's passes
+    per_cache = 2 * len(CONFIG["measure"].get("kv_dtypes", []))
+    assert counts.get("bench_kernels_fp8", 0) + counts.get("bench_shapes_fp8", 0) == per_cache
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3 + per_cache + passes
+    assert out.count("gpu=1") == counts["measure"] + 3 + per_cache + passes
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 

@@ -17,11 +17,12 @@ other, never in a circle. tests/test_layers.py holds every import to this table.
     10  measure                           -- the timing harness: cases, protocols, rows, runs, step rounds
     11  model                             -- the Llama decode loop over any backend
     12  targets                           -- the engine's own targets, judged from rows
-    13  claims                            -- the paper's claims, judged from rows
-    14  render                            -- figures, LaTeX tables and macros, the HTML report
-    15  commands                          -- one module per CLI command
-    16  cli                               -- the entry point
-    17  __main__                          -- python -m persistentkv
+    13  targets_fp8                       -- the FP8 cache's targets, judged from the FP8 grids' rows
+    14  claims                            -- the paper's claims, judged from rows
+    15  render                            -- figures, LaTeX tables and macros, the HTML report
+    16  commands                          -- one module per CLI command
+    17  cli                               -- the entry point
+    18  __main__                          -- python -m persistentkv
 """
 
 from .errors import PKVError

@@ -75,3 +75,19 @@ def synthetic_name(lengths) -> str:
 #: The shapes experiment (persistentkv bench-shapes; results/<hw>/bench_shapes.parquet): the grid
 #: is config measure.bench_shapes; its rows' experiment is this name.
 SHAPES_EXPERIMENT = "bench_shapes"
+
+#: The quantised KV-cache format: FP8 e4m3 (persistentkv.spec reads it as AttentionSpec.kv_dtype).
+FP8_KV = "float8_e4m3"
+#: Cache dtypes the kernel grids (bench-kernels, bench-shapes --kv-dtype; config measure.kv_dtypes)
+#: measure besides the spec's own, and the suffix of their files: results/<hw>/bench_kernels_fp8.parquet.
+KV_GRID_SUFFIX = {FP8_KV: "fp8"}
+#: The kernel grids that are measured per cache dtype (results/<hw>/<grid>_<suffix>.parquet).
+KV_GRIDS = ("bench_kernels", SHAPES_EXPERIMENT)
+
+
+def kv_grid_name(grid: str, kv_dtype: str) -> str:
+    """The file stem of ``grid`` (one of KV_GRIDS) measured on a ``kv_dtype`` cache:
+    ``bench_kernels_fp8`` for float8_e4m3."""
+    if grid not in KV_GRIDS or kv_dtype not in KV_GRID_SUFFIX:
+        raise ValueError(f"no {kv_dtype!r} file of {grid!r}: grids {KV_GRIDS}, cache dtypes {tuple(KV_GRID_SUFFIX)}")
+    return f"{grid}_{KV_GRID_SUFFIX[kv_dtype]}"

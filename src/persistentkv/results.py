@@ -20,7 +20,7 @@ import pandas as pd
 
 from . import analysis
 from .errors import PKVError, require
-from .names import CEILING_BACKENDS, EXPERIMENTS, SHAPES_EXPERIMENT
+from .names import CEILING_BACKENDS, EXPERIMENTS, KV_GRID_SUFFIX, KV_GRIDS, SHAPES_EXPERIMENT, kv_grid_name
 
 
 @dataclass
@@ -58,6 +58,14 @@ class Results:
     #: results/{hw}/bench_shapes.parquet (the shapes experiment: kernel rows and the one-kernel
     #: floor's, plus ceiling rows); kept apart from :attr:`timing`, read by targets.floor_verdicts
     shapes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: results/{hw}/<grid>_<suffix>.parquet by file stem (names.kv_grid_name: bench_kernels_fp8,
+    #: bench_shapes_fp8): the kernel grids on a cache of another dtype, where present; never in
+    #: :attr:`timing` nor in :attr:`missing` (targets_fp8 reads them and says when they are absent)
+    kv_grids: dict = field(default_factory=dict)
+
+    def kv_grid(self, grid: str, kv_dtype: str) -> pd.DataFrame:
+        """The rows of ``grid`` (names.KV_GRIDS) measured on a ``kv_dtype`` cache; empty when absent."""
+        return self.kv_grids.get(kv_grid_name(grid, kv_dtype), pd.DataFrame())
 
     @property
     def timing(self) -> pd.DataFrame:
@@ -130,8 +138,9 @@ def sidecar_paths(results_dir: str | Path) -> list[Path]:
     results_dir = Path(results_dir)
     raw_dir = results_dir / "raw"
     paths = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
-    paths += [results_dir / name for name in ("bench_kernels.json", "validation_gpu.json", f"{SHAPES_EXPERIMENT}.json")
-              if (results_dir / name).is_file()]
+    names = ["bench_kernels.json", "validation_gpu.json", f"{SHAPES_EXPERIMENT}.json"]
+    names += [f"{kv_grid_name(grid, kv)}.json" for grid in KV_GRIDS for kv in KV_GRID_SUFFIX]
+    paths += [results_dir / name for name in names if (results_dir / name).is_file()]
     return paths + finished(sorted((results_dir / "e2e").glob("*.json")))
 
 
@@ -145,6 +154,21 @@ def _read_parquet(path: Path) -> pd.DataFrame:
         return pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for a corrupt or foreign file
         raise PKVError(f"cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def with_kv_dtype(frame: pd.DataFrame) -> pd.DataFrame:
+    """Timing rows with a ``kv_dtype`` column (docs/DATA.md): files written before it existed lack
+    it, and their caches were of the query's dtype, so it is filled with each row's ``dtype``, after
+    that column. A frame that has it, or has no ``dtype``, comes back as it is."""
+    if "kv_dtype" in frame.columns or "dtype" not in frame.columns:
+        return frame
+    frame = frame.copy()
+    frame.insert(frame.columns.get_loc("dtype") + 1, "kv_dtype", frame["dtype"])
+    return frame
+
+
+def _read_timing(path: Path) -> pd.DataFrame:
+    return with_kv_dtype(_read_parquet(path))
 
 
 def _read_json(path: Path):
@@ -168,7 +192,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     for exp in EXPERIMENTS:
         path = raw_dir / f"{exp}.parquet"
         if path.is_file():
-            raw_parts.append(_read_parquet(path))
+            raw_parts.append(_read_timing(path))
             found[f"raw/{exp}"] = str(path)
         else:
             missing.append(f"raw/{exp}")
@@ -176,19 +200,25 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     if raw_dir.is_dir():
         for path in finished(sorted(raw_dir.glob("*.parquet"))):
             if path.stem not in EXPERIMENTS:
-                raw_parts.append(_read_parquet(path))
+                raw_parts.append(_read_timing(path))
                 found[f"raw/{path.stem}"] = str(path)
     raw = pd.concat(raw_parts, ignore_index=True) if raw_parts else pd.DataFrame()
 
-    def optional_parquet(name: str, path: Path) -> pd.DataFrame:
+    def optional_parquet(name: str, path: Path, read=_read_parquet) -> pd.DataFrame:
         if path.is_file():
             found[name] = str(path)
-            return _read_parquet(path)
+            return read(path)
         missing.append(name)
         return pd.DataFrame()
 
-    bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet")
-    shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet")
+    bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet", _read_timing)
+    shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet", _read_timing)
+    kv_grids = {}
+    for stem in (kv_grid_name(grid, kv) for grid in KV_GRIDS for kv in KV_GRID_SUFFIX):
+        path = results_dir / f"{stem}.parquet"
+        if path.is_file():
+            kv_grids[stem] = _read_timing(path)
+            found[stem] = str(path)
     old_e2e = results_dir / "e2e.parquet"   # the layout before measure-e2e ran as passes: never dropped silently
     require(not old_e2e.is_file(),
             f"{old_e2e} is a full decode step run in the layout before passes; move it to "
@@ -217,7 +247,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
         records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
         if path == prov_path:  # the merge may be older than the sidecars: a run nothing else holds is gone
-            live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu)
+            live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu, *kv_grids.values())
             stale = sorted(set(records) - live)
             if stale:
                 warnings.warn(f"{prov_path} names runs whose rows and sidecars are gone ({', '.join(stale)}); "
@@ -246,4 +276,4 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    policy=policy, kernels=kernels,
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
                    calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
-                   shapes=shapes, e2e=e2e)
+                   shapes=shapes, e2e=e2e, kv_grids=kv_grids)

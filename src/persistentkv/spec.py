@@ -8,16 +8,16 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .errors import PKVError, require
+from .names import FP8_KV
 
 HEAD_DIMS = (64, 128, 256)
 MAX_PAGE_SIZE = 256
 #: dtype name -> bytes per element. float16/bfloat16 are the serving dtypes; float32/float64
 #: exist for the NumPy executor (exactness tests).
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-#: The quantised KV-cache format: FP8 e4m3 (torch.float8_e4m3fn; NumPy holds its codes as uint8),
-#: dequantised as code value x scale (per tensor or per KV head). Queries and outputs stay in
-#: ``dtype``.
-FP8_KV = "float8_e4m3"
+#: FP8_KV (persistentkv.names), the quantised KV-cache format: FP8 e4m3 (torch.float8_e4m3fn; NumPy
+#: holds its codes as uint8), dequantised as code value x scale (per tensor or per KV head). Queries
+#: and outputs stay in ``dtype``.
 #: kv_dtype name -> bytes per element of K and V.
 KV_DTYPE_BYTES = {**DTYPE_BYTES, FP8_KV: 1}
 LAYOUTS = ("NHD",)

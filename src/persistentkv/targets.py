@@ -316,9 +316,10 @@ SHAPES_SMALL_BYTES = 64 * MiB
 HOLDS, FAILS, NOT_MEASURED = "holds", "does not hold", "not measured"
 
 
-def floor_band(kv_bytes: int) -> float | None:
-    """The FLOOR_BANDS target of a step of ``kv_bytes`` (None: no target at that size)."""
-    for lo, hi, target in FLOOR_BANDS:
+def floor_band(kv_bytes: int, bands=FLOOR_BANDS) -> float | None:
+    """The target of ``bands`` ((lo, hi, target), default FLOOR_BANDS) for a step of ``kv_bytes``
+    (None: no target at that size)."""
+    for lo, hi, target in bands:
         if kv_bytes >= lo and (hi is None or kv_bytes < hi):
             return target
     return None
@@ -328,12 +329,13 @@ def _verdict(entries: list[dict], key: str = "holds") -> str:
     return NOT_MEASURED if not entries else HOLDS if all(e[key] for e in entries) else FAILS
 
 
-def _kernel_cells(frame: pd.DataFrame) -> tuple[list, dict]:
-    """(cells, {cell key tuple: kv_bytes}) of a file's kernel rows, the floor's included."""
+def _kernel_cells(frame: pd.DataFrame, seed: int = analysis.BOOT_SEED) -> tuple[list, dict]:
+    """(cells, {id(cell): kv_bytes}) of a file's kernel rows, the floor's included, bootstrapped
+    with ``seed``."""
     if frame.empty or not {"protocol", "backend", "kv_bytes"} <= set(frame.columns):
         return [], {}
     rows = frame[(frame["protocol"] == "kernel") & (frame.get("status", "ok") == "ok") & frame["kv_bytes"].notna()]
-    cells = analysis.bootstrap_cells(rows) if not rows.empty else []
+    cells = analysis.bootstrap_cells(rows, seed=seed) if not rows.empty else []
     cols = [c for c in analysis.CELL if c in rows.columns]
     sizes = {(k if isinstance(k, tuple) else (k,)): int(v)
              for k, v in rows.groupby(cols, dropna=False)["kv_bytes"].max().items()} if not rows.empty else {}

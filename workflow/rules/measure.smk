@@ -6,7 +6,7 @@ import os
 # hardware.gpu_job_threads CPUs; job(..., gpu=HW) gives it a GPU of that name and CPUs that no
 # other job uses.
 
-from persistentkv.names import EXPERIMENTS
+from persistentkv.names import EXPERIMENTS, kv_grid_name
 
 RESULTS = f"results/{HW}"
 POLICY = f"{RESULTS}/policy.json"
@@ -108,6 +108,46 @@ rule bench_shapes:
             "persistentkv bench-shapes --config {params.config} --out {output.table} > {log} 2>&1",
             gpu=HW,
         )
+
+
+# The two kernel grids again on each cache dtype of config measure.kv_dtypes (rules bench_kernels_fp8
+# and bench_shapes_fp8 for float8_e4m3): the same cases, every row's kv_dtype naming the cache.
+KV_GRID_COMMANDS = {"bench_kernels": "bench-kernels", "bench_shapes": "bench-shapes"}
+for _kv_dtype in config["measure"].get("kv_dtypes", []):
+    for _grid, _command in KV_GRID_COMMANDS.items():
+        _stem = kv_grid_name(_grid, _kv_dtype)
+        SIDECARS += [f"{RESULTS}/{_stem}.json"]
+        MEASURE_TARGETS += [f"{RESULTS}/{_stem}.parquet"]
+
+        rule:
+            name:
+                _stem
+            input:
+                kernels=rules.kernels.output,
+            output:
+                table=f"{RESULTS}/{_stem}.parquet",
+                provenance=f"{RESULTS}/{_stem}.json",
+            log:
+                f"logs/measure/{HW}/{_stem}.log",
+            params:
+                config=CONFIG_FILE,
+                spec=config["spec"],
+                measure=config["measure"],
+                # params, not the shell string: Snakemake evaluates a rule's shell when its job runs,
+                # when the loop's variables hold their last values
+                command=_command,
+                kv_dtype=_kv_dtype,
+            threads: GPU_JOB_THREADS
+            resources:
+                gpu=1,
+            conda:
+                CONDA_ENV
+            shell:
+                job(
+                    "persistentkv {params.command} --config {params.config} --kv-dtype {params.kv_dtype}"
+                    " --out {output.table} > {log} 2>&1",
+                    gpu=HW,
+                )
 
 
 rule measure:

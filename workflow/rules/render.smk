@@ -21,6 +21,7 @@ RENDER_COUNTERS = [
 RENDER_MEASURED = ["raw/*.parquet", "raw/*.json", "bench_kernels.parquet", "validation_gpu.parquet",
                    "provenance.json", "policy.json", "kernels.json"]
 RENDER_MEASURED += ["bench_shapes.parquet"]  # the shapes experiment (measure.smk, rule bench_shapes)
+RENDER_MEASURED += ["bench_kernels_*.parquet", "bench_shapes_*.parquet"]  # the grids per cache dtype (measure.kv_dtypes)
 RENDER_MEASURED += ["e2e/*.parquet", "e2e/*.json"]  # the full decode step's passes (rule measure_e2e_pass)
 #: Files the GPU rules of this run will write (measure.smk, included only when measuring).
 RENDER_MEASURING = [str(t) for t in globals().get("MEASURE_TARGETS", [])]
@@ -35,8 +36,8 @@ RENDER_TARGETS = expand("results/{hw}/report.html", hw=RENDER_HWS)
 #: has it (src/ layout): a change to it re-renders (Snakemake's own code trigger covers run: and
 #: script: blocks, not shell commands).
 RENDER_CODE = sorted(
-    p for pattern in ("render/*.py", "render/templates/*", "claims.py", "targets.py", "analysis.py", "results.py",
-                    "names.py")
+    p for pattern in ("render/*.py", "render/templates/*", "claims.py", "targets.py", "targets_fp8.py", "analysis.py",
+                    "results.py", "names.py")
     for p in glob.glob(f"src/persistentkv/{pattern}")
 )
 

@@ -16,10 +16,12 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from .. import claims  # pandas and the bootstrap: loaded when the claims are judged
     from ..targets import floor_verdicts
+    from ..targets_fp8 import fp8_verdicts
 
     results = load(args)
     payload = claims.judge(results)
     payload["floor"] = floor_verdicts(results)  # the one-kernel floor and the shapes grid (targets.py)
+    payload["fp8"] = fp8_verdicts(results)      # the FP8 cache's grids (targets_fp8.py)
     atomic_write_json(args.out, payload)
     c = payload["counts"]
     print(f"{results.hw}: {len(payload['claims'])} claims: " + ", ".join(f"{v} {n}" for v, n in c.items())

@@ -15,7 +15,11 @@ import argparse
 from ..backends import registry
 from ..errors import require
 from ..measure.device import require_cuda
-from ..names import EXPERIMENTS
+from ..names import EXPERIMENTS, KV_GRID_SUFFIX
+
+#: --kv-dtype's values: ``auto``, the cache of the config spec's own dtype, or a cache dtype whose
+#: grid has files of its own (names.KV_GRID_SUFFIX).
+KV_DTYPE_CHOICES = ("auto", *KV_GRID_SUFFIX)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +41,20 @@ def parse_backends(text: str | None) -> list[str] | None:
     unknown = [n for n in names if n not in registry.names()]
     require(not unknown, f"unknown backend(s) {', '.join(unknown)} in --backends; expected among {', '.join(registry.names())}")
     return names
+
+
+def add_kv_dtype(parser: argparse.ArgumentParser, out_example: str) -> None:
+    """The kernel grids' --kv-dtype (checked by :func:`parse_kv_dtype`, which says what is wrong in
+    one line, where argparse's choices would print its usage too)."""
+    parser.add_argument("--kv-dtype", default="auto", metavar="{" + ",".join(KV_DTYPE_CHOICES) + "}",
+                        help=f"the KV cache's dtype: auto (the config spec's dtype) or float8_e4m3 (e4m3 codes with "
+                             f"per-tensor scales; every row's kv_dtype says which; write it to {out_example})")
+
+
+def parse_kv_dtype(text: str) -> str | None:
+    """--kv-dtype as AttentionSpec.kv_dtype: None for ``auto`` (the spec's own dtype)."""
+    require(text in KV_DTYPE_CHOICES, f"--kv-dtype {text!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
+    return None if text == "auto" else text
 
 
 def run(args: argparse.Namespace) -> int:

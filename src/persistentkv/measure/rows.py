@@ -31,6 +31,7 @@ RAW_COLUMNS: dict[str, str] = {
     "head_dim": "int64",
     "page_size": "int64",
     "dtype": "string",
+    "kv_dtype": "string",
     "hole_fraction": "float64",
     "backend": "string",
     "route": "string",
@@ -115,6 +116,8 @@ def raw_row(**fields) -> dict:
     row = {name: (math.nan if name in _NAN_DEFAULTS else None) for name in RAW_COLUMNS}
     row.update(layers=1, num_splits=-1, repeat=-1, host_cpu=-1, reason="", status="ok")
     row.update(fields)
+    if row["kv_dtype"] is None:  # K and V in the query's dtype (AttentionSpec.cache_dtype)
+        row["kv_dtype"] = row["dtype"]
     require(row["status"] in STATUSES, f"status must be one of {STATUSES}, got {row['status']!r}")
     require(row["status"] == "ok" or row["reason"], "a row that is not ok needs a reason")
     return row
@@ -126,7 +129,7 @@ def case_fields(case) -> dict:
     return dict(experiment=case.experiment, trace=case.trace, seed=int(case.seed), step=int(case.step),
                 batch_size=b.batch_size, max_len=b.max_len, total_tokens=b.total_tokens, kv_bytes=b.kv_bytes,
                 num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                page_size=s.page_size, dtype=s.dtype, hole_fraction=float(case.hole_fraction))
+                page_size=s.page_size, dtype=s.dtype, kv_dtype=s.cache_dtype, hole_fraction=float(case.hole_fraction))
 
 
 def ceiling_rows(samples: list, failures: dict[str, str], run_id: str, experiment: str,

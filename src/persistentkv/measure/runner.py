@@ -30,8 +30,8 @@ from .rows import ceiling_rows, one_line, raw_frame, validation_frame
 from .smoke import run_smoke
 from .statistics import frac_of_ceiling, kernel_table
 from .validation import failing, validate_case
-from .workload import (Variant, bench_grid, default_splits, experiment_cases, load_trace, seeds_of, shapes_cases,
-                       synthetic_case, trace_cases, variant_for, variants)
+from .workload import (Variant, bench_grid, default_splits, experiment_cases, load_trace, on_cache, seeds_of,
+                       shapes_cases, synthetic_case, trace_cases, variant_for, variants)
 
 
 def log(message: str) -> None:
@@ -200,8 +200,10 @@ def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str,
     return 0
 
 
-def bench_cases(config: dict, policy: str | None, backends: list[str] | None, quick: bool):
-    spec = configuration.spec(config)
+def bench_cases(config: dict, policy: str | None, backends: list[str] | None, quick: bool,
+                kv_dtype: str | None = None):
+    """bench-kernels' cases (names.BENCH_*), on caches of ``kv_dtype`` (None: the spec's dtype)."""
+    spec = on_cache(configuration.spec(config), kv_dtype)
     names = list(backends) if backends else list(config["measure"]["backends"])
     vs = variants(names, config, default_splits(config), policy)
     grid = bench_grid()
@@ -210,9 +212,10 @@ def bench_cases(config: dict, policy: str | None, backends: list[str] | None, qu
     return [synthetic_case("bench_kernels", name, lengths, spec, vs) for name, lengths in grid]
 
 
-def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool) -> int:
+def run_bench(config_path: str, out: str, policy: str | None, backends: list[str] | None, quick: bool,
+              kv_dtype: str | None = None) -> int:
     config = configuration.load_config(config_path)
-    return _run_kernel_grid(config, out, bench_cases(config, policy, backends, quick), "bench_kernels",
+    return _run_kernel_grid(config, out, bench_cases(config, policy, backends, quick, kv_dtype), "bench_kernels",
                             ("kernel", "eager"), quick, ("trace",))
 
 
@@ -226,8 +229,9 @@ def _run_kernel_grid(config: dict, out: str, cases, experiment: str, protocols: 
     run_id = new_run_id(experiment, started)
     settings = Settings.from_config(config, protocols=protocols, quick=quick,
                                     seed=int(config["seeds"]["calibration"]), bench=True)
-    log(f"{experiment}: {len(cases)} cases, {' and '.join(protocols)} rows, {settings.repeats} repeats after "
-        f"{settings.warmup} warm-up rounds, the one-kernel floor in every round")
+    caches = sorted({c.spec.cache_dtype for c in cases})
+    log(f"{experiment}: {len(cases)} cases on {'/'.join(caches)} caches, {' and '.join(protocols)} rows, "
+        f"{settings.repeats} repeats after {settings.warmup} warm-up rounds, the one-kernel floor in every round")
     partial = PartialRows(out, run_id, lambda: collect(config, [0], started, device), len(cases), raw_frame)
     rows = _bracketed(device, run_id, experiment, quick,
                       lambda ceiling: run_cases(cases, device, BackendFactory(), settings,
@@ -252,11 +256,13 @@ def _print_table(frame, index=("trace",)) -> None:
             print(table.to_string())
 
 
-def run_shapes(config_path: str, out: str, backends: list[str] | None, quick: bool) -> int:
+def run_shapes(config_path: str, out: str, backends: list[str] | None, quick: bool,
+               kv_dtype: str | None = None) -> int:
     """The shapes experiment (config measure.bench_shapes): kernel rows of every backend and the
-    one-kernel floor per case, between the two ceiling measurements."""
+    one-kernel floor per case, between the two ceiling measurements; on caches of ``kv_dtype``
+    (None: the spec's dtype; workload.shapes_cases)."""
     config = configuration.load_config(config_path)
-    cases, skipped = shapes_cases(config, backends, quick)
+    cases, skipped = shapes_cases(config, backends, quick, kv_dtype)
     for why in skipped:
         log(f"bench_shapes: skipped {why}")
     return _run_kernel_grid(config, out, cases, SHAPES_EXPERIMENT, ("kernel",), quick,

@@ -78,6 +78,12 @@ class Case:
         return f"{self.trace} s{self.seed} step {self.step}"
 
 
+def on_cache(spec: AttentionSpec, kv_dtype: str | None) -> AttentionSpec:
+    """``spec`` with K and V of ``kv_dtype`` (None: as it is, the cache of its own dtype); a dtype
+    the spec does not take is refused in one line (AttentionSpec)."""
+    return spec if kv_dtype is None else replace(spec, kv_dtype=kv_dtype)
+
+
 # -- variants -----------------------------------------------------------------------------------
 def variant_for(name: str, config: dict, splits: int | None = None, policy_path: str | None = None) -> Variant:
     """A backend with the constructor options the config gives it.
@@ -284,8 +290,12 @@ def shapes_backends(config: dict, requested: list[str] | None = None) -> list[st
     return names if requested else [n for n in names if n in PKV_BACKENDS or n in BASELINES]
 
 
-def shapes_cases(config: dict, backends: list[str] | None = None, quick: bool = False) -> tuple[list[Case], list[str]]:
-    """(cases, skipped) of the shapes experiment, each with every backend of :func:`shapes_backends`."""
+def shapes_cases(config: dict, backends: list[str] | None = None, quick: bool = False,
+                 kv_dtype: str | None = None) -> tuple[list[Case], list[str]]:
+    """(cases, skipped) of the shapes experiment, each with every backend of :func:`shapes_backends`.
+    ``kv_dtype``: the cells of the spec's own grid (its rows and tokens, sized by its dtype) on caches
+    of that dtype (:func:`on_cache`), so each case pairs with its twin of the same shape and tokens."""
     vs = variants(shapes_backends(config, backends), config, default_splits(config), None)
     grid, skipped = shapes_grid(config, quick)
-    return [synthetic_case(SHAPES_EXPERIMENT, name, lengths, spec, vs) for spec, name, lengths in grid], skipped
+    return [synthetic_case(SHAPES_EXPERIMENT, name, lengths, on_cache(spec, kv_dtype), vs)
+            for spec, name, lengths in grid], skipped

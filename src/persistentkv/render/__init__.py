@@ -11,4 +11,4 @@ FIGURE_NAMES = ("trace_ratios", "read_ceiling", "fanout_merge", "split_sensitivi
 #: Formats a figure is written in (the suffix names it).
 FIGURE_FORMATS = ("svg", "pdf", "png")
 #: LaTeX tables written by ``persistentkv tables`` as ``tables/<name>.tex`` (beside macros.tex).
-TABLE_NAMES = ("claims", "published_rows", "ablation", "provenance", "e2e")
+TABLE_NAMES = ("claims", "published_rows", "ablation", "provenance", "e2e", "fp8")

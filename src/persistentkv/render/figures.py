@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from .. import analysis, claims, targets
 from ..errors import PKVError, require
 from ..io import atomic_path
-from ..names import BASELINES, EQUAL_ROWS, FLASHINFER, FLOOR_BACKEND
+from ..names import BASELINES, EQUAL_ROWS, FLASHINFER, FLOOR_BACKEND, FP8_KV
 from ..results import Results
 from . import FIGURE_FORMATS
 from . import FIGURE_NAMES as _NAMES
@@ -971,6 +971,19 @@ def render_all(results: Results, out_dir: str | Path, fmt: str = "svg", only=Non
 # ---------------------------------------------------------------------------------------------
 # 10. The shapes experiment: time against bytes per shape, the fastest baseline, the one-kernel floor
 
+def _medians_by_case(ok: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per ``keys`` group of ok kernel rows, the median time (us) of targets.ENGINE_BACKEND
+    (``ours``), of the fastest baseline there (``baseline``, by median; which one in
+    ``baseline_name``) and of the one-kernel floor (``floor``), NaN where absent; ``keys`` as columns."""
+    med = ok.groupby(keys + ["backend"])["time_us"].median().unstack("backend")
+    base = [b for b in BASELINES if b in med.columns]
+    return pd.DataFrame({
+        "ours": med[targets.ENGINE_BACKEND] if targets.ENGINE_BACKEND in med else np.nan,
+        "baseline": med[base].min(axis=1) if base else np.nan,
+        "baseline_name": med[base].idxmin(axis=1, skipna=True) if base and med[base].notna().any().any() else "",
+        "floor": med[FLOOR_BACKEND] if FLOOR_BACKEND in med else np.nan}).reset_index()
+
+
 def data_shapes(results: Results) -> pd.DataFrame:
     """bench_shapes' kernel rows: per case (Hkv, G, B, kv_bytes) the median time (us) of
     targets.ENGINE_BACKEND (``ours``), of the fastest baseline there (``baseline``, by median; which one
@@ -982,14 +995,7 @@ def data_shapes(results: Results) -> pd.DataFrame:
     ok = shapes[(shapes["protocol"] == "kernel") & (shapes["status"] == "ok")]
     if ok.empty:
         return pd.DataFrame(columns=columns)
-    keys = ["num_kv_heads", "num_qo_heads", "batch_size", "kv_bytes"]
-    med = ok.groupby(keys + ["backend"])["time_us"].median().unstack("backend")
-    base = [b for b in BASELINES if b in med.columns]
-    out = pd.DataFrame({
-        "ours": med[targets.ENGINE_BACKEND] if targets.ENGINE_BACKEND in med else np.nan,
-        "baseline": med[base].min(axis=1) if base else np.nan,
-        "baseline_name": med[base].idxmin(axis=1, skipna=True) if base and med[base].notna().any().any() else "",
-        "floor": med[FLOOR_BACKEND] if FLOOR_BACKEND in med else np.nan}).reset_index()
+    out = _medians_by_case(ok, ["num_kv_heads", "num_qo_heads", "batch_size", "kv_bytes"])
     out["group_size"] = out["num_qo_heads"] // out["num_kv_heads"]
     return out[columns].sort_values(["batch_size", "num_kv_heads", "group_size", "kv_bytes"]).reset_index(drop=True)
 
@@ -1078,3 +1084,58 @@ def fig_shapes_floor(frame: pd.DataFrame, hw: str) -> Figure:
         return [(Line2D([], [], color="black", lw=1.4), "target for the sizes it spans")]
 
     return _shape_panels(frame, title, "floor time / ours", draw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. The FP8 cache: bench_kernels on e4m3 caches beside the fp16 grid (targets_fp8)
+
+#: The two caches of the FP8 figure, in legend order, with their colours.
+KV_DTYPE_COLORS = {"float16": _PALETTE[0], "float8_e4m3": _PALETTE[3]}
+
+
+def data_fp8(results: Results) -> pd.DataFrame:
+    """bench_kernels' kernel rows on the fp16 cache (bench_kernels.parquet) and on the FP8 one
+    (bench_kernels_fp8.parquet), per (kv_dtype, trace): kv_bytes (the cache's own bytes) and the
+    median time (us) of targets.ENGINE_BACKEND (``ours``), of the fastest baseline there
+    (``baseline``, by median) and of the one-kernel floor (``floor``), NaN where absent. Empty
+    when there are no FP8 rows: the figure is drawn only from an FP8 run."""
+    columns = ["kv_dtype", "trace", "kv_bytes", "ours", "baseline", "baseline_name", "floor"]
+    fp8 = results.kv_grid("bench_kernels", FP8_KV)
+    parts = [f for f in (results.bench, fp8) if not f.empty and {"kv_dtype", "protocol", "status"} <= set(f.columns)]
+    rows = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+    ok = rows[(rows["protocol"] == "kernel") & (rows["status"] == "ok")] if not rows.empty else rows
+    if ok.empty or not (ok["kv_dtype"] == FP8_KV).any():
+        return pd.DataFrame(columns=columns)
+    out = _medians_by_case(ok, ["kv_dtype", "trace", "kv_bytes"])
+    return out[columns].sort_values(["kv_dtype", "kv_bytes", "trace"]).reset_index(drop=True)
+
+
+def fig_fp8(frame: pd.DataFrame, hw: str) -> Figure:
+    """Kernel time against the step's K/V bytes (the cache's own: an FP8 case reads half its fp16
+    twin's), one colour per cache dtype: ours as filled points, the fastest baseline as open
+    ones, each cache's one-kernel floor as a line (its median over the cases of one size)."""
+    title = f"{targets.ENGINE_BACKEND} on fp16 and FP8 e4m3 caches (bench_kernels)"
+    if frame.empty or not (frame["kv_dtype"] == FP8_KV).any():
+        return placeholder(title, not_measured(hw, "bench_kernels_fp8"))
+    with style():
+        fig = Figure(figsize=(WIDTH, 3.4), layout="constrained")
+        ax = fig.subplots()
+        for kv_dtype in sorted(frame["kv_dtype"].unique(), key=lambda d: (d != "float16", d)):
+            part = frame[frame["kv_dtype"] == kv_dtype]
+            c = KV_DTYPE_COLORS.get(kv_dtype, (0.4, 0.4, 0.4))
+            x = part["kv_bytes"].to_numpy(float) / 1e6
+            ax.scatter(x, part["ours"].to_numpy(float), s=16, color=c, label=f"{targets.ENGINE_BACKEND}, {kv_dtype}",
+                       zorder=3)
+            ax.scatter(x, part["baseline"].to_numpy(float), s=18, facecolors="none", edgecolors=[c],
+                       label=f"fastest baseline, {kv_dtype}", zorder=3)
+            fl = part.groupby("kv_bytes")["floor"].median().dropna()
+            if not fl.empty:
+                ax.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color=c, lw=1.2,
+                        ls="-" if kv_dtype == FP8_KV else "--", label=f"one-kernel floor, {kv_dtype}")
+        log_axis(ax, "x")
+        log_axis(ax, "y")
+        ax.set_xlabel("K/V bytes the step reads (MB, log scale)")
+        ax.set_ylabel("kernel time (us, log scale)")
+        ax.legend(loc="upper left", frameon=False, fontsize=7)
+        ax.set_title(title)
+    return fig

@@ -243,6 +243,7 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "e2e_tail": f"{100 * targets.E2E_TAIL:g}",
     }
     context.update(floor_context(payload.get("floor"), results))
+    context.update(fp8_context(payload.get("fp8"), results))
     html = environment().get_template("report.html.j2").render(**context)
     external = _EXTERNAL.search(html)
     require(external is None, f"report would load an external resource: {external.group(0) if external else ''}")
@@ -269,3 +270,26 @@ def floor_context(floor: dict | None, results: Results) -> dict:
                      "speedup_hi": s["hi"] if s else None, "baseline": s["baseline"] if s else "—"})
     return {"floor": floor, "floor_engine": [e for e in cases if e["source"] == "bench_kernels"],
             "shapes_rows": rows, "shapes_measured": not results.shapes.empty}
+
+
+def fp8_context(entry: dict | None, results: Results) -> dict:
+    """The report's FP8 section (templates/fp8.html.j2) from claims.json's ``fp8`` entry
+    (targets_fp8.fp8_verdicts): ``fp8``, the entry; ``fp8_figure``, figures.fig_fp8 as an SVG data
+    URI, drawn only when the FP8 grid has rows (None otherwise); ``fp8_unavailable``, the FP8 grids'
+    backends that did not run, with their reasons (they are not in :attr:`Results.timing`)."""
+    import tempfile
+
+    frame = figures.data_fp8(results)
+    uri = None
+    if not frame.empty:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "fp8.svg"
+            figures.save(figures.fig_fp8(frame, results.hw), path)
+            uri = svg_data_uri(path)
+    unavailable = []
+    for stem, grid in sorted(results.kv_grids.items()):
+        bad = grid[grid["status"] != "ok"] if "status" in grid else grid.iloc[:0]
+        for (backend, reason), _ in bad.groupby(["backend", bad["reason"].fillna("")], sort=True):
+            unavailable.append({"file": stem, "backend": backend,
+                                "reason": reader_text(reason) or "(no reason recorded)"})
+    return {"fp8": entry, "fp8_figure": uri, "fp8_unavailable": unavailable}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import claims, targets
+from .. import claims, targets, targets_fp8
 from ..errors import PKVError, require
 from ..io import atomic_write_text
 from ..results import Results
@@ -218,6 +218,7 @@ def macros(payload: dict, results: Results) -> list[tuple[str, str, str]]:
         add(f"pkvAdaptive{word}Sentence", tex(entry["sentence"]), "claims.adaptive_verdicts")
     m.extend(e2e_macros(payload))
     m.extend(floor_macros(payload))
+    m.extend(fp8_macros(payload))
     names = [n for n, _, _ in m]
     bad = [n for n in names if not _MACRO_NAME.match(n)]
     require(not bad, f"macro name {bad[0] if bad else ''!r} is not letters-only")
@@ -259,6 +260,25 @@ def e2e_macros(payload: dict) -> list[tuple[str, str, str]]:
          if e.get("complete") is False else "", "empty for a complete run"),
         ("pkvEtoeSentences", tex(" ".join(sentences)), "targets.e2e_verdicts"),
     ]
+
+
+def fp8_macros(payload: dict) -> list[tuple[str, str, str]]:
+    """The FP8 cache's rules and verdict (claims.json ``fp8``, targets_fp8.fp8_verdicts): the rules
+    in words, the summary and the sentences; without the entry, its rules from targets_fp8 and
+    "not measured"."""
+    e = payload.get("fp8") or {}
+    rules = e.get("rules") or targets_fp8.fp8_rules()
+    summary = e.get("summary") or f"{targets.NOT_MEASURED} on {payload['hw']}"
+    sentences = e.get("sentences") or [f"The FP8 grid: not measured on {payload['hw']}."]
+    return [("pkvFpEightFormat", tex(f"FP8 ({targets_fp8.FP8_KV})"), "names.FP8_KV"),
+            ("pkvFpEightRules", tex("; ".join(rules)), "targets_fp8.fp8_rules"),
+            ("pkvFpEightSummary", tex(summary), "targets_fp8.fp8_verdicts"),
+            ("pkvFpEightSentences", tex(" ".join(sentences)), "targets_fp8.fp8_verdicts")]
+
+
+def fp8_absent() -> dict:
+    """What the FP8 table reads from a claims payload without an ``fp8`` entry: not measured."""
+    return {"measured": False, "command": targets_fp8.FP8_COMMAND}
 
 
 def e2e_rows(payload: dict) -> list[dict]:
@@ -346,6 +366,7 @@ def render(payload: dict, results: Results, out_dir: str | Path) -> list[Path]:
                "rows": claims.published_rows(results), "ablation": ablation_rows(results),
                "provenance": provenance_rows(results), "NM": NM, "source": claims.SOURCE, "hash_chars": HASH_CHARS}
     context["e2e"], context["e2e_cells"] = payload.get("e2e") or {}, e2e_rows(payload)
+    context["fp8"] = payload.get("fp8") or fp8_absent()
     context["tail"] = f"{100 * targets.E2E_TAIL:g}"
     context["variants"] = variants(context["ablation"])
     context["shared"], context["varying"] = machine_columns(context["provenance"])

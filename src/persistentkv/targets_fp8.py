@@ -1,0 +1,236 @@
+"""The FP8 KV cache's targets, judged from the kernel grids on e4m3 caches: the ``fp8`` entry of claims.json.
+
+bench_kernels_fp8.parquet and bench_shapes_fp8.parquet (rules bench_kernels_fp8, bench_shapes_fp8:
+the two kernel grids with ``--kv-dtype float8_e4m3``) are judged on their kernel rows (CUDA-graph
+replay, cold L2), per cell the mean of the steps' medians with the 95 % bootstrap interval of
+persistentkv.analysis, as the engine's and the floor's targets are. Every rule and constant below
+was fixed before any FP8 grid was measured; a check without rows is "not measured", never guessed.
+
+Worked numbers (Hkv=8, D=128): a token is 4 KiB of fp16 K/V and 2 KiB of e4m3 codes, so B=1 x 128K
+reads 537 MB in fp16 and 268 MB in FP8, and a read-bound kernel should take about half the time
+(FP8_OVER_FP16 asks 1.8x where the fp16 step reads at least 537 MB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from . import analysis
+from .names import BASELINES, FLOOR_BACKEND, FP8_KV, SHAPES_EXPERIMENT, kv_grid_name
+from .results import Results
+from .targets import ENGINE_BACKEND, FAILS, HOLDS, NOT_MEASURED, MiB, _case, _kernel_cells, _verdict, floor_band
+
+#: The composite reference: per cell the fastest of BASELINES (FlashInfer CUDA-core and tensor-core,
+#: vLLM FA3, TensorRT-LLM XQA) that ran on the FP8 cache (ok kernel rows, whether or not validate-gpu
+#: covered it; FA3 and XQA quantise the query too and are compared all the same).
+FP8_REFERENCE = "baseline-best"
+#: In every cell of both FP8 grids the fastest baseline's time over ours: its whole 95 % interval
+#: at least this (the interval's lower end, not only the point).
+FP8_MIN_SPEEDUP = 1.0
+#: The FP8 grids' rows are resampled with this seed, not analysis.BOOT_SEED: the fp16 twin of a cell
+#: has the same cell key (kv_dtype is not in analysis.CELL), and the two runs are independent, so
+#: their replicates must not reuse one stream of draws.
+FP8_BOOT_SEED = analysis.BOOT_SEED + 1
+
+
+@dataclass(frozen=True)
+class SpeedupTarget:
+    """A named cell's speedup over the fastest FP8 baseline (point estimate at least ``target``)."""
+
+    label: str
+    grid: str                       # names.KV_GRIDS: the FP8 file it is read from
+    trace: str
+    target: float
+    heads: tuple[int, int] | None   # (Hkv, G) in bench_shapes; None: bench_kernels' one shape
+    note: str = ""
+
+
+FP8_SPEEDUPS = (
+    SpeedupTarget("B=1 x 128K", "bench_kernels", "B1xN131072", 1.35, None),
+    SpeedupTarget("B=8 bimodal", "bench_kernels", "B8-bimodal", 1.35, None),
+    SpeedupTarget("B=64 x 8K", "bench_kernels", "B64xN8192", 1.15, None),
+    SpeedupTarget("Hq=4/Hkv=1 B=1 x 32K", SHAPES_EXPERIMENT, "B1xN32768", 1.5, (1, 4),
+                  "bench_shapes_fp8's cell of one row of 32768 tokens at Hkv=1, G=4 (the fp16 grid's 16 MiB "
+                  "cell, 8 MiB of e4m3 codes): the grid holds that 32K cell exactly"),
+)
+#: Ours as a fraction of the FP8 one-kernel floor (the floor's time over ours; the floor reads the
+#: case's e4m3 bytes): at least ``target`` for steps of [lo, hi) FP8 bytes (hi None: no end).
+FP8_FLOOR_BANDS = ((64 * MiB, 256 * MiB, 0.80),   # from 67 MB
+                   (256 * MiB, None, 0.90))        # from 268 MB
+#: Our fp16 time (the committed bench_kernels.parquet, the same case) over our FP8 time: at least
+#: FP8_OVER_FP16 where the fp16 step reads at least FP8_OVER_FP16_BYTES (537 MB).
+FP8_OVER_FP16 = 1.8
+FP8_OVER_FP16_BYTES = 512 * MiB
+#: What measures the FP8 grids (the report and the paper name it when they are absent).
+FP8_COMMAND = "snakemake bench_kernels_fp8 --cores all"
+
+
+def fp8_rules() -> list[str]:
+    """The rules, in words, from the constants (claims.json, the report and the paper quote them)."""
+    named = "; ".join(f"{t.target:g}x at {t.label}" for t in FP8_SPEEDUPS)
+    bands = "; ".join(f"{target:g} from {lo / 1e6:.0f} MB" + (f" (under {hi / 1e6:.0f} MB)" if hi else "")
+                      for lo, hi, target in FP8_FLOOR_BANDS)
+    return [f"{ENGINE_BACKEND} against the fastest FP8 baseline ({', '.join(BASELINES)} on the {FP8_KV} cache): "
+            f"the speedup's 95 % interval at least {FP8_MIN_SPEEDUP:g} in every cell of bench_kernels_fp8 and "
+            f"bench_shapes_fp8",
+            f"the speedup over the fastest FP8 baseline at least {named}",
+            f"the FP8 one-kernel floor's time over ours at least {bands} of FP8 bytes",
+            f"our fp16 time (bench_kernels.parquet, the same case) over our FP8 time at least {FP8_OVER_FP16:g} "
+            f"where the fp16 step reads at least {FP8_OVER_FP16_BYTES / 1e6:.0f} MB"]
+
+
+def fp8_verdicts(results: Results) -> dict:
+    """ENGINE_BACKEND on an FP8 e4m3 cache (results.kv_grid(..., FP8_KV)) against the rules of this
+    module; every entry has ``verdict`` (holds, does not hold, not measured):
+
+    every_cell  per cell of both FP8 grids, the fastest FP8 baseline's time over ours (``ratio``,
+                ``lo``, ``hi``, ``baseline``): holds when ``lo`` >= FP8_MIN_SPEEDUP;
+    speedups    FP8_SPEEDUPS: per named cell the same ratio, holds when the point reaches its target
+                (``interval_clears`` when ``lo`` does too); a named cell without rows is listed as not
+                measured, and the check holds only when all are measured and hold;
+    floor       per case of at least FP8_FLOOR_BANDS' first bytes, the FP8 floor's time over ours;
+    fp16        per bench_kernels case whose fp16 twin reads at least FP8_OVER_FP16_BYTES, our fp16
+                time over our FP8 time (the two runs resampled independently).
+
+    ``verdict``: "not measured" when neither FP8 file is present, else "does not hold" when a check
+    does not hold, "holds" when all four hold, "not measured" otherwise; ``summary`` says it with
+    the hardware."""
+    frames = {grid: results.kv_grid(grid, FP8_KV) for grid in ("bench_kernels", SHAPES_EXPERIMENT)}
+    frames = {grid: f[f["kv_dtype"] == FP8_KV] if "kv_dtype" in f.columns else f.iloc[:0]
+              for grid, f in frames.items()}
+    sources = {kv_grid_name(grid, FP8_KV): _kernel_cells(f, FP8_BOOT_SEED) for grid, f in frames.items()}
+    out = {"backend": ENGINE_BACKEND, "kv_dtype": FP8_KV, "reference": FP8_REFERENCE, "baselines": list(BASELINES),
+           "files": {kv_grid_name(g, FP8_KV): not f.empty for g, f in frames.items()}, "command": FP8_COMMAND,
+           "rules": fp8_rules()}
+    out["measured"] = any(out["files"].values())
+    speedups = _speedups(sources)
+    out["every_cell"] = {"target": FP8_MIN_SPEEDUP, "verdict": _verdict(speedups), "cases": speedups,
+                         "below": [e["case"] for e in speedups if not e["holds"]]}
+    out["speedups"] = _named(speedups)
+    out["floor"] = _floor(sources)
+    out["fp16"] = _over_fp16(sources[kv_grid_name("bench_kernels", FP8_KV)], results.bench)
+    checks = [out[k]["verdict"] for k in ("every_cell", "speedups", "floor", "fp16")]
+    out["verdict"] = (NOT_MEASURED if not out["measured"] else FAILS if FAILS in checks
+                      else HOLDS if all(c == HOLDS for c in checks) else NOT_MEASURED)
+    out["summary"] = f"{out['verdict']} on {results.hw}"
+    out["run_ids"] = sorted({r for cells, _ in sources.values() for r in analysis.run_ids(cells)})
+    out["sentences"] = _sentences(out, results.hw)
+    return out
+
+
+def _source_cells(sources: dict):
+    """(file stem, cell, kv_bytes) of every FP8 cell that has ENGINE_BACKEND."""
+    for stem, (cells, sizes) in sources.items():
+        for cell in cells:
+            if ENGINE_BACKEND in cell.point:
+                yield stem, cell, sizes[id(cell)]
+
+
+def _speedups(sources: dict) -> list[dict]:
+    entries = []
+    for stem, cell, nbytes in _source_cells(sources):
+        r = analysis.ratio(cell, ENGINE_BACKEND, FP8_REFERENCE)
+        if r is None:
+            continue
+        lo, hi = analysis.interval(r["boot"])
+        entries.append({**_case(stem, cell, nbytes), "ratio": float(r["ratio"]), "lo": lo, "hi": hi,
+                        "baseline": str(r["ref_backend"]), "holds": bool(lo >= FP8_MIN_SPEEDUP)})
+    entries.sort(key=lambda e: (e["source"], e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
+    return entries
+
+
+def _named(speedups: list[dict]) -> dict:
+    cases = []
+    for t in FP8_SPEEDUPS:
+        row = {"case": t.label, "source": kv_grid_name(t.grid, FP8_KV), "trace": t.trace, "target": t.target,
+               "note": t.note}
+        found = [e for e in speedups if e["source"] == row["source"] and e["trace"] == t.trace
+                 and (t.heads is None or (e["num_kv_heads"], e["group_size"]) == t.heads)]
+        if not found:
+            cases.append({**row, "measured": False})
+            continue
+        e = found[0]
+        cases.append({**row, "measured": True, "ratio": e["ratio"], "lo": e["lo"], "hi": e["hi"],
+                      "baseline": e["baseline"], "holds": bool(e["ratio"] >= t.target),
+                      "interval_clears": bool(e["lo"] >= t.target)})
+    measured = [c for c in cases if c["measured"]]
+    verdict = (FAILS if any(not c["holds"] for c in measured) else
+               HOLDS if measured and len(measured) == len(cases) else NOT_MEASURED)
+    return {"verdict": verdict, "cases": cases, "below": [c["case"] for c in measured if not c["holds"]],
+            "not_measured": [c["case"] for c in cases if not c["measured"]]}
+
+
+def _floor(sources: dict) -> dict:
+    cases = []
+    for stem, cell, nbytes in _source_cells(sources):
+        target = floor_band(nbytes, FP8_FLOOR_BANDS)
+        r = analysis.ratio(cell, ENGINE_BACKEND, FLOOR_BACKEND) if target is not None else None
+        if r is None:
+            continue
+        lo, hi = analysis.interval(r["boot"])
+        cases.append({**_case(stem, cell, nbytes), "frac": float(r["ratio"]), "lo": lo, "hi": hi, "target": target,
+                      "ours_us": cell.time(ENGINE_BACKEND)[0], "floor_us": cell.time(FLOOR_BACKEND)[0],
+                      "holds": bool(r["ratio"] >= target), "interval_clears": bool(lo >= target)})
+    cases.sort(key=lambda e: (e["source"], e["num_kv_heads"], e["group_size"], e["batch_size"], e["kv_bytes"]))
+    return {"verdict": _verdict(cases), "bands": [{"lo_bytes": lo, "hi_bytes": hi, "target": t}
+                                                  for lo, hi, t in FP8_FLOOR_BANDS],
+            "cases": cases, "below": [e["case"] for e in cases if not e["holds"]]}
+
+
+def _over_fp16(fp8: tuple, fp16_frame: pd.DataFrame) -> dict:
+    """Per bench_kernels_fp8 cell, our fp16 twin's time (the cell of the same key in the committed
+    bench_kernels.parquet, whose rows are of the query's dtype) over our FP8 time."""
+    fp16_rows = fp16_frame[fp16_frame["kv_dtype"] == fp16_frame["dtype"]] \
+        if {"kv_dtype", "dtype"} <= set(fp16_frame.columns) else fp16_frame.iloc[:0]
+    cells16, sizes16 = _kernel_cells(fp16_rows)
+    twins = {tuple(sorted(c.key.items())): c for c in cells16 if ENGINE_BACKEND in c.point}
+    cases = []
+    stem = kv_grid_name("bench_kernels", FP8_KV)
+    for _, cell, nbytes in _source_cells({stem: fp8}):
+        twin = twins.get(tuple(sorted(cell.key.items())))
+        if twin is None or sizes16[id(twin)] < FP8_OVER_FP16_BYTES:
+            continue
+        t8, boot8 = cell.time(ENGINE_BACKEND)
+        t16, boot16 = twin.time(ENGINE_BACKEND)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lo, hi = analysis.interval(boot16 / boot8)
+        ratio = t16 / t8
+        cases.append({**_case(stem, cell, nbytes), "fp16_bytes": sizes16[id(twin)], "fp16_us": t16,
+                      "fp8_us": t8, "ratio": ratio, "lo": lo, "hi": hi, "holds": bool(ratio >= FP8_OVER_FP16),
+                      "interval_clears": bool(lo >= FP8_OVER_FP16)})
+    cases.sort(key=lambda e: (e["batch_size"], e["fp16_bytes"], e["trace"]))
+    return {"verdict": _verdict(cases), "target": FP8_OVER_FP16, "min_fp16_bytes": FP8_OVER_FP16_BYTES,
+            "cases": cases, "below": [e["case"] for e in cases if not e["holds"]]}
+
+
+def _sentences(entry: dict, hw: str) -> list[str]:
+    if not entry["measured"]:
+        files = " nor ".join(f"{stem}.parquet" for stem in entry["files"])
+        return [f"The FP8 ({FP8_KV}) grid: not measured on {hw} (neither {files} is in results/{hw}/; "
+                f"{FP8_COMMAND} and snakemake bench_shapes_fp8 --cores all on a GPU measure them)."]
+    said = []
+    every = entry["every_cell"]
+    if every["cases"]:
+        low = min(every["cases"], key=lambda e: e["lo"])
+        said.append(f"Against the fastest FP8 baseline in every cell: {len(every['cases']) - len(every['below'])} of "
+                    f"{len(every['cases'])} cells with the interval at or above {FP8_MIN_SPEEDUP:g} (lowest "
+                    f"{low['case']} {analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against "
+                    f"{low['baseline']}): {every['verdict']}.")
+    named = entry["speedups"]
+    parts = [f"{c['case']} {analysis.fmt_ratio(c['ratio'], c['lo'], c['hi'])} against {c['target']:g}"
+             if c["measured"] else f"{c['case']} not measured" for c in named["cases"]]
+    said.append(f"Named FP8 speedups: {'; '.join(parts)}: {named['verdict']}.")
+    for key, what, value in (("floor", "the FP8 one-kernel floor's time over ours", "frac"),
+                             ("fp16", "our fp16 time over our FP8 time", "ratio")):
+        e = entry[key]
+        if not e["cases"]:
+            said.append(f"{what[0].upper() + what[1:]}: not measured (no case of that size with both rows).")
+            continue
+        low = min(e["cases"], key=lambda c: c[value] / (c.get("target") or e.get("target")))
+        said.append(f"{what[0].upper() + what[1:]}: {len(e['cases']) - len(e['below'])} of {len(e['cases'])} cases "
+                    f"reach their target (lowest {low['case']} "
+                    f"{analysis.fmt_ratio(low[value], low['lo'], low['hi'])}): {e['verdict']}.")
+    return said
