@@ -195,7 +195,11 @@ CHECKS = ("every_cell", "speedups", "floor", "fp16")
 
 
 def test_the_constructed_grids_pass_every_rule():
-    out = targets_fp8.fp8_verdicts(fp8_results())
+    from test_fp8_runs import passing_runs
+
+    grids_only = targets_fp8.fp8_verdicts(fp8_results())
+    assert grids_only["verdict"] == targets.NOT_MEASURED  # the full step and validate-gpu are rules too
+    out = targets_fp8.fp8_verdicts(replace(fp8_results(), **passing_runs()))
     json.dumps(out)
     assert out["verdict"] == targets.HOLDS and out["summary"] == "holds on test-gpu"
     for key in CHECKS:
@@ -249,7 +253,7 @@ def test_not_measured_states_the_rules():
     assert out["measured"] is False and out["files"] == {"bench_kernels_fp8": False, "bench_shapes_fp8": False}
     for key in CHECKS:
         assert out[key]["verdict"] == targets.NOT_MEASURED, key
-    assert len(out["rules"]) == 4 and "1.35x at B=1 x 128K" in out["rules"][1]
+    assert len(out["rules"]) == 6 and "1.35x at B=1 x 128K" in out["rules"][1]
     (sentence,) = out["sentences"]
     assert "not measured on nvidia-h200" in sentence and targets_fp8.FP8_COMMAND in sentence
     # one FP8 grid without the other: its checks are judged, the missing named cell is not measured

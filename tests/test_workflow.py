@@ -78,11 +78,15 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     passes = counts["measure_e2e_pass"]
     assert passes == e2e_passes(repo) and passes >= 2
     # + bench, shapes, validate, the two grids on each measure.kv_dtypes cache, and each of the full
-    # decode step's passes
+    # decode step's passes; with an FP8 cache also validate-gpu, fp8-logits and the step's passes on it
     per_cache = 2 * len(CONFIG["measure"].get("kv_dtypes", []))
     assert counts.get("bench_kernels_fp8", 0) + counts.get("bench_shapes_fp8", 0) == per_cache
-    assert out.count("--gpu nvidia-h200 -- persistentkv ") == counts["measure"] + 3 + per_cache + passes
-    assert out.count("gpu=1") == counts["measure"] + 3 + per_cache + passes
+    fp8_runs = 2 + passes if "float8_e4m3" in CONFIG["measure"].get("kv_dtypes", []) else 0
+    assert counts.get("validate_gpu_fp8", 0) + counts.get("fp8_logits", 0) + counts.get("measure_e2e_fp8_pass", 0) \
+        == fp8_runs
+    gpu_jobs = counts["measure"] + 3 + per_cache + passes + fp8_runs
+    assert out.count("--gpu nvidia-h200 -- persistentkv ") == gpu_jobs
+    assert out.count("gpu=1") == gpu_jobs
     one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 

@@ -22,6 +22,11 @@ from . import analysis
 from .errors import PKVError, require
 from .names import CEILING_BACKENDS, EXPERIMENTS, KV_GRID_SUFFIX, KV_GRIDS, SHAPES_EXPERIMENT, kv_grid_name
 
+#: The FP8 cache's files beside the kernel grids (results/{hw}/<name>.parquet + .json) and the
+#: folder of measure-e2e's FP8 passes (results/{hw}/e2e_fp8/pass<N>.parquet + .json).
+FP8_FILES = ("validation_gpu_fp8", "fp8_logits")
+FP8_E2E = "e2e_fp8"
+
 
 @dataclass
 class Results:
@@ -62,6 +67,13 @@ class Results:
     #: bench_shapes_fp8): the kernel grids on a cache of another dtype, where present; never in
     #: :attr:`timing` nor in :attr:`missing` (targets_fp8 reads them and says when they are absent)
     kv_grids: dict = field(default_factory=dict)
+    #: The FP8 cache beyond the kernel grids, where present (never in :attr:`missing`; targets_fp8
+    #: says when they are absent): validate-gpu --kv-dtype float8_e4m3
+    #: (results/{hw}/validation_gpu_fp8.parquet), measure-e2e --kv-dtype float8_e4m3's passes
+    #: (results/{hw}/e2e_fp8/*.parquet) and fp8-logits (results/{hw}/fp8_logits.parquet)
+    validation_gpu_fp8: pd.DataFrame = field(default_factory=pd.DataFrame)
+    e2e_fp8: pd.DataFrame = field(default_factory=pd.DataFrame)
+    fp8_logits: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def kv_grid(self, grid: str, kv_dtype: str) -> pd.DataFrame:
         """The rows of ``grid`` (names.KV_GRIDS) measured on a ``kv_dtype`` cache; empty when absent."""
@@ -140,8 +152,9 @@ def sidecar_paths(results_dir: str | Path) -> list[Path]:
     paths = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
     names = ["bench_kernels.json", "validation_gpu.json", f"{SHAPES_EXPERIMENT}.json"]
     names += [f"{kv_grid_name(grid, kv)}.json" for grid in KV_GRIDS for kv in KV_GRID_SUFFIX]
+    names += [f"{name}.json" for name in FP8_FILES]
     paths += [results_dir / name for name in names if (results_dir / name).is_file()]
-    return paths + finished(sorted((results_dir / "e2e").glob("*.json")))
+    return paths + [p for folder in ("e2e", FP8_E2E) for p in finished(sorted((results_dir / folder).glob("*.json")))]
 
 
 def _run_ids(*tables: pd.DataFrame) -> set[str]:
@@ -169,6 +182,12 @@ def with_kv_dtype(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _read_timing(path: Path) -> pd.DataFrame:
     return with_kv_dtype(_read_parquet(path))
+
+
+def _read_validation(path: Path) -> pd.DataFrame:
+    """validate-gpu's rows; those before the FP8 columns: the query's dtype, no FP8 query."""
+    frame = with_kv_dtype(_read_parquet(path))
+    return frame.assign(fp8_query=False) if "fp8_query" not in frame.columns and "dtype" in frame.columns else frame
 
 
 def _read_json(path: Path):
@@ -223,18 +242,22 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     require(not old_e2e.is_file(),
             f"{old_e2e} is a full decode step run in the layout before passes; move it to "
             f"{results_dir / 'e2e' / 'pass1.parquet'} (and e2e.json to e2e/pass1.json)")
-    e2e_paths = finished(sorted((results_dir / "e2e").glob("*.parquet")))   # measure-e2e's passes
-    if e2e_paths:
-        e2e = pd.concat([_read_parquet(p) for p in e2e_paths], ignore_index=True)
-        if "kv_dtype" not in e2e.columns:  # runs before the column: the cache was of the query's dtype
-            e2e["kv_dtype"] = e2e["dtype"]
-        found.update({f"e2e/{p.stem}": str(p) for p in e2e_paths})
-    else:
-        e2e = pd.DataFrame()
+    def passes(folder: str) -> pd.DataFrame:
+        """measure-e2e's passes in ``folder`` concatenated (runs before kv_dtype: the query's dtype)."""
+        paths = finished(sorted((results_dir / folder).glob("*.parquet")))
+        found.update({f"{folder}/{p.stem}": str(p) for p in paths})
+        return with_kv_dtype(pd.concat([_read_parquet(p) for p in paths], ignore_index=True)) if paths \
+            else pd.DataFrame()
+
+    e2e = passes("e2e")
+    if e2e.empty:
         missing.append("e2e")
-    validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet")
-    if not validation_gpu.empty and "kv_dtype" not in validation_gpu.columns:  # rows before the FP8 columns
-        validation_gpu = validation_gpu.assign(kv_dtype=validation_gpu["dtype"], fp8_query=False)
+    e2e_fp8 = passes(FP8_E2E)
+    validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet", _read_validation)
+    fp8 = {name: _read_validation(results_dir / f"{name}.parquet") if name.startswith("validation")
+           else _read_parquet(results_dir / f"{name}.parquet")
+           for name in FP8_FILES if (results_dir / f"{name}.parquet").is_file()}
+    found.update({name: str(results_dir / f"{name}.parquet") for name in fp8})
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
     ablation_buckets = optional_parquet("ablation_buckets", counters / "ablation_buckets.parquet")
@@ -247,7 +270,8 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         require(isinstance(payload, dict), f"{path} must hold {{run_id: {{...}}}}")
         records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
         if path == prov_path:  # the merge may be older than the sidecars: a run nothing else holds is gone
-            live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu, *kv_grids.values())
+            live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu, *kv_grids.values(), e2e_fp8,
+                                              *fp8.values())
             stale = sorted(set(records) - live)
             if stale:
                 warnings.warn(f"{prov_path} names runs whose rows and sidecars are gone ({', '.join(stale)}); "
@@ -276,4 +300,6 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    policy=policy, kernels=kernels,
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
                    calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
-                   shapes=shapes, e2e=e2e, kv_grids=kv_grids)
+                   shapes=shapes, e2e=e2e, kv_grids=kv_grids, e2e_fp8=e2e_fp8,
+                   validation_gpu_fp8=fp8.get("validation_gpu_fp8", pd.DataFrame()),
+                   fp8_logits=fp8.get("fp8_logits", pd.DataFrame()))

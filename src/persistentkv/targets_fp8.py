@@ -13,7 +13,7 @@ reads 537 MB in fp16 and 268 MB in FP8, and a read-bound kernel should take abou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -21,7 +21,8 @@ import pandas as pd
 from . import analysis
 from .names import BASELINES, FLOOR_BACKEND, FP8_KV, SHAPES_EXPERIMENT, kv_grid_name
 from .results import Results
-from .targets import ENGINE_BACKEND, FAILS, HOLDS, NOT_MEASURED, MiB, _case, _kernel_cells, _verdict, floor_band
+from .targets import (E2E_CELL, E2E_STEP_MIN_RATIO, ENGINE_BACKEND, FAILS, HOLDS, NOT_MEASURED, MiB, _case,
+                      _kernel_cells, _verdict, e2e_verdicts, floor_band)
 
 #: The composite reference: per cell the fastest of BASELINES (FlashInfer CUDA-core and tensor-core,
 #: vLLM FA3, TensorRT-LLM XQA) that ran on the FP8 cache (ok kernel rows, whether or not validate-gpu
@@ -66,6 +67,12 @@ FP8_OVER_FP16 = 1.8
 FP8_OVER_FP16_BYTES = 512 * MiB
 #: What measures the FP8 grids (the report and the paper name it when they are absent).
 FP8_COMMAND = "snakemake bench_kernels_fp8 --cores all"
+#: The full decode step over an FP8 cache (results.e2e_fp8, measure-e2e --kv-dtype float8_e4m3): in
+#: every cell our step at least this fraction of the fastest FP8 baseline's speed (targets.e2e_verdicts'
+#: step rule, the same minimum as on fp16 caches).
+FP8_E2E_MIN_RATIO = E2E_STEP_MIN_RATIO
+#: What measures the rest of the FP8 evidence: validate-gpu, the full step, the logits.
+FP8_RUNS_COMMAND = "snakemake validate_gpu_fp8 measure_e2e_fp8 fp8_logits --cores all"
 
 
 def fp8_rules() -> list[str]:
@@ -79,7 +86,12 @@ def fp8_rules() -> list[str]:
             f"the speedup over the fastest FP8 baseline at least {named}",
             f"the FP8 one-kernel floor's time over ours at least {bands} of FP8 bytes",
             f"our fp16 time (bench_kernels.parquet, the same case) over our FP8 time at least {FP8_OVER_FP16:g} "
-            f"where the fp16 step reads at least {FP8_OVER_FP16_BYTES / 1e6:.0f} MB"]
+            f"where the fp16 step reads at least {FP8_OVER_FP16_BYTES / 1e6:.0f} MB",
+            f"the full decode step over an FP8 cache (measure-e2e --kv-dtype {FP8_KV}): our step at least "
+            f"{FP8_E2E_MIN_RATIO:g}x the fastest FP8 baseline's speed in every cell",
+            f"validate-gpu --kv-dtype {FP8_KV}: every backend that ran within its dtype's tolerance per (row, head) "
+            f"against float64 over the dequantised cache, except a backend that rounds the query to e4m3, whose "
+            f"error is reported"]
 
 
 def fp8_verdicts(results: Results) -> dict:
@@ -112,13 +124,84 @@ def fp8_verdicts(results: Results) -> dict:
     out["speedups"] = _named(speedups)
     out["floor"] = _floor(sources)
     out["fp16"] = _over_fp16(sources[kv_grid_name("bench_kernels", FP8_KV)], results.bench)
-    checks = [out[k]["verdict"] for k in ("every_cell", "speedups", "floor", "fp16")]
+    out["e2e"] = fp8_e2e(results)
+    out["validation"] = fp8_validation(results)
+    out["logits"] = fp8_logits(results)
+    out["runs_command"] = FP8_RUNS_COMMAND
+    out["measured"] = out["measured"] or out["e2e"]["measured"] or bool(out["validation"]["backends"])
+    checks = [out[k]["verdict"] for k in ("every_cell", "speedups", "floor", "fp16", "e2e", "validation")]
     out["verdict"] = (NOT_MEASURED if not out["measured"] else FAILS if FAILS in checks
                       else HOLDS if all(c == HOLDS for c in checks) else NOT_MEASURED)
     out["summary"] = f"{out['verdict']} on {results.hw}"
     out["run_ids"] = sorted({r for cells, _ in sources.values() for r in analysis.run_ids(cells)})
     out["sentences"] = _sentences(out, results.hw)
     return out
+
+
+def fp8_e2e(results: Results) -> dict:
+    """The full decode step over an FP8 cache: targets.e2e_verdicts' step rule on results.e2e_fp8
+    (our step against the fastest FP8 baseline's per cell, over the passes), and per cell our fp16
+    step (results.e2e, the same cell) over our FP8 step: the FP8 gain in a whole step (reported)."""
+    if results.e2e_fp8.empty:
+        return {"verdict": NOT_MEASURED, "measured": False, "target": FP8_E2E_MIN_RATIO, "cells": [], "gain": []}
+    judged = e2e_verdicts(replace(results, e2e=results.e2e_fp8))
+    step = judged.get("step") or {}
+    verdict = NOT_MEASURED if not step else HOLDS if step["holds"] else FAILS
+    fp16 = {tuple(c[k] for k in E2E_CELL): c for c in e2e_verdicts(results)["cells"]} if not results.e2e.empty else {}
+    gain = []
+    for cell in judged["cells"]:
+        twin = fp16.get(tuple(cell[k] for k in E2E_CELL))
+        if twin is not None:
+            gain.append({"label": cell["label"], "fp16_step_us": twin["our_step_us"], "fp8_step_us": cell["our_step_us"],
+                         "gain": twin["our_step_us"] / cell["our_step_us"],
+                         "fp16_attention_us": twin["our_attention_us"], "fp8_attention_us": cell["our_attention_us"]})
+    cells = [{k: c[k] for k in ("label", "baseline", "our_step_us", "best_step_us", "ratio", "lo", "hi", "holds",
+                                "passes")} for c in judged["cells"]]
+    return {"verdict": verdict, "measured": bool(judged["measured"]), "target": FP8_E2E_MIN_RATIO, "cells": cells,
+            "below": step.get("below", []), "gain": gain, "not_run": judged["not_run"],
+            "run_ids": judged["run_ids"]}
+
+
+def fp8_validation(results: Results) -> dict:
+    """validate-gpu over an FP8 cache (results.validation_gpu_fp8), per backend: its rows, how many
+    passed, its worst (row, head) error and whether it rounds the query to e4m3 (``fp8_query``,
+    reported, not gated); holds when every backend that ran without an FP8 query passed every row."""
+    rows = results.validation_gpu_fp8
+    backends = []
+    if not rows.empty:
+        ran = rows[rows["status"] == "ok"]
+        for backend, part in ran.groupby("backend", sort=True):
+            worst = part.loc[part["max_row_head_err"].idxmax()]
+            backends.append({"backend": str(backend), "rows": int(len(part)), "passed": int(part["passed"].sum()),
+                             "fp8_query": bool(part["fp8_query"].any()), "max_err": float(worst["max_row_head_err"]),
+                             "worst": f"{worst['trace']} step {int(worst['step'])} {worst['dtype']}",
+                             "rtol": float(worst["rtol"])})
+        failed = rows[rows["status"] == "failed"]
+        for backend, part in failed.groupby("backend", sort=True):
+            backends.append({"backend": str(backend), "rows": int(len(part)), "passed": 0, "fp8_query": False,
+                             "max_err": float("nan"), "worst": str(part["reason"].iloc[0]), "rtol": float("nan"),
+                             "failed": True})
+    gated = [b for b in backends if not b["fp8_query"]]
+    verdict = (NOT_MEASURED if not gated else
+               HOLDS if all(b["passed"] == b["rows"] and not b.get("failed") for b in gated) else FAILS)
+    return {"verdict": verdict, "backends": backends,
+            "unavailable": sorted(rows.loc[rows["status"] == "unavailable", "backend"].unique().tolist())
+            if not rows.empty else []}
+
+
+def fp8_logits(results: Results) -> dict:
+    """fp8-logits' rows (results.fp8_logits) per model and scales: the largest and the median
+    relative logit error and the top-1 agreement over the steps and rows. A measurement, no rule."""
+    rows = results.fp8_logits
+    out = []
+    if not rows.empty:
+        for (model, scales), part in rows.groupby(["model", "scales"], sort=True):
+            out.append({"model": str(model), "scales": str(scales), "backend": str(part["backend"].iloc[0]),
+                        "dtype": str(part["dtype"].iloc[0]), "steps": int(part["step"].nunique()),
+                        "rows": int(part["row"].nunique()), "max_context": int(part["context"].max()),
+                        "max_rel_err": float(part["rel_err"].max()), "median_rel_err": float(part["rel_err"].median()),
+                        "top1": float(part["top1"].mean())})
+    return {"measured": bool(out), "cases": out}
 
 
 def _source_cells(sources: dict):
@@ -210,7 +293,48 @@ def _sentences(entry: dict, hw: str) -> list[str]:
     if not entry["measured"]:
         files = " nor ".join(f"{stem}.parquet" for stem in entry["files"])
         return [f"The FP8 ({FP8_KV}) grid: not measured on {hw} (neither {files} is in results/{hw}/; "
-                f"{FP8_COMMAND} and snakemake bench_shapes_fp8 --cores all on a GPU measure them)."]
+                f"{FP8_COMMAND} and snakemake bench_shapes_fp8 --cores all on a GPU measure them); nor the "
+                f"full step, validate-gpu and the logits over an FP8 cache ({FP8_RUNS_COMMAND})."]
+    return _grid_sentences(entry) + _run_sentences(entry)
+
+
+def _run_sentences(entry: dict) -> list[str]:
+    """The full step, validate-gpu and the logits over an FP8 cache, in words."""
+    said = []
+    e2e = entry["e2e"]
+    if not e2e["cells"]:
+        said.append(f"The full decode step over an FP8 cache: not measured ({FP8_RUNS_COMMAND}).")
+    else:
+        low = min(e2e["cells"], key=lambda c: c["ratio"])
+        said.append(f"The full decode step over an FP8 cache: our step at least {FP8_E2E_MIN_RATIO:g}x the fastest "
+                    f"FP8 baseline's speed in {len(e2e['cells']) - len(e2e['below'])} of {len(e2e['cells'])} cells "
+                    f"(lowest {low['label']} {analysis.fmt_ratio(low['ratio'], low['lo'], low['hi'])} against "
+                    f"{low['baseline']}): {e2e['verdict']}.")
+    if e2e["gain"]:
+        gains = [g["gain"] for g in e2e["gain"]]
+        said.append(f"Our fp16 step over our FP8 step, per cell: median {np.median(gains):.3f}x, from "
+                    f"{min(gains):.3f}x to {max(gains):.3f}x over {len(gains)} cells.")
+    val = entry["validation"]
+    if not val["backends"]:
+        said.append(f"validate-gpu over an FP8 cache: not measured ({FP8_RUNS_COMMAND}).")
+    else:
+        gated = [f"{b['backend']} {b['passed']}/{b['rows']}" for b in val["backends"] if not b["fp8_query"]]
+        reported = [f"{b['backend']} {b['max_err']:.1e} (tolerance {b['rtol']:g})" for b in val["backends"]
+                    if b["fp8_query"]]
+        said.append(f"validate-gpu over an FP8 cache, rows within tolerance per (row, head): {', '.join(gated)}"
+                    + (f"; rounding the query to e4m3, worst error reported: {', '.join(reported)}" if reported else "")
+                    + f": {val['verdict']}.")
+    for c in entry["logits"]["cases"]:
+        said.append(f"The logits over an FP8 cache ({c['model']}, {c['scales']} scales, {c['steps']} steps x "
+                    f"{c['rows']} rows): max |d logit| / max |logit| {c['max_rel_err']:.2e} (median "
+                    f"{c['median_rel_err']:.2e}), top-1 agreement {c['top1']:.3f}.")
+    return said
+
+
+def _grid_sentences(entry: dict) -> list[str]:
+    if not any(entry["files"].values()):
+        files = " nor ".join(f"{stem}.parquet" for stem in entry["files"])
+        return [f"The FP8 kernel grids: not measured (neither {files}; {FP8_COMMAND})."]
     said = []
     every = entry["every_cell"]
     if every["cases"]:

@@ -6,7 +6,7 @@ import os
 # hardware.gpu_job_threads CPUs; job(..., gpu=HW) gives it a GPU of that name and CPUs that no
 # other job uses.
 
-from persistentkv.names import EXPERIMENTS, kv_grid_name
+from persistentkv.names import EXPERIMENTS, FP8_KV, kv_grid_name
 
 RESULTS = f"results/{HW}"
 POLICY = f"{RESULTS}/policy.json"
@@ -148,6 +148,103 @@ for _kv_dtype in config["measure"].get("kv_dtypes", []):
                     " --out {output.table} > {log} 2>&1",
                     gpu=HW,
                 )
+
+
+# The FP8 cache beyond the kernel grids (when config measure.kv_dtypes names float8_e4m3): every
+# backend against float64 on e4m3 caches (validate_gpu_fp8), the full decode step over an FP8 cache
+# in measure.e2e_passes passes (measure_e2e_fp8, results/<hw>/e2e_fp8/), and what the FP8 cache does
+# to the logits (fp8_logits).
+if FP8_KV in config["measure"].get("kv_dtypes", []):
+    E2E_FP8_TABLES = expand(f"{RESULTS}/e2e_fp8/pass{{n}}.parquet", n=E2E_PASSES)
+    MEASURE_TARGETS += [f"{RESULTS}/validation_gpu_fp8.parquet", f"{RESULTS}/fp8_logits.parquet"] + E2E_FP8_TABLES
+    SIDECARS += [f"{RESULTS}/validation_gpu_fp8.json", f"{RESULTS}/fp8_logits.json"]
+    SIDECARS += expand(f"{RESULTS}/e2e_fp8/pass{{n}}.json", n=E2E_PASSES)
+
+    rule validate_gpu_fp8:
+        input:
+            traces=TRACE_FILES,
+            kernels=rules.kernels.output,
+            policy=POLICY,
+        output:
+            table=f"{RESULTS}/validation_gpu_fp8.parquet",
+            provenance=f"{RESULTS}/validation_gpu_fp8.json",
+        log:
+            f"logs/measure/{HW}/validate_gpu_fp8.log",
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            validation=config["validation"]["gpu"],
+            traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
+                " --kv-dtype float8_e4m3 --out {output.table} --policy {input.policy} > {log} 2>&1",
+                gpu=HW,
+            )
+
+    rule measure_e2e_fp8:
+        """Every pass of the full decode step over an FP8 cache (rule measure_e2e_fp8_pass)."""
+        input:
+            E2E_FP8_TABLES,
+
+    rule measure_e2e_fp8_pass:
+        """One pass of measure-e2e --kv-dtype float8_e4m3 (the backends without an FP8 path: rows
+        that say why)."""
+        input:
+            kernels=rules.kernels.output,
+        output:
+            table=f"{RESULTS}/e2e_fp8/pass{{n}}.parquet",
+            provenance=f"{RESULTS}/e2e_fp8/pass{{n}}.json",
+        wildcard_constraints:
+            n=r"[1-9][0-9]*",
+        log:
+            f"logs/measure/{HW}/e2e_fp8_pass{{n}}.log",
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            measure=config["measure"],
+            models=config.get("models", {}),
+            traces=config["traces"],
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv measure-e2e --config {params.config} --kv-dtype float8_e4m3 --out {output.table}"
+                " > {log} 2>&1",
+                gpu=HW,
+            )
+
+    rule fp8_logits:
+        """The logits of each model's decode loop over FP8 caches against its own dtype (fp8-logits)."""
+        input:
+            kernels=rules.kernels.output,
+        output:
+            table=f"{RESULTS}/fp8_logits.parquet",
+            provenance=f"{RESULTS}/fp8_logits.json",
+        log:
+            f"logs/measure/{HW}/fp8_logits.log",
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            models=config.get("models", {}),
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv fp8-logits --config {params.config} --device cuda --out {output.table} > {log} 2>&1",
+                gpu=HW,
+            )
 
 
 rule measure:
