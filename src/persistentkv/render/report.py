@@ -20,7 +20,7 @@ from markupsafe import Markup
 from .. import analysis, claims, targets
 from ..analysis import pinning
 from ..errors import PKVError, require
-from ..io import atomic_write_text
+from ..io import PRECISION, atomic_write_text
 from ..names import EXPERIMENTS
 from ..results import Results
 from . import figures
@@ -41,6 +41,8 @@ MISSING_TEXT = {
     "e2e": "full Llama decode step per backend (e2e/pass*.parquet)",
 }
 MISSING_TEXT["bench_shapes"] = "the shapes experiment (Hkv x G x B x bytes) and its one-kernel floor"
+#: Validation errors are published at these digits (io.PRECISION) and printed at them.
+ERROR_DIGITS = PRECISION["error"][0]
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
 
 
@@ -92,7 +94,7 @@ def validation_rows(results: Results) -> list[dict]:
                       "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
             out.append({"backend": backend, "dtype": dtype or "—", "source": part["source"].iloc[0],
                         "checks": int(len(ok)), "passed": n_pass,
-                        "worst": f"{err.max():.2e}{whole}" if err.notna().any() else "—",
+                        "worst": f"{err.max():.{ERROR_DIGITS - 1}e}{whole}" if err.notna().any() else "—",
                         "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
                         "status": status, "reasons": "; ".join(reasons)})
     return out
