@@ -17,7 +17,7 @@ other, never in a circle. tests/test_layers.py holds every import to this table.
     10  measure                           -- the timing harness: cases, protocols, rows, runs, step rounds
     11  model                             -- the Llama decode loop over any backend
     12  targets                           -- the engine's own targets, judged from rows
-    13  claims                            -- the paper's claims, judged from rows
+    13  claims reproduce                  -- the paper's claims, judged from rows; a rerun against them
     14  render                            -- figures, LaTeX tables and macros, the HTML report
     15  commands                          -- one module per CLI command
     16  cli                               -- the entry point

@@ -17,7 +17,7 @@ import jinja2
 import pandas as pd
 from markupsafe import Markup
 
-from .. import analysis, claims, targets
+from .. import analysis, claims, reproduce, targets
 from ..analysis import pinning
 from ..errors import PKVError, require
 from ..io import PRECISION, atomic_write_text
@@ -205,8 +205,10 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render(payload: dict, results: Results, figures_dir: str | Path, out: str | Path) -> Path:
-    """Write the report for ``results`` (claims from ``payload``, SVGs from ``figures_dir``)."""
+def render(payload: dict, results: Results, figures_dir: str | Path, out: str | Path,
+           reproduction: dict | None = None) -> Path:
+    """Write the report for ``results`` (claims from ``payload``, SVGs from ``figures_dir``; the
+    reproduction section from ``reproduction``, a reproduction.json payload, when given)."""
     require(payload.get("format") == claims.FORMAT,
             f"claims payload has format {payload.get('format')!r}, expected {claims.FORMAT!r}")
     require(payload.get("hw") == results.hw,
@@ -244,6 +246,7 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "e2e": payload.get("e2e") or {}, "e2e_figure": e2e_figure, "e2e_notes": e2e_notes(results),
         "e2e_tail": f"{100 * targets.E2E_TAIL:g}",
     }
+    context["reproduction"] = reproduction_context(reproduction)
     context.update(floor_context(payload.get("floor"), results))
     html = environment().get_template("report.html.j2").render(**context)
     external = _EXTERNAL.search(html)
@@ -271,3 +274,28 @@ def floor_context(floor: dict | None, results: Results) -> dict:
                      "speedup_hi": s["hi"] if s else None, "baseline": s["baseline"] if s else "—"})
     return {"floor": floor, "floor_engine": [e for e in cases if e["source"] == "bench_kernels"],
             "shapes_rows": rows, "shapes_measured": not results.shapes.empty}
+
+
+def read_reproduction(folder: str | Path) -> dict | None:
+    """``folder``/reproduction.json (persistentkv reproduce-check), None where there is none."""
+    path = Path(folder) / "reproduction.json"
+    if not path.is_file():
+        return None
+    payload = reproduce.read_json(path)
+    require(isinstance(payload, dict) and payload.get("format") == reproduce.FORMAT,
+            f"{path} is not a {reproduce.FORMAT} file")
+    return payload
+
+
+def reproduction_context(payload: dict | None) -> dict | None:
+    """The reproduction section's table from a reproduction.json payload (docs/DATA.md): one row per
+    item with both sides as reproduce-check prints them; None without a payload."""
+    if not payload:
+        return None
+    rows = [{"item": r["item"], "committed": reproduce.side_text(r["committed"], r["quantity"]),
+             "measured": reproduce.side_text(r["measured"], r["quantity"]), "agrees": reproduce.agrees_text(r),
+             "badge": "not-measured" if not r["judged"] else "holds" if r["agrees"] else "fails", "note": r["note"]}
+            for r in payload["items"]]
+    tolerances = payload.get("tolerances", {})
+    return {**{k: payload[k] for k in ("reference", "measured", "same_gpu", "agrees", "counts")}, "rows": rows,
+            **{k: f"{100 * tolerances[k]:g} %" for k in ("ratio_rtol", "time_rtol") if k in tolerances}}
