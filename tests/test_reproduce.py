@@ -145,6 +145,7 @@ def test_a_missing_item_or_table_disagrees(tmp_path, capsys):
     ("malformed claims", "cannot read"),
     ("no claims", "claims.json is missing"),
     ("no claims list", "claims.json has no claims list"),
+    ("a case without its name", "is not a claims.json this version reads: KeyError"),
     ("unreadable counters", "cannot read"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, damage, message):
@@ -157,6 +158,8 @@ def test_bad_input_is_one_line(tmp_path, capsys, damage, message):
         (measured / "claims.json").unlink()
     elif damage == "no claims list":
         (measured / "claims.json").write_text("{}")
+    elif damage == "a case without its name":
+        edit_json(measured / "claims.json", lambda payload: payload["engine"]["mid_range"][0].pop("case"))
     else:
         (measured.parent / "counters" / "validation_cpu.parquet").write_bytes(b"not parquet")
     code, out, err, _ = check(capsys, measured)

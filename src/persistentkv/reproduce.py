@@ -184,8 +184,13 @@ def read_side(folder: str | Path, counters: str | Path | None = None) -> Side:
     require(counters.is_dir(), f"counters folder {counters} does not exist")
     payload = read_json(folder / "claims.json")
     require(isinstance(payload, dict), f"{folder / 'claims.json'} must hold a JSON object")
+    try:
+        found = claim_items(payload)
+    except (KeyError, TypeError, AttributeError) as exc:   # an entry without the fields DATA.md lists
+        raise PKVError(f"{folder / 'claims.json'} is not a claims.json this version reads: "
+                       f"{type(exc).__name__}: {exc}") from None
     items = {}
-    for item in claim_items(payload):
+    for item in found:
         require(item.name not in items, f"{folder / 'claims.json'}: {item.name} appears twice")
         items[item.name] = item
     tables = {f"counters/{p.name}": _read_table(p) for p in sorted(counters.glob("*.parquet"))
