@@ -75,6 +75,9 @@ def test_committed_config_is_valid():
     (("measure", "fragmented", "hole_fraction"), 0.99, "config: measure.fragmented.hole_fraction: 0.99 is greater"),
     (("measure", "protocols", "batch_sweep"), ["graph"], "config: measure.protocols.batch_sweep[0]: 'graph' is not one"),
     (("measure", "protocols", "batch_sweep"), [], "config: measure.protocols.batch_sweep: [] should be non-empty"),
+    (("reproduce", "ratio_rtol"), 0, "config: reproduce.ratio_rtol: 0 is less than or equal to the minimum of 0"),
+    (("reproduce", "time_rtol"), 1.5, "config: reproduce.time_rtol: 1.5 is greater than the maximum of 1"),
+    (("reproduce", "measured"), "", "config: reproduce.measured: '' should be non-empty"),
 ])
 def test_schema_errors_name_key_and_value(base, path, value, expected):
     assert error_of(broken(base, path, value)).startswith(expected)

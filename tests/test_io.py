@@ -3,6 +3,7 @@ and what it leaves behind is never read as a result."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -20,6 +22,7 @@ from persistentkv.results import load_results
 #: parquet encoding here) to be caught mid-write, through the library's atomic writer.
 CHILD = """
 import sys
+import numpy as np
 import numpy as np
 import pandas as pd
 from persistentkv.io import atomic_write_parquet
@@ -132,3 +135,45 @@ def test_the_loader_reads_rows_before_the_fp8_columns_as_the_query_dtype(tmp_pat
     assert set(results.validation_gpu["kv_dtype"]) == {"float8_e4m3"}
     assert results.validation_gpu["fp8_query"].tolist() == [False, True]
     assert set(results.e2e["kv_dtype"]) == {"float8_e4m3"}
+
+
+def test_significant_rounds_as_each_quantity_is_published():
+    assert io.significant(0.00025306297975026646, "error") == 0.00025
+    assert io.significant(0.00026312, "error") == 0.00026
+    assert io.significant(1.0467098179032832, "claims") == 1.046709   # 05UP: toward zero...
+    assert io.significant(1.0467100000000002, "claims") == 1.046711   # ...unless that ends in 0 or 5
+    assert io.significant(-8803.168296813965, "claims") == -8803.168
+    assert io.significant(4.0625, "claims") == 4.0625 and io.significant(16.0, "claims") == 16.0   # exact stays
+    for kept in (0.0, math.inf, -math.inf, 3, True, None, "x"):
+        assert io.significant(kept, "claims") == kept
+    assert math.isnan(io.significant(math.nan, "error"))
+    for quantity in ("error", "claims"):   # a published value stays as it is
+        for x in (0.9799999, 0.00026, 1.046711, 2.1254833741883578e-4):
+            once = io.significant(x, quantity)
+            assert io.significant(once, quantity) == once
+
+
+@pytest.mark.parametrize("value, shown", [(15.226500012, "15.227"), (15.22649999, "15.226"), (10580.5000001, "10581"),
+                                          (0.98449999, "0.984"), (1.23450000001, "1.235")])
+def test_claims_precision_prints_as_the_unrounded_value(value, shown):
+    """Rounded to nearest at 7 digits, 15.226500012 would be 15.22650 and print as 15.226."""
+    decimals = len(shown.split(".")[1]) if "." in shown else 0
+    assert f"{value:.{decimals}f}" == shown
+    assert f"{io.significant(value, 'claims'):.{decimals}f}" == shown
+
+
+def test_round_floats_and_columns_round_floats_only():
+    payload = {"a": [np.float64(1.23456789), np.float32(0.000123456), 7, None, "x"], "b": {"c": (0.1234567891,)}}
+    assert io.round_floats(payload, "claims") == {"a": [1.234567, 0.0001234561, 7, None, "x"], "b": {"c": [0.1234567]}}
+    frame = pd.DataFrame({"rel_err": [1.23456e-4, np.nan, np.inf], "n": [1, 2, 3]})
+    rounded = io.round_columns(frame, ["rel_err", "n", "absent"], "error")
+    assert rounded["rel_err"].iloc[0] == 1.2e-4 and np.isnan(rounded["rel_err"].iloc[1])
+    assert rounded["rel_err"].iloc[2] == np.inf and rounded["n"].tolist() == [1, 2, 3]
+    assert frame["rel_err"].iloc[0] == 1.23456e-4   # the input is left as it was
+
+
+def test_numbers_one_ulp_apart_publish_the_same():
+    """What a different summation order changes (the last bits) is gone after rounding."""
+    for x in (2.1254833741883578e-4, 1.0822727812071744, 8803.168296813965):
+        for quantity in ("error", "claims"):
+            assert io.significant(np.nextafter(x, np.inf), quantity) == io.significant(np.nextafter(x, -np.inf), quantity)

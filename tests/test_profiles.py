@@ -6,6 +6,7 @@ interrupted by Ctrl-C and by a kill, a failed job's one line on the console, `--
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from workflow_support import (ROOT, SMALL_E2E_PASSES, copy_workflow, fake_calls, fake_gpu_env, job_counts,
                               needs_snakemake, small_config, snakemake)
@@ -203,6 +205,34 @@ def test_report_holds_every_report_output(built):
         assert Path(path).name in html, path
 
 
+def test_reproduce_check_compares_with_what_git_holds(built, tmp_path):
+    """reproduce_check on a checkout of the built grid: the committed results, extracted from git,
+    against results/ as they lie; a counters table changed after the commit is the one disagreement."""
+    source, env = built
+    repo = tmp_path / "checkout"
+    shutil.copytree(source, repo, ignore=shutil.ignore_patterns(".snakemake"))
+    git = lambda *args: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                                       capture_output=True, text=True, check=True)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "built")
+    done = snakemake(repo, "reproduce_check", "--cores", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    payload = json.loads((repo / "results" / "nvidia-h200" / "reproduction.json").read_text())
+    assert payload["agrees"] and payload["counts"]["judged"] > 10
+    assert payload["reference"]["folder"] == "build/reproduce/committed/results/nvidia-h200"
+
+    table = repo / "results" / "counters" / "ablation_splits.parquet"
+    frame = pd.read_parquet(table)
+    frame.loc[0, "launches"] += 1
+    frame.to_parquet(table, index=False)
+    done = snakemake(repo, "reproduce_check", "--cores", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]     # the rule keeps the file and leaves the verdict to it
+    assert "counters/ablation_splits.parquet" in done.stdout + done.stderr
+    payload = json.loads((repo / "results" / "nvidia-h200" / "reproduction.json").read_text())
+    assert payload["disagree"] == ["counters/ablation_splits.parquet"]
+
+
 #: Every `snakemake` command of docs/WORKFLOW.md and what its dry run must list: a job count per
 #: rule ({}: nothing to do), on the small grid built without a GPU ("built") or on a fresh copy
 #: whose hardware.target is nvidia-h200 ("gpu").
@@ -229,6 +259,8 @@ DOCUMENTED = {
                                                         "measure_published": 1}),
     "snakemake all --workflow-profile workflow/profiles/gpus --resources gpu=4": ("gpu", GPU_ALL),
     "snakemake all --workflow-profile workflow/profiles/slurm": ("gpu", GPU_ALL),
+    # the committed results extracted from git, then the check (the copy is no checkout: the dry run plans both)
+    "snakemake reproduce_check --cores 1": ("built", {"reproduce_committed": 1, "reproduce_check": 1}),
 }
 
 

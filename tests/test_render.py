@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import synthetic
-from persistentkv import claims, cli
+from persistentkv import claims, cli, io
 from persistentkv.errors import PKVError
 from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, report, tables
 from persistentkv.results import load_results
@@ -176,7 +177,7 @@ def test_validation_shows_the_gated_metric_and_marks_older_rows():
     assert "○ = whole-batch" in fig._suptitle.get_text()
     rows = {(r["backend"], r["dtype"]): r for r in report.validation_rows(results)}
     assert rows[("pkv-workqueue", "float16")]["worst"].endswith(" (whole batch)")
-    assert rows[("cpu:workqueue", "float16")]["worst"] == f"{new['max_row_head_err'].max():.2e}"
+    assert rows[("cpu:workqueue", "float16")]["worst"] == f"{new['max_row_head_err'].max():.1e}"   # printed at io.PRECISION['error']'s 2 digits
     current = types.SimpleNamespace(validation_gpu=synthetic.validation_frame(), validation_cpu=pd.DataFrame(),
                                     hw="toy")
     frame = figures.data_validation(current)
@@ -364,6 +365,19 @@ def test_commands_end_to_end(measured, tmp_path, monkeypatch, capsys):
                      "--out", f"{hw}/report.html"]) == 0
     assert (work / hw / "report.html").stat().st_size > 10_000
     assert (work / "gen" / "macros.tex").is_file()
+    floats = []    # claims.json publishes every float as io.PRECISION["claims"] says
+
+    def collect(value):
+        if isinstance(value, dict):
+            [collect(v) for v in value.values()]
+        elif isinstance(value, list):
+            [collect(v) for v in value]
+        elif isinstance(value, float):
+            floats.append(value)
+
+    collect(json.loads((work / hw / "claims.json").read_text()))
+    assert len(floats) > 100
+    assert floats == [io.significant(x, "claims") for x in floats]
     capsys.readouterr()
     assert cli.main(["tables", "--results", hw, "--claims", "missing.json", "--out-dir", "gen"]) == 2
     err = capsys.readouterr().err.strip()

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from persistentkv import cli, configuration, reference, traces
+from persistentkv import cli, configuration, io, reference, traces
 from persistentkv.cache import allocate, batch_for_step, compact_batch, random_cache
 from persistentkv.commands import validate_cpu
 from persistentkv.errors import PKVError
@@ -141,6 +141,9 @@ def test_cli_writes_the_table(tmp_path, capsys):
     assert frame["passed"].dtype == bool and frame["passed"].all()
     assert (frame["rtol"] == 2e-3).all() and len(frame) == 9
     assert "9 runs, 9 passed" in stdout
+    for column in ("rel_err", "max_row_head_err", "max_abs_err"):
+        assert (frame[column] > 0).all()
+        assert [io.significant(float(v), "error") for v in frame[column]] == frame[column].tolist()
 
 
 def test_cli_fails_after_writing_when_a_route_is_wrong(tmp_path, capsys, monkeypatch):

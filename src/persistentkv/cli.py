@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "figures": ("figures", "render seaborn figures"),
     "tables": ("tables", "render jinja2 LaTeX tables and macros"),
     "report": ("report", "render the self-contained HTML report"),
+    "reproduce-check": ("reproduce_check", "compare a re-measured results folder with the committed reference"),
 }
 
 

@@ -109,6 +109,8 @@ rule render_report:
         claims="results/{hw}/claims.json",
         figures=expand("build/figures/{{hw}}/{name}.svg", name=FIGURE_NAMES),
         code=RENDER_CODE,
+        # its reproduction section, where reproduce-check has written one (reproduce.smk)
+        reproduction=lambda w: glob.glob(f"results/{w.hw}/reproduction.json"),
     output:
         report("results/{hw}/report.html", caption="../report/render_report.rst", category="Report",
                subcategory="{hw}"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..io import atomic_write_json, round_floats
 from ..render.cli_args import add_results_arguments, load
 
 
@@ -22,7 +22,7 @@ def run(args) -> int:
     payload = claims.judge(results)
     payload["floor"] = floor_verdicts(results)  # the one-kernel floor and the shapes grid (targets.py)
     payload["fp8"] = fp8_verdicts(results)      # the FP8 cache's grids (targets_fp8.py)
-    atomic_write_json(args.out, payload)
+    atomic_write_json(args.out, round_floats(payload, "claims"))
     c = payload["counts"]
     print(f"{results.hw}: {len(payload['claims'])} claims: " + ", ".join(f"{v} {n}" for v, n in c.items())
           + f" -> {args.out}")

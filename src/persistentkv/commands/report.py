@@ -15,9 +15,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..render.report import render  # jinja2, matplotlib: loaded when the report is rendered
+    from ..render.report import read_reproduction, render  # jinja2, matplotlib: loaded when the report is rendered
 
     results = load(args)
-    out = render(read_claims(args.claims), results, args.figures_dir, args.out)
+    out = render(read_claims(args.claims), results, args.figures_dir, args.out,
+                 reproduction=read_reproduction(args.results))
     print(f"{results.hw}: report -> {out} ({out.stat().st_size // 1024} KiB)")
     return 0

@@ -30,7 +30,8 @@ from .. import configuration
 from ..cache import allocate, batch_for_step, compact_batch, random_cache, random_queries
 from ..counters import buckets_variant, split_variant, to_frame, workqueue_variant
 from ..errors import require
-from ..io import atomic_write_parquet
+from ..io import atomic_write_parquet, round_columns
+from ..measure.rows import ERROR_COLUMNS
 from ..measure.validation import compare
 from ..reference import execute_plan, reference_decode
 from ..spec import AttentionSpec
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
         for trace, splits in loaded:
             rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
-    frame = to_frame(rows, COLUMNS)
+    frame = round_columns(to_frame(rows, COLUMNS), ERROR_COLUMNS, "error")
     atomic_write_parquet(args.out, frame)
     failed = frame[~frame["passed"]]
     print(f"{args.out}: {len(frame)} runs, {len(frame) - len(failed)} passed, worst (row, head) "

@@ -12,6 +12,7 @@ import math
 
 from ..ceiling import THREADS, ceiling_gbps
 from ..errors import PKVError, require
+from ..io import round_columns
 from ..names import FLOOR_BACKEND
 from .statistics import frac_of_ceiling
 
@@ -80,6 +81,8 @@ VALIDATION_COLUMNS: dict[str, str] = {
 }
 
 STATUSES = ("ok", "unavailable", "failed")
+#: The relative errors of a validation row (GPU and CPU), published as io.PRECISION["error"] says.
+ERROR_COLUMNS = ("rel_err", "max_row_head_err", "max_abs_err")
 
 _NAN_DEFAULTS = ("time_us", "wall_us", "host_us", "host_loop_us", "host_loop_max_us", "host_probe_us", "separator_us",
                  "per_layer_us", "read_ceiling_gbps", "frac_of_ceiling", "launches", "decode_ctas", "merge_state_bytes")
@@ -175,7 +178,8 @@ def raw_frame(rows):
 
 
 def validation_frame(rows):
-    return _frame(rows, VALIDATION_COLUMNS)
+    """DataFrame with exactly VALIDATION_COLUMNS, its errors at their published precision."""
+    return round_columns(_frame(rows, VALIDATION_COLUMNS), ERROR_COLUMNS, "error")
 
 
 def _frame(rows, columns: dict[str, str]):

@@ -17,10 +17,10 @@ import jinja2
 import pandas as pd
 from markupsafe import Markup
 
-from .. import analysis, claims, targets
+from .. import analysis, claims, reproduce, targets
 from ..analysis import pinning
 from ..errors import PKVError, require
-from ..io import atomic_write_text
+from ..io import PRECISION, atomic_write_text
 from ..names import EXPERIMENTS
 from ..results import Results
 from . import figures
@@ -41,6 +41,8 @@ MISSING_TEXT = {
     "e2e": "full Llama decode step per backend (e2e/pass*.parquet)",
 }
 MISSING_TEXT["bench_shapes"] = "the shapes experiment (Hkv x G x B x bytes) and its one-kernel floor"
+#: Validation errors are published at these digits (io.PRECISION) and printed at them.
+ERROR_DIGITS = PRECISION["error"][0]
 _EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?!data:|#)[a-z][a-z0-9+.-]*:""", re.I)
 
 
@@ -92,7 +94,7 @@ def validation_rows(results: Results) -> list[dict]:
                       "failed" if (ok.empty or n_pass < len(ok) or (part["status"] == "failed").any()) else "passed")
             out.append({"backend": backend, "dtype": dtype or "—", "source": part["source"].iloc[0],
                         "checks": int(len(ok)), "passed": n_pass,
-                        "worst": f"{err.max():.2e}{whole}" if err.notna().any() else "—",
+                        "worst": f"{err.max():.{ERROR_DIGITS - 1}e}{whole}" if err.notna().any() else "—",
                         "rtol": f"{pd.to_numeric(ok['rtol'], errors='coerce').max():.1e}" if not ok.empty else "—",
                         "status": status, "reasons": "; ".join(reasons)})
     return out
@@ -203,8 +205,10 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render(payload: dict, results: Results, figures_dir: str | Path, out: str | Path) -> Path:
-    """Write the report for ``results`` (claims from ``payload``, SVGs from ``figures_dir``)."""
+def render(payload: dict, results: Results, figures_dir: str | Path, out: str | Path,
+           reproduction: dict | None = None) -> Path:
+    """Write the report for ``results`` (claims from ``payload``, SVGs from ``figures_dir``; the
+    reproduction section from ``reproduction``, a reproduction.json payload, when given)."""
     require(payload.get("format") == claims.FORMAT,
             f"claims payload has format {payload.get('format')!r}, expected {claims.FORMAT!r}")
     require(payload.get("hw") == results.hw,
@@ -242,6 +246,7 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         "e2e": payload.get("e2e") or {}, "e2e_figure": e2e_figure, "e2e_notes": e2e_notes(results),
         "e2e_tail": f"{100 * targets.E2E_TAIL:g}",
     }
+    context["reproduction"] = reproduction_context(reproduction)
     context.update(floor_context(payload.get("floor"), results))
     context.update(fp8_context(payload.get("fp8"), results))
     html = environment().get_template("report.html.j2").render(**context)
@@ -293,3 +298,28 @@ def fp8_context(entry: dict | None, results: Results) -> dict:
             unavailable.append({"file": stem, "backend": backend,
                                 "reason": reader_text(reason) or "(no reason recorded)"})
     return {"fp8": entry, "fp8_figure": uri, "fp8_unavailable": unavailable}
+
+
+def read_reproduction(folder: str | Path) -> dict | None:
+    """``folder``/reproduction.json (persistentkv reproduce-check), None where there is none."""
+    path = Path(folder) / "reproduction.json"
+    if not path.is_file():
+        return None
+    payload = reproduce.read_json(path)
+    require(isinstance(payload, dict) and payload.get("format") == reproduce.FORMAT,
+            f"{path} is not a {reproduce.FORMAT} file")
+    return payload
+
+
+def reproduction_context(payload: dict | None) -> dict | None:
+    """The reproduction section's table from a reproduction.json payload (docs/DATA.md): one row per
+    item with both sides as reproduce-check prints them; None without a payload."""
+    if not payload:
+        return None
+    rows = [{"item": r["item"], "committed": reproduce.side_text(r["committed"], r["quantity"]),
+             "measured": reproduce.side_text(r["measured"], r["quantity"]), "agrees": reproduce.agrees_text(r),
+             "badge": "not-measured" if not r["judged"] else "holds" if r["agrees"] else "fails", "note": r["note"]}
+            for r in payload["items"]]
+    tolerances = payload.get("tolerances", {})
+    return {**{k: payload[k] for k in ("reference", "measured", "same_gpu", "agrees", "counts")}, "rows": rows,
+            **{k: f"{100 * tolerances[k]:g} %" for k in ("ratio_rtol", "time_rtol") if k in tolerances}}
