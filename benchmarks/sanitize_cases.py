@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py --warps 4,8
     compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py --warps 4,8
     compute-sanitizer --tool synccheck python benchmarks/sanitize_cases.py --warps 4,8
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_cases.py --warps 4,8 --kv-dtype float8_e4m3
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel of the shipped
 routes: the GPU planner, the fused work queue, the separate decode and merge of buckets and split,
@@ -10,11 +11,16 @@ Q in registers and in shared memory, G = 1/4/7/8/16, head dims 64/128/256, page 
 empty splits, page-boundary lengths, groups split past the merge's fan-in (the two-level merge:
 one kv head, one long row), at 4 and 8 warps per CTA. Each launch writes into a
 NaN-poisoned output checked against float64; exits non-zero if any output is wrong.
+
+``--kv-dtype float8_e4m3``: the same cases over e4m3 codes (the FP8 modules), K and V scaled per KV
+head (heads of different magnitudes, so a scale read for the wrong head shows) and quantised with
+per-KV-head scales; the reference reads the codes' values (code x scale) in float64.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +41,23 @@ CASES = [
 ]
 #: every shipped route, with split counts that leave some splits empty on these short rows
 ROUTES = (("workqueue", {}), ("buckets", {"num_splits": 4}), ("split", {"num_splits": 48}))
+FP8_KV = "float8_e4m3"
+
+
+def fp8_cache(k, v):
+    """((K codes, V codes, k_scale, v_scale), K64, V64): K and V scaled per KV head by 0.5-2, then
+    e4m3 codes with per-KV-head scales (largest magnitude / 448, saturating) and their values."""
+    import torch
+
+    gain = torch.linspace(0.5, 2.0, k.shape[2], device=k.device).view(1, 1, -1, 1)
+    out, values = [], []
+    for x in (k.float() * gain, v.float() * gain):
+        scale = (x.abs().amax(dim=(0, 1, 3)) / 448.0).float().contiguous()
+        codes = (x / scale.view(1, 1, -1, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        out.append((codes, scale))
+        values.append(codes.double() * scale.double().view(1, 1, -1, 1))
+    (kc, ks), (vc, vs) = out
+    return (kc, vc, ks, vs), values[0], values[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="4",
                         help="comma-separated CTA widths, 4 and/or 8 (8 runs only where head_dim <= 128; default 4)")
+    parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
+                        help=f"the cache's dtype when it is not the query's: {FP8_KV} (per-KV-head scales)")
     args = parser.parse_args(argv)
     try:
         widths = [int(w) for w in args.warps.split(",")]
@@ -55,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
 
-    def check(engine, batch, q, k, v, ref, route: str, options: dict, label: str, calls: int = 1) -> None:
+    def check(engine, batch, q, cache, ref, route: str, options: dict, label: str, calls: int = 1) -> None:
         """``calls`` runs of one plan of ``route``, each into a NaN-poisoned output; the worst error
         against float64 is printed and counted."""
         nonlocal failures
@@ -63,22 +88,28 @@ def main(argv: list[str] | None = None) -> int:
         plan = engine.plan(batch, route, **options)
         outs = [torch.full_like(q, float("nan")) for _ in range(calls)]
         for out in outs:
-            engine.run(q, (k, v), plan, out)
+            engine.run(q, cache, plan, out)
         torch.cuda.synchronize()
         err = max(float(row_head_errors_torch(out, ref).max()) for out in outs)
         ok = err <= TOLERANCE[spec.dtype]
         failures += not ok
-        print(f"{spec.dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} w{engine.warps} {label}: "
+        print(f"{spec.dtype}/{spec.cache_dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} "
+              f"w{engine.warps} {label}: "
               f"worst (row, head) rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
     for (spec, lengths), warps in ((case, w) for case in CASES for w in widths):
         if warps == 8 and spec.head_dim > 128:
             continue
-        engine = engine_for(spec, warps=warps)
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
+        cache = (k, v)
+        if args.kv_dtype:
+            spec = replace(spec, kv_dtype=args.kv_dtype)
+            batch = replace(batch, spec=spec)
+            cache, k, v = fp8_cache(k, v)
+        engine = engine_for(spec, warps=warps)
         ref = reference_torch64(batch, q, k, v)
         for route, options in ROUTES:
-            check(engine, batch, q, k, v, ref, route, options, route)
+            check(engine, batch, q, cache, ref, route, options, route)
     return 1 if failures else 0
 
 
