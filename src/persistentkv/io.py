@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Iterator
 
 #: How a published float is rounded, per quantity: (significant digits, decimal rounding mode).
-#: Fixed before any output was read.
 #: error: the errors of a validation row against float64 (validation_*.parquet: rel_err,
 #:   max_row_head_err, max_abs_err), to nearest. The NumPy executor accumulates in float32 in the
 #:   order the BLAS picks for the CPU, so two x86 machines gave errors that differ by up to 2e-4 of
