@@ -130,18 +130,26 @@ def test_with_a_gpu_target_reproduce_schedules_every_measurement_then_the_check(
 
 
 @needs_snakemake
-def test_without_a_gpu_reproduce_says_so_in_one_line_and_measures_nothing(tmp_path):
-    repo = _repo(tmp_path, "auto")
+@pytest.mark.parametrize("target, measured, error", [
+    ("auto", "auto", "error: snakemake reproduce measures on a GPU, and hardware.target is auto on a host where "
+                     "nvidia-smi lists none: run it on a GPU host, or set hardware.target to a GPU slug such as "
+                     "nvidia-h200"),
+    ("nvidia-h200", "results/elsewhere", "error: snakemake reproduce checks results/nvidia-h200, which this run "
+                                         "measures, but reproduce.measured is results/elsewhere: set it to auto"),
+])
+def test_reproduce_that_cannot_check_what_it_measures_says_so_in_one_line(tmp_path, target, measured, error):
+    """No GPU (auto, and nvidia-smi finds none): nothing GPU-side is scheduled, one job says why;
+    likewise when reproduce.measured names another folder than the one this run measures into."""
+    repo = _repo(tmp_path, target)
+    path = repo / "config" / "reproduce.yaml"
+    path.write_text(path.read_text().replace("  measured: auto ", f"  measured: {measured} ", 1))
     env = fake_gpu_env(tmp_path, None)                                      # nvidia-smi finds no GPU
     dry = snakemake(repo, "-n", "reproduce", "--configfile", "config/reproduce.yaml", env=env)
     assert dry.returncode == 0 and job_counts(dry.stdout) == {"reproduce": 1, "total": 1}
     done = snakemake(repo, "reproduce", "--configfile", "config/reproduce.yaml", "--cores", "1", env=env)
     assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: snakemake reproduce measures on a GPU, and hardware.target is auto on a host where "
-                     "nvidia-smi lists none: run it on a GPU host, or set hardware.target to a GPU slug such as "
-                     "nvidia-h200"]
-    assert not (repo / "results").exists()
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [error]
+    assert not (repo / "results").exists() and not (repo / "build").exists()
 
 
 # ---- (c) the verdicts on the committed rows cut to the reduced grid --------------------------------

@@ -66,7 +66,7 @@ rule reproduce_check:
 if not HW:
     REPRODUCE_REFUSAL = (f"error: snakemake reproduce measures on a GPU, and hardware.target is "
                          f"{config['hardware']['target']}"
-                         + (" on a host where nvidia-smi lists none" if config["hardware"]["target"] == "auto" else "")
+                         + (" on a host where nvidia-smi lists none" if config["hardware"]["target"] == hardware.TARGET_AUTO else "")
                          + ": run it on a GPU host, or set hardware.target to a GPU slug such as nvidia-h200")
 elif REPRODUCE_MEASURED != f"results/{HW}":
     REPRODUCE_REFUSAL = (f"error: snakemake reproduce checks results/{HW}, which this run measures, but "
