@@ -77,8 +77,13 @@ else:
 if REPRODUCE_REFUSAL:
 
     rule reproduce:
+        log:
+            "logs/reproduce/reproduce.log",
+        conda:
+            CONDA_ENV
         shell:
-            f"echo {shlex.quote(REPRODUCE_REFUSAL)} >&2; exit 1"
+            # the default profile prints a failed job's log on the console
+            f"echo {shlex.quote(REPRODUCE_REFUSAL)} > {{log}}; exit 1"
 
 else:
 
