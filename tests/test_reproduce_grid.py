@@ -15,7 +15,7 @@ import pytest
 import yaml
 from workflow_support import ROOT, copy_workflow, fake_gpu_env, job_counts, needs_snakemake, snakemake
 
-from persistentkv import claims, configuration, reproduce
+from persistentkv import claims, cli, configuration, reproduce
 from persistentkv.measure.workload import shapes_grid
 from persistentkv.names import EXPERIMENTS, synthetic_name
 from persistentkv.results import load_results
@@ -268,6 +268,28 @@ def test_the_cut_is_the_reduced_grid(tmp_path):
     assert results.e2e["run_id"].nunique() == 1                              # pass 1 only
     assert len(results.shapes[results.shapes["protocol"] == "kernel"].groupby(
         ["num_kv_heads", "num_qo_heads", "trace"])) == len(shapes_grid(REDUCED)[0])
+
+
+def _rules(policy: dict) -> tuple:
+    """What a policy decides: its long-context threshold, batch classes and routing rules (without
+    the cells and summed speedups each rule was fitted on)."""
+    decided = ("min_batch", "max_batch", "group_size", "min_max_len", "route", "baseline", "options")
+    th = policy["thresholds"]
+    return (policy["long_context_threshold"], th["batch_classes"],
+            [{k: rule.get(k) for k in decided} for rule in th["rules"]])
+
+
+def test_the_reduced_calibration_fits_the_committed_policy(tmp_path):
+    """calibrate on the committed calibration rows cut to the reduced grid decides as the committed
+    policy does, so the adaptive backend routes alike in a reduced run (its rows here are the reference's)."""
+    folder = reduced_reference(tmp_path)
+    out = tmp_path / "policy.json"
+    assert cli.main(["calibrate", "--config", str(ROOT / "config" / "reproduce.yaml"),
+                     "--timings", str(folder / "raw" / "calibration.parquet"), "--out", str(out)]) == 0
+    committed = reproduce.read_json(REFERENCE / "policy.json")
+    fitted = reproduce.read_json(out)
+    assert fitted["cells"] < committed["cells"]                              # fitted on fewer cells
+    assert _rules(fitted) == _rules(committed)
 
 
 def test_every_item_judged_in_the_reference_is_judged_on_the_reduced_grid(reduced_verdicts):
