@@ -63,10 +63,10 @@ rule reproduce_check:
 # MEASURE_TARGETS; config/reproduce.yaml is the grid sized for it), the claims of this GPU's
 # results/<HW>/ and reproduce_check on that folder. Without a GPU to measure it schedules no GPU
 # job: its one job stops with one line saying why.
+_target = config["hardware"]["target"]
 if not HW:
-    REPRODUCE_REFUSAL = (f"error: snakemake reproduce measures on a GPU, and hardware.target is "
-                         f"{config['hardware']['target']}"
-                         + (" on a host where nvidia-smi lists none" if config["hardware"]["target"] == hardware.TARGET_AUTO else "")
+    REPRODUCE_REFUSAL = (f"error: snakemake reproduce measures on a GPU, and hardware.target is {_target}"
+                         + (" on a host where nvidia-smi lists none" if _target == hardware.TARGET_AUTO else "")
                          + ": run it on a GPU host, or set hardware.target to a GPU slug such as nvidia-h200")
 elif REPRODUCE_MEASURED != f"results/{HW}":
     REPRODUCE_REFUSAL = (f"error: snakemake reproduce checks results/{HW}, which this run measures, but "
