@@ -261,6 +261,9 @@ DOCUMENTED = {
     "snakemake all --workflow-profile workflow/profiles/slurm": ("gpu", GPU_ALL),
     # the committed results extracted from git, then the check (the copy is no checkout: the dry run plans both)
     "snakemake reproduce_check --cores 1": ("built", {"reproduce_committed": 1, "reproduce_check": 1}),
+    # no GPU here (hardware.target auto in config/reproduce.yaml): its one job says so and measures nothing
+    # (tests/test_reproduce_grid.py runs it, and plans it with a GPU target)
+    "snakemake reproduce --configfile config/reproduce.yaml --cores all": ("built", {"reproduce": 1}),
 }
 
 

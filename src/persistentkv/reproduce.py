@@ -34,6 +34,8 @@ FORMAT = "persistentkv-reproduction/1"
 TOLERANCE_KEYS = {"ratio": "ratio_rtol", "time": "time_rtol"}
 HOLDS, FAILS, NOT_MEASURED = "holds", "does not hold", "not measured"
 DIFFERENT_GPU = "different GPU: reported, not judged"
+#: reproduce.measured's value for results/<the GPU this run measures> (hardware.target).
+MEASURED_AUTO = "auto"
 #: The floor checks of claims.json's ``floor`` (targets.floor_verdicts) and each one's per-case figure.
 FLOOR_CHECKS = {"floor": ("cases", "frac"), "invariance": ("pairs", "ratio"), "baselines": ("cases", "ratio"),
                 "small_heads": ("cases", "ratio")}
@@ -55,6 +57,15 @@ class Tolerances:
 
     def of(self, quantity: str) -> float | None:
         return {"ratio": self.ratio, "time": self.time}.get(quantity)
+
+
+def measured_folder(config: dict, hw: str | None) -> Path:
+    """The re-measured folder of config ``reproduce.measured``: as written, or with ``auto``
+    results/<hw> (``hw``: hardware.target's slug, None without a GPU: the reference's folder)."""
+    value = config["reproduce"]["measured"]
+    if value != MEASURED_AUTO:
+        return Path(value)
+    return Path("results") / (hw or config["hardware"]["reference"])
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ their rows from here and their cells from :meth:`Results.cells`.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,13 +239,18 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         if path.is_file():
             kv_grids[stem] = _read_timing(path)
             found[stem] = str(path)
+    e2e_passes = (config or {}).get("measure", {}).get("e2e_passes")
     old_e2e = results_dir / "e2e.parquet"   # the layout before measure-e2e ran as passes: never dropped silently
     require(not old_e2e.is_file(),
             f"{old_e2e} is a full decode step run in the layout before passes; move it to "
             f"{results_dir / 'e2e' / 'pass1.parquet'} (and e2e.json to e2e/pass1.json)")
     def passes(folder: str) -> pd.DataFrame:
-        """measure-e2e's passes in ``folder`` concatenated (runs before kv_dtype: the query's dtype)."""
+        """measure-e2e's passes in ``folder`` concatenated (runs before kv_dtype: the query's dtype):
+        pass<N> for N up to the config's measure.e2e_passes where the config names it, so a run of
+        fewer passes than the folder holds (the reduced grid's one) is not judged with older ones."""
         paths = finished(sorted((results_dir / folder).glob("*.parquet")))
+        if e2e_passes is not None:
+            paths = [p for p in paths if not re.fullmatch(r"pass\d+", p.stem) or int(p.stem[4:]) <= e2e_passes]
         found.update({f"{folder}/{p.stem}": str(p) for p in paths})
         return with_kv_dtype(pd.concat([_read_parquet(p) for p in paths], ignore_index=True)) if paths \
             else pd.DataFrame()

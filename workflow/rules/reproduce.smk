@@ -2,13 +2,19 @@
 # the committed reference, results/<hardware.reference>/ as git's HEAD holds it (extracted into
 # build/reproduce/committed/, so a rerun on the reference's own GPU, which rewrites
 # results/<hardware.reference>/, is still compared with what was committed). Not part of `all`:
-# `snakemake reproduce_check --cores 1`. Include after render.smk (RENDER_COUNTERS).
+# `snakemake reproduce_check --cores 1`, or, measuring first, `snakemake reproduce --configfile
+# config/reproduce.yaml --cores all` (the reduced grid). Include after render.smk (RENDER_COUNTERS)
+# and, with a GPU, measure.smk (MEASURE_TARGETS).
+
+import shlex
 
 from persistentkv.provenance import git_state
+from persistentkv.reproduce import measured_folder
 
 #: The commit whose results/ is the reference (None outside a git checkout: the extracting job says so).
 REPRODUCE_COMMIT = git_state()[0]
-REPRODUCE_MEASURED = config["reproduce"]["measured"].rstrip("/")
+#: reproduce.measured; auto: results/<HW>, the reference's folder when this run measures nothing.
+REPRODUCE_MEASURED = str(measured_folder(config, HW)).rstrip("/")
 REPRODUCE_COMMITTED = "build/reproduce/committed"
 
 
@@ -51,3 +57,38 @@ rule reproduce_check:
             "persistentkv reproduce-check --config {input.config} --reference {params.reference}"
             " --measured {params.measured} --out {output} --exit-zero 2>&1 | tee {log}",
         )
+
+
+# The re-measurement and its check in one target: every GPU rule of this config (measure.smk's
+# MEASURE_TARGETS; config/reproduce.yaml is the grid sized for it), the claims of this GPU's
+# results/<HW>/ and reproduce_check on that folder. Without a GPU to measure it schedules no GPU
+# job: its one job stops with one line saying why.
+_target = config["hardware"]["target"]
+if not HW:
+    REPRODUCE_REFUSAL = (f"error: snakemake reproduce measures on a GPU, and hardware.target is {_target}"
+                         + (" on a host where nvidia-smi lists none" if _target == hardware.TARGET_AUTO else "")
+                         + ": run it on a GPU host, or set hardware.target to a GPU slug such as nvidia-h200")
+elif REPRODUCE_MEASURED != f"results/{HW}":
+    REPRODUCE_REFUSAL = (f"error: snakemake reproduce checks results/{HW}, which this run measures, but "
+                         f"reproduce.measured is {REPRODUCE_MEASURED}: set it to auto")
+else:
+    REPRODUCE_REFUSAL = None
+
+if REPRODUCE_REFUSAL:
+
+    rule reproduce:
+        log:
+            "logs/reproduce/reproduce.log",
+        conda:
+            CONDA_ENV
+        shell:
+            # the default profile prints a failed job's log on the console
+            f"echo {shlex.quote(REPRODUCE_REFUSAL)} > {{log}}; exit 1"
+
+else:
+
+    rule reproduce:
+        input:
+            MEASURE_TARGETS,
+            f"results/{HW}/claims.json",
+            rules.reproduce_check.output,

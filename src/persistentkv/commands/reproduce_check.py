@@ -20,7 +20,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reference", type=Path, default=None,
                         help="the committed results folder (default: results/<hardware.reference>)")
     parser.add_argument("--measured", type=Path, default=None,
-                        help="the re-measured results folder (default: config reproduce.measured)")
+                        help="the re-measured results folder (default: config reproduce.measured; auto: "
+                             "results/<hardware.target's GPU>)")
     parser.add_argument("--reference-counters", type=Path, default=None,
                         help="the reference's counters folder (default: counters/ beside --reference)")
     parser.add_argument("--measured-counters", type=Path, default=None,
@@ -38,7 +39,12 @@ def run(args) -> int:
     config = configuration.load_config(args.config)
     tolerances = reproduce.Tolerances.from_config(config)   # fixed before any result is read
     reference = args.reference or Path("results") / config["hardware"]["reference"]
-    measured = args.measured or Path(config["reproduce"]["measured"])
+    measured = args.measured
+    if measured is None:
+        from ..hardware import target
+
+        auto = config["reproduce"]["measured"] == reproduce.MEASURED_AUTO   # only then ask nvidia-smi
+        measured = reproduce.measured_folder(config, target(config) if auto else None)
     payload = reproduce.compare(reproduce.read_side(reference, args.reference_counters),
                                 reproduce.read_side(measured, args.measured_counters), tolerances)
     out = args.out or measured / "reproduction.json"
