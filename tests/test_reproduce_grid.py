@@ -15,12 +15,12 @@ import pytest
 import yaml
 from workflow_support import ROOT, copy_workflow, fake_gpu_env, job_counts, needs_snakemake, snakemake
 
-from persistentkv import claims, cli, configuration, reproduce
+from persistentkv import cli, configuration, reproduce
 from persistentkv.measure.workload import shapes_grid
-from persistentkv.names import EXPERIMENTS, synthetic_name
+from persistentkv.names import EXPERIMENTS
+from persistentkv.reproduce_grid import cut_reference
 from persistentkv.results import load_results
-from persistentkv.targets import floor_verdicts
-from persistentkv.targets_fp8 import fp8_verdicts
+from persistentkv.commands.claims import judged
 
 FULL = configuration.load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
 REDUCED = configuration.load_config(ROOT / "config" / "reproduce.yaml", base_dir=ROOT)
@@ -154,99 +154,15 @@ def test_reproduce_that_cannot_check_what_it_measures_says_so_in_one_line(tmp_pa
 
 # ---- (c) the verdicts on the committed rows cut to the reduced grid --------------------------------
 
-def _rounds(frame: pd.DataFrame, config: dict, bench: bool = False) -> pd.DataFrame:
-    """The first rounds the reduced grid times: bench_repeats for the kernel grids, step_repeats for
-    step rows, repeats for the rest (the ceiling's rows and the summary rows, repeat < 0, are kept)."""
-    m = config["measure"]
-    rounds = pd.Series(m["bench_repeats"] if bench else m["repeats"], index=frame.index)
-    if not bench:
-        rounds[frame["protocol"] == "step"] = m["step_repeats"]
-    return frame[(frame["protocol"] == "ceiling") | (frame["repeat"] < rounds)]
-
-
-def _steps(frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    return frame[frame["step"] % config["measure"]["step_stride"] == 0]
-
-
-def _seeds(frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    """Rows at the reduced grid's seeds (0: synthetic cases and the ceiling)."""
-    keep = {0, config["seeds"]["calibration"], *config["seeds"]["holdout"]}
-    return frame[frame["seed"].isin(keep)]
-
-
-def _sweep_names(config: dict) -> set[str]:
-    sweep = config["measure"]["batch_sweep"]
-    return {synthetic_name([n] * b) for b in sweep["batch_sizes"] for n in sweep["lengths"]}
-
-
-def _synthetic_or(frame: pd.DataFrame, keep: set[str]) -> pd.DataFrame:
-    """Trace rows (seed != 0) and the synthetic rows named in ``keep`` (and the ceiling's)."""
-    return frame[(frame["seed"] != 0) | frame["trace"].isin(keep) | (frame["protocol"] == "ceiling")]
-
-
-def cut_raw(experiment: str, frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    """One experiment's committed rows cut to what ``config`` measures."""
-    m = config["measure"]
-    frame = _rounds(_steps(_seeds(frame, config), config), config)
-    if experiment in ("batch_sweep", "calibration"):                   # calibration also times the sweep's grid
-        frame = _synthetic_or(frame, _sweep_names(config))
-    if experiment == "fragmented":
-        frame = frame[frame["trace"].isin(m["fragmented"]["traces"]) | (frame["protocol"] == "ceiling")]
-    return frame
-
-
-def cut_shapes(frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    cases = {(spec.num_kv_heads, spec.num_qo_heads, name) for spec, name, _ in shapes_grid(config)[0]}
-    named = pd.Series([k in cases for k in zip(frame["num_kv_heads"], frame["num_qo_heads"], frame["trace"])],
-                      index=frame.index)
-    return _rounds(frame[named | (frame["protocol"] == "ceiling")], config, bench=True)
-
-
-def cut_e2e(frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    """The full step's rows of the reduced models: their B x context cells and trace steps, its
-    rounds (step_repeats); the ceiling rows (no model) as they are."""
-    keep = pd.Series(frame["model"].fillna("") == "", index=frame.index)
-    for name, entry in config["models"].items():
-        if "cases" not in entry:
-            continue
-        mine = frame["model"] == name
-        cases = entry["cases"]
-        keep |= mine & (frame["trace"] == "cases") & frame["batch_size"].isin(cases["batch_sizes"]) \
-            & frame["context"].isin(cases["contexts"])
-        keep |= mine & frame["trace"].isin(entry.get("traces", [])) \
-            & (frame["step"] % config["measure"]["step_stride"] == 0)
-    frame = frame[keep]
-    return frame[(frame["model"].fillna("") == "") | (frame["repeat"] < config["measure"]["step_repeats"])]
-
-
 def reduced_reference(dest: Path, config: dict = REDUCED) -> Path:
-    """results/nvidia-h200/ as the reduced grid would have measured it, cut from the committed rows,
-    under ``dest``/nvidia-h200 (the committed policy, provenance and kernel report beside them)."""
-    out = dest / REFERENCE.name
-    (out / "raw").mkdir(parents=True)
-    for experiment in EXPERIMENTS:
-        frame = pd.read_parquet(REFERENCE / "raw" / f"{experiment}.parquet")
-        cut_raw(experiment, frame, config).to_parquet(out / "raw" / f"{experiment}.parquet", index=False)
-    bench = pd.read_parquet(REFERENCE / "bench_kernels.parquet")
-    _rounds(bench, config, bench=True).to_parquet(out / "bench_kernels.parquet", index=False)
-    cut_shapes(pd.read_parquet(REFERENCE / "bench_shapes.parquet"), config).to_parquet(
-        out / "bench_shapes.parquet", index=False)
-    (out / "e2e").mkdir()
-    for n in range(1, config["measure"]["e2e_passes"] + 1):
-        cut_e2e(pd.read_parquet(REFERENCE / "e2e" / f"pass{n}.parquet"), config).to_parquet(
-            out / "e2e" / f"pass{n}.parquet", index=False)
-    for name in ("policy.json", "provenance.json", "kernels.json", "validation_gpu.parquet"):
-        shutil.copy2(REFERENCE / name, out / name)
-    return out
+    """results/nvidia-h200/ as the reduced grid would have measured it, cut from the committed rows
+    (persistentkv.reproduce_grid.cut_reference), under ``dest``/nvidia-h200."""
+    return cut_reference(REFERENCE, dest, config)
 
 
 def judge(folder: Path, config: dict) -> dict:
     """claims.json's payload for ``folder`` (what `persistentkv claims` writes)."""
-    results = load_results(folder, ROOT / "results" / "counters", config)
-    payload = claims.judge(results)
-    payload["floor"] = floor_verdicts(results)
-    payload["fp8"] = fp8_verdicts(results)
-    return payload
+    return judged(load_results(folder, ROOT / "results" / "counters", config))
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +265,27 @@ def test_the_results_are_judged_on_the_configs_passes_only(tmp_path):
 def test_the_measured_folder(measured, hw, folder):
     config = {**REDUCED, "reproduce": {**REDUCED["reproduce"], "measured": measured}}
     assert reproduce.measured_folder(config, hw) == Path(folder)
+
+
+def test_the_reduced_run_is_checked_against_the_reference_cut_to_its_grid(tmp_path, capsys):
+    """reproduce-reference cuts the committed results to the reduced grid and judges them again:
+    checked against that, the committed rows cut the same way agree item for item (a reduced run
+    is compared like for like), while the full reference would list the reduction's own changes."""
+    out = tmp_path / "reference"
+    argv = ["reproduce-reference", "--config", str(ROOT / "config" / "reproduce.yaml"),
+            "--reference", str(REFERENCE), "--out", str(out)]
+    assert cli.main(argv) == 0
+    cut = out / "nvidia-h200"
+    assert (cut / "claims.json").is_file() and (out / "counters").is_dir()
+    assert cli.main(argv) == 2                                      # an existing folder is not overwritten
+    assert "exists already" in capsys.readouterr().err
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    check = ["reproduce-check", "--config", str(ROOT / "config" / "reproduce.yaml"), "--out",
+             str(tmp_path / "r.json")]
+    assert cli.main([*check, "--reference", str(cut), "--measured", str(again / "nvidia-h200")]) == 0
+    assert reproduce.read_json(tmp_path / "r.json")["agrees"] is True
+    assert cli.main([*check, "--reference", str(REFERENCE), "--measured", str(again / "nvidia-h200")]) == 1
+    full = reproduce.read_json(tmp_path / "r.json")
+    disagree = {r["item"] for r in full["items"] if r["judged"] and not r["agrees"]}
+    assert set(EXPECTED_CHANGES) <= disagree and disagree <= set(EXPECTED_CHANGES) | EXPECTED_MOVES

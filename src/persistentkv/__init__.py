@@ -18,7 +18,7 @@ other, never in a circle. tests/test_layers.py holds every import to this table.
     11  model                             -- the Llama decode loop over any backend
     12  targets                           -- the engine's own targets, judged from rows
     13  targets_fp8                       -- the FP8 cache's targets, judged from the FP8 grids' rows
-    14  claims reproduce                  -- the paper's claims, judged from rows; a rerun against them
+    14  claims reproduce reproduce_grid   -- the paper's claims, judged from rows; a rerun against them
     15  render                            -- figures, LaTeX tables and macros, the HTML report
     16  commands                          -- one module per CLI command
     17  cli                               -- the entry point

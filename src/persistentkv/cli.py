@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tables": ("tables", "render jinja2 LaTeX tables and macros"),
     "report": ("report", "render the self-contained HTML report"),
     "reproduce-check": ("reproduce_check", "compare a re-measured results folder with the committed reference"),
+    "reproduce-reference": ("reproduce_reference", "cut a full run's results to a reduced grid and judge them again"),
 }
 
 

@@ -16,6 +16,10 @@ REPRODUCE_COMMIT = git_state()[0]
 #: reproduce.measured; auto: results/<HW>, the reference's folder when this run measures nothing.
 REPRODUCE_MEASURED = str(measured_folder(config, HW)).rstrip("/")
 REPRODUCE_COMMITTED = "build/reproduce/committed"
+#: reproduce.reference: cut, the committed reference cut to this config's grid and judged again
+#: (rule reproduce_reference), so a reduced re-measurement is compared like for like.
+REPRODUCE_CUT = config["reproduce"].get("reference", "committed") == "cut"
+REPRODUCE_REFERENCE = "build/reproduce/reference"
 
 
 rule reproduce_committed:
@@ -35,9 +39,30 @@ rule reproduce_committed:
         " | tar -x -C {params.out_dir} 2>> {log}"
 
 
-rule reproduce_check:
+rule reproduce_reference:
+    """The committed reference cut to this config's grid, with its claims judged again."""
     input:
         committed=rules.reproduce_committed.output,
+        config=CONFIG_FILE,
+    output:
+        directory(f"{REPRODUCE_REFERENCE}/{config['hardware']['reference']}"),
+        directory(f"{REPRODUCE_REFERENCE}/counters"),
+    log:
+        "logs/reproduce/reference.log",
+    params:
+        reference=lambda w, input: f"{input.committed[0]}/{config['hardware']['reference']}",
+    conda:
+        CONDA_ENV
+    shell:
+        job(
+            f"rm -rf {REPRODUCE_REFERENCE} && persistentkv reproduce-reference --config {{input.config}}"
+            f" --reference {{params.reference}} --out {REPRODUCE_REFERENCE} > {{log}} 2>&1",
+        )
+
+
+rule reproduce_check:
+    input:
+        committed=rules.reproduce_reference.output[0] if REPRODUCE_CUT else rules.reproduce_committed.output,
         claims=f"{REPRODUCE_MEASURED}/claims.json",
         counters=RENDER_COUNTERS,
         config=CONFIG_FILE,
@@ -46,7 +71,8 @@ rule reproduce_check:
     log:
         "logs/reproduce/check.log",
     params:
-        reference=lambda w, input: f"{input.committed[0]}/{config['hardware']['reference']}",
+        reference=lambda w, input: input.committed if REPRODUCE_CUT
+        else f"{input.committed[0]}/{config['hardware']['reference']}",
         measured=lambda w, output: os.path.dirname(output[0]),
     conda:
         CONDA_ENV

@@ -13,16 +13,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="claims.json to write")
 
 
-def run(args) -> int:
+def judged(results) -> dict:
+    """claims.json's payload for ``results``: the claims, the engine's targets, the floor and the
+    FP8 cache's (before the published rounding)."""
     from .. import claims  # pandas and the bootstrap: loaded when the claims are judged
     from ..targets import floor_verdicts
     from ..targets_fp8 import fp8_verdicts
 
-    results = load(args)
     payload = claims.judge(results)
     payload["floor"] = floor_verdicts(results)  # the one-kernel floor and the shapes grid (targets.py)
     payload["fp8"] = fp8_verdicts(results)      # the FP8 cache's grids (targets_fp8.py)
-    atomic_write_json(args.out, round_floats(payload, "claims"))
+    return payload
+
+
+def write(payload: dict, out: Path) -> None:
+    atomic_write_json(out, round_floats(payload, "claims"))
+
+
+def run(args) -> int:
+    results = load(args)
+    payload = judged(results)
+    write(payload, args.out)
     c = payload["counts"]
     print(f"{results.hw}: {len(payload['claims'])} claims: " + ", ".join(f"{v} {n}" for v, n in c.items())
           + f" -> {args.out}")
