@@ -81,7 +81,7 @@ def fake_gpu(monkeypatch):
     return calls
 
 
-def args(out: Path, kv_dtype=None) -> argparse.Namespace:
+def args(out: Path, kv_dtype="auto") -> argparse.Namespace:
     return argparse.Namespace(config=str(CONFIG), out=str(out), models="llama3_8b",
                               cases=",".join(f"{b}x{n}" for b, n in CELLS), traces="none",
                               backends="pkv-workqueue,flashinfer-tc", kernels="torch", kv_dtype=kv_dtype, quick=False)
@@ -163,13 +163,14 @@ def test_an_fp8_cache_run_says_so_in_its_rows_and_its_floors_read_one_byte_per_v
     assert (fp8["weight_bytes"] == [shape.step_weight_bytes("float16", b) for b in fp8["batch_size"]]).all()
 
 
-def test_measure_e2e_refuses_an_unknown_kv_dtype_in_one_line(capsys):
-    parser = argparse.ArgumentParser(prog="persistentkv measure-e2e")
-    e2e.add_arguments(parser)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--out", "x.parquet", "--kv-dtype", "float8_e5m2"])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--kv-dtype" in err and "float8_e5m2" in err and "float8_e4m3" in err
+def test_measure_e2e_refuses_an_unknown_kv_dtype_in_one_line(tmp_path, capsys):
+    from persistentkv import cli
+
+    code = cli.main(["measure-e2e", "--out", str(tmp_path / "x.parquet"), "--kv-dtype", "float8_e5m2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--kv-dtype 'float8_e5m2' is not one of auto, float8_e4m3" in err[0]
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_footprint_counts_an_fp8_cache_at_one_byte_per_value():

@@ -1279,3 +1279,16 @@ def test_kernel_separator_comes_from_the_config_and_must_be_a_boolean():
     bad = {**config, "measure": {**config["measure"], "kernel_separator": "yes"}}
     with pytest.raises(PKVError, match="kernel_separator must be true or false"):
         Settings.from_config(bad)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["validate-gpu", "--config", "c.yaml", "--out", "v.parquet", "--kv-dtype", "float8_e5m2"],
+     "--kv-dtype 'float8_e5m2' is not one of auto, float8_e4m3"),
+    (["validate-gpu", "--smoke", "--kv-dtype", "float8_e4m3"], "validate-gpu --smoke runs the query's dtype only"),
+])
+def test_validate_gpu_refuses_a_bad_kv_dtype_before_looking_for_a_gpu(argv, expected, capsys):
+    from persistentkv import cli
+
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expected in err[0], err

@@ -67,7 +67,6 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PKVError, require
-from ..spec import FP8_KV
 
 #: Column -> dtype of the rows this command writes (one per repeat of a backend in a cell or step).
 E2E_COLUMNS: dict[str, str] = {
@@ -101,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="auto",
                         help="the non-attention kernels (persistentkv.model.Kernels): auto (pkv on CUDA where FlashInfer "
                              "and CuPy import), torch, flashinfer, pkv, or a comma list (one run each)")
-    parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
-                        help=f"the cache's dtype when it is not the spec's: {FP8_KV} (e4m3 codes, scales 1)")
+    from .measure import add_kv_dtype
+
+    add_kv_dtype(parser, "results/{hw}/e2e_fp8/pass<N>.parquet")
     parser.add_argument("--quick", action="store_true",
                         help="one cell per model, one trace of two timed steps, 3 rounds: a smoke run, not a result")
 
@@ -341,7 +341,9 @@ class _Context:
 
 def run(args: argparse.Namespace) -> int:
     from ..measure.device import require_cuda
+    from .measure import parse_kv_dtype
 
+    parse_kv_dtype(args.kv_dtype)  # a bad value is one line before any GPU is looked for
     require_cuda()
     return measure(args)
 
@@ -356,6 +358,9 @@ def measure(args: argparse.Namespace) -> int:
     from ..model import KERNEL_CHOICES, model_cases, model_shape, model_traces
     from ..provenance import collect, new_run_id, utc_now
 
+    from .measure import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
     config = configuration.load_config(args.config)
     models_known = list(config.get("models") or {})
     models = _names(args.models, models_known, "models") or [m for m in models_known if model_cases(config, m)]
@@ -374,13 +379,13 @@ def measure(args: argparse.Namespace) -> int:
     started = utc_now()
     run_id = new_run_id(EXPERIMENT, started)
     device = TorchDevice("cuda")
-    ctx = _Context(run_id=run_id, device=device, dtype=dtype, kv_dtype=args.kv_dtype, page_size=P, seed=seed,
+    ctx = _Context(run_id=run_id, device=device, dtype=dtype, kv_dtype=kv_dtype, page_size=P, seed=seed,
                    quick=quick,
                    rounds=3 if quick else int(config["measure"].get("step_repeats", config["measure"]["repeats"])),
                    warmup=1 if quick else int(config["measure"]["warmup"]),
                    stride=int(config["measure"]["step_stride"]), log=tqdm.write)
     print(f"device: {device.name}; models {', '.join(models)}; backends {', '.join(names)}; kernels "
-          f"{', '.join(kernels)}; cache {args.kv_dtype or dtype}; {ctx.rounds} rounds after {ctx.warmup} warm-up")
+          f"{', '.join(kernels)}; cache {kv_dtype or dtype}; {ctx.rounds} rounds after {ctx.warmup} warm-up")
     before, failed_before = measure_ceilings(device, repeats=3 if quick else 5, log=print)
     plans = []
     for name in models:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import require
-from ..spec import FP8_KV
 from ..measure.device import require_cuda
-from .measure import parse_backends
+from .measure import add_kv_dtype, parse_backends, parse_kv_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,19 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="results/{hw}/validation_gpu.parquet (required without --smoke)")
     parser.add_argument("--policy", default=None, help="policy.json for the adaptive backend (else it is unavailable)")
     parser.add_argument("--backends", default=None, help="comma-separated subset (default: config measure.backends)")
-    parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
-                        help=f"the cache's dtype when it is not the query's: {FP8_KV} (e4m3 codes, per-tensor scales)")
+    add_kv_dtype(parser, "results/{hw}/validation_gpu_fp8.parquet")
     parser.add_argument("--smoke", action="store_true", help="every backend once on small cases; print what works")
 
 
 def run(args: argparse.Namespace) -> int:
+    kv_dtype = parse_kv_dtype(args.kv_dtype)  # bad values are one line before any GPU is looked for
+    require(not (args.smoke and kv_dtype), "validate-gpu --smoke runs the query's dtype only; drop --kv-dtype")
     require_cuda()
     from ..measure.runner import run_smoke_command, run_validation  # the harness and pandas: loaded to run
 
     backends = parse_backends(args.backends)
-    require(not (args.smoke and args.kv_dtype), "validate-gpu --smoke runs the query's dtype only; drop --kv-dtype")
     if args.smoke:
         return run_smoke_command(args.config, args.out, args.policy, backends)
     require(args.config is not None, "validate-gpu needs --config (or --smoke)")
     require(args.out is not None, "validate-gpu needs --out (or --smoke)")
-    return run_validation(args.config, args.traces_dir, args.out, args.policy, backends, args.kv_dtype)
+    return run_validation(args.config, args.traces_dir, args.out, args.policy, backends, kv_dtype)
