@@ -224,26 +224,29 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                 found[f"raw/{path.stem}"] = str(path)
     raw = pd.concat(raw_parts, ignore_index=True) if raw_parts else pd.DataFrame()
 
+    def present(name: str, path: Path, read=_read_parquet) -> pd.DataFrame:
+        """``path`` read (empty where absent, which is not reported missing)."""
+        if not path.is_file():
+            return pd.DataFrame()
+        found[name] = str(path)
+        return read(path)
+
     def optional_parquet(name: str, path: Path, read=_read_parquet) -> pd.DataFrame:
-        if path.is_file():
-            found[name] = str(path)
-            return read(path)
-        missing.append(name)
-        return pd.DataFrame()
+        if not path.is_file():
+            missing.append(name)
+        return present(name, path, read)
 
     bench = optional_parquet("bench_kernels", results_dir / "bench_kernels.parquet", _read_timing)
     shapes = optional_parquet(SHAPES_EXPERIMENT, results_dir / f"{SHAPES_EXPERIMENT}.parquet", _read_timing)
-    kv_grids = {}
-    for stem in (kv_grid_name(grid, kv) for grid in KV_GRIDS for kv in KV_GRID_SUFFIX):
-        path = results_dir / f"{stem}.parquet"
-        if path.is_file():
-            kv_grids[stem] = _read_timing(path)
-            found[stem] = str(path)
+    stems = [kv_grid_name(grid, kv) for grid in KV_GRIDS for kv in KV_GRID_SUFFIX]
+    kv_grids = {stem: present(stem, results_dir / f"{stem}.parquet", _read_timing) for stem in stems
+                if (results_dir / f"{stem}.parquet").is_file()}
     e2e_passes = (config or {}).get("measure", {}).get("e2e_passes")
     old_e2e = results_dir / "e2e.parquet"   # the layout before measure-e2e ran as passes: never dropped silently
     require(not old_e2e.is_file(),
             f"{old_e2e} is a full decode step run in the layout before passes; move it to "
             f"{results_dir / 'e2e' / 'pass1.parquet'} (and e2e.json to e2e/pass1.json)")
+
     def passes(folder: str) -> pd.DataFrame:
         """measure-e2e's passes in ``folder`` concatenated (runs before kv_dtype: the query's dtype):
         pass<N> for N up to the config's measure.e2e_passes where the config names it, so a run of
@@ -260,10 +263,8 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         missing.append("e2e")
     e2e_fp8 = passes(FP8_E2E)
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet", _read_validation)
-    fp8 = {name: _read_validation(results_dir / f"{name}.parquet") if name.startswith("validation")
-           else _read_parquet(results_dir / f"{name}.parquet")
-           for name in FP8_FILES if (results_dir / f"{name}.parquet").is_file()}
-    found.update({name: str(results_dir / f"{name}.parquet") for name in fp8})
+    validation_gpu_fp8 = present("validation_gpu_fp8", results_dir / "validation_gpu_fp8.parquet", _read_validation)
+    fp8_logits = present("fp8_logits", results_dir / "fp8_logits.parquet")
     counters = Path(counters_dir) if counters_dir is not None else results_dir.parent / "counters"
     validation_cpu = optional_parquet("validation_cpu", counters / "validation_cpu.parquet")
     ablation_buckets = optional_parquet("ablation_buckets", counters / "ablation_buckets.parquet")
@@ -277,7 +278,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
         if path == prov_path:  # the merge may be older than the sidecars: a run nothing else holds is gone
             live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu, *kv_grids.values(), e2e_fp8,
-                                              *fp8.values())
+                                              validation_gpu_fp8, fp8_logits)
             stale = sorted(set(records) - live)
             if stale:
                 warnings.warn(f"{prov_path} names runs whose rows and sidecars are gone ({', '.join(stale)}); "
@@ -307,5 +308,4 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
                    calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
                    shapes=shapes, e2e=e2e, kv_grids=kv_grids, e2e_fp8=e2e_fp8,
-                   validation_gpu_fp8=fp8.get("validation_gpu_fp8", pd.DataFrame()),
-                   fp8_logits=fp8.get("fp8_logits", pd.DataFrame()))
+                   validation_gpu_fp8=validation_gpu_fp8, fp8_logits=fp8_logits)
