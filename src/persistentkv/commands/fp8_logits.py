@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model import DecodeLoop, Model, PagedKV, model_cases, model_shape, random_weights
     from ..model.shape import pages_for
     from ..provenance import collect, new_run_id, utc_now, write_sidecar
+    from .measure import parse_names
 
     require(args.rows >= 1 and args.prompt >= 1 and args.steps >= 1,
             f"--rows, --prompt and --steps must be >= 1, got {args.rows}, {args.prompt}, {args.steps}")
@@ -114,11 +115,8 @@ def run(args: argparse.Namespace) -> int:
     require(device == "cpu" or torch.cuda.is_available(), "--device cuda: torch sees no CUDA GPU")
     config = configuration.load_config(args.config)
     known = list(config.get("models") or {})
-    models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
-              else [m for m in known if model_cases(config, m)])
-    unknown = [m for m in models if m not in known]
-    require(models and not unknown, f"--models: unknown {', '.join(unknown) or 'empty list'}; expected among "
-                                    f"{', '.join(known)}")
+    models = parse_names(args.models, known, "models") or [m for m in known if model_cases(config, m)]
+    require(models, "the config has no models with cases; pass --models")
     backend = args.backend or ("pkv-workqueue" if device == "cuda" else "torch-sdpa")
     require(backend in registry.names(), f"--backend: unknown {backend!r}; expected among {', '.join(registry.names())}")
     dtype_name = str(config["spec"]["dtype"]) if device == "cuda" else "float32"

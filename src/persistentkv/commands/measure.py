@@ -33,6 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one holdout seed, 4x the step stride, 2 repeats: a smoke run, not a result")
 
 
+def parse_names(text: str | None, known, what: str) -> list[str] | None:
+    """A comma list of ``--<what>`` among ``known`` (None for None): an unknown name or an empty
+    list is one line naming it."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    require(names and not unknown, f"--{what}: unknown {', '.join(unknown) or 'empty list'}; "
+                                   f"expected among {', '.join(known)}")
+    return names
+
+
 def parse_backends(text: str | None) -> list[str] | None:
     if not text:
         return None

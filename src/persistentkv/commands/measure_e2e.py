@@ -121,16 +121,6 @@ def parse_cases(text: str | None) -> list[tuple[int, int]] | None:
     return cases
 
 
-def _names(text: str | None, known, what: str) -> list[str] | None:
-    if text is None:
-        return None
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    require(names and not unknown, f"--{what}: unknown {', '.join(unknown) or 'empty list'}; "
-                                   f"expected among {', '.join(known)}")
-    return names
-
-
 def default_backends(config: dict) -> list[str]:
     """measure.backends that run inside a captured step on the GPU (the adaptive backend needs a
     policy file and the NumPy executor runs on the host)."""
@@ -358,18 +348,18 @@ def measure(args: argparse.Namespace) -> int:
     from ..model import KERNEL_CHOICES, model_cases, model_shape, model_traces
     from ..provenance import collect, new_run_id, utc_now
 
-    from .measure import parse_kv_dtype
+    from .measure import parse_kv_dtype, parse_names
 
     kv_dtype = parse_kv_dtype(args.kv_dtype)
     config = configuration.load_config(args.config)
     models_known = list(config.get("models") or {})
-    models = _names(args.models, models_known, "models") or [m for m in models_known if model_cases(config, m)]
+    models = parse_names(args.models, models_known, "models") or [m for m in models_known if model_cases(config, m)]
     require(models, "the config has no models with cases; add models.<name>.cases or pass --models")
     cases_arg = parse_cases(args.cases)
     generated = [e["name"] for e in config["traces"] if e["kind"] != "file"]
-    trace_names = [] if args.traces == "none" else _names(args.traces, configuration.trace_names(config), "traces")
-    names = _names(args.backends, registry.names(), "backends") or default_backends(config)
-    kernels = _names(args.kernels, KERNEL_CHOICES, "kernels")
+    trace_names = [] if args.traces == "none" else parse_names(args.traces, configuration.trace_names(config), "traces")
+    names = parse_names(args.backends, registry.names(), "backends") or default_backends(config)
+    kernels = parse_names(args.kernels, KERNEL_CHOICES, "kernels")
     quick = bool(args.quick)
     P, dtype = int(config["spec"]["page_size"]), str(config["spec"]["dtype"])
     seed = configuration.calibration_seed(config)
