@@ -147,14 +147,17 @@ def fp8_inputs(k32: np.ndarray, v32: np.ndarray) -> tuple[tuple, tuple[np.ndarra
     CPU, saturating: fp8.quantize_e4m3) and their dequantised values."""
     import torch
 
-    source, ref = [], []
-    for values in (k32, v32):
-        scale = fp8.fit_scale(values)
-        codes = fp8.quantize_e4m3(torch.from_numpy(values), float(scale[0]))
-        source.append(codes)
-        ref.append(fp8.dequantize(codes.view(torch.uint8).numpy(), scale))
-        source.append(scale)
-    return (source[0], source[2], source[1], source[3]), (ref[0], ref[1])
+    (kc, ks, k64), (vc, vs, v64) = [_e4m3(torch.from_numpy(values)) for values in (k32, v32)]
+    return (kc, vc, ks, vs), (k64, v64)
+
+
+def _e4m3(values) -> tuple:
+    """(codes, scale, their values in float64) of one float32 tensor, one scale for all of it."""
+    import torch
+
+    scale = fp8.fit_scale(values.numpy())
+    codes = fp8.quantize_e4m3(values, float(scale[0]))
+    return codes, scale, fp8.dequantize(codes.view(torch.uint8).numpy(), scale)
 
 
 def _status(base: dict, backend: str, status: str, reason: str) -> dict:
