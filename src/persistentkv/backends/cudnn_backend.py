@@ -27,6 +27,7 @@ function accepts fp16 and bf16 query and cache only) and a float32 query.
 from __future__ import annotations
 
 import math
+
 from ..cache import Batch
 from ..env import cuda_reasons, missing_module
 from ..spec import AttentionSpec

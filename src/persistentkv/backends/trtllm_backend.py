@@ -46,6 +46,7 @@ kernel and is measured as ``trtllm-xqa``.
 from __future__ import annotations
 
 import math
+
 from ..cache import Batch
 from ..errors import PKVError
 from ..spec import AttentionSpec
