@@ -1,8 +1,8 @@
 """Our shipped routes and warps beside the installed baselines, under CUDA-graph replay, cold L2.
 
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
-                                      [--waves 2,0.5] [--baselines vllm-fa3]
-                                      [--against DIR] [--heads 32:8] [--kv-dtype float8_e4m3]
+                                      [--waves 2,0.5] [--baselines vllm-fa3] [--routes workqueue]
+                                      [--against DIR[,DIR...]] [--heads 32:8] [--kv-dtype float8_e4m3]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
@@ -14,10 +14,10 @@ of the case interleaved. Variants:
   split, split8            the rectangular split grid with its merge (route split)
   wq@xW, wq8@xW            (--waves W,...) the queues over W times their default target_items:
                            W waves of shorter items (W > 1), or fewer and longer ones (W < 1)
-  X-TAG                    (--against DIR) every shipped variant X built by another version of
-                           the engine: DIR holds that version's kernels/ and src/PACKAGE (the
-                           package renamed, e.g. persistentkv_0390ebd, so both import in one
-                           process; TAG is its suffix). Made by
+  X-TAG                    (--against DIR[,DIR...]) every shipped variant X built by another
+                           version of the engine: each DIR holds that version's kernels/ and
+                           src/PACKAGE (the package renamed, e.g. persistentkv_0390ebd, so all
+                           import in one process; TAG is its suffix, one per DIR). Made by
                              git archive REV src/persistentkv kernels | tar -x -C DIR
                              mv DIR/src/persistentkv DIR/src/persistentkv_REV
   flashinfer-cc, flashinfer-tc, vllm-fa3, trtllm-xqa   the baselines installed here (--baselines)
@@ -61,8 +61,8 @@ class Variant(NamedTuple):
     plan: dict
 
 
-def variants(spec, *, warps=WARPS, waves=(), make_engine=None) -> list[Variant]:
-    """Our variants (module docstring), in the order the tables print them: every shipped route at
+def variants(spec, *, warps=WARPS, waves=(), make_engine=None, routes=ENGINE_ROUTES) -> list[Variant]:
+    """Our variants (module docstring), in the order the tables print them: each of ``routes`` at
     each of ``warps``, then the queue over each of ``waves`` times its default target_items.
     ``make_engine(spec, **options)`` builds
     the engines (default persistentkv.engine.engine_for), so the same variants can come from
@@ -78,7 +78,7 @@ def variants(spec, *, warps=WARPS, waves=(), make_engine=None) -> list[Variant]:
             print(f"{w} warps: no engine ({first_line(exc)})")
             continue
         queue = variant_name("workqueue", w)
-        out += [Variant(variant_name(route, w), engine, {"route": route}) for route in ENGINE_ROUTES]
+        out += [Variant(variant_name(route, w), engine, {"route": route}) for route in routes]
         out += [Variant(f"{queue}@x{x:g}", engine, {"route": "workqueue",
                                                     "target_items": max(1, round(x * engine.target_items))})
                 for x in waves]
@@ -136,8 +136,8 @@ def add_fp16_twins(add, batch, spec16) -> None:
             lambda q, e=engine: FP16Twin(e, q))
 
 
-def against_variants(path: str, spec, *, warps=WARPS) -> list[Variant]:
-    """The shipped variants of every route and warps, built by the engine under ``path``
+def against_variants(path: str, spec, *, warps=WARPS, routes=ENGINE_ROUTES) -> list[Variant]:
+    """The shipped variants of each of ``routes`` and warps, built by the engine under ``path``
     (--against; module docstring), named X-TAG with TAG the package's suffix."""
     import importlib
 
@@ -156,7 +156,8 @@ def against_variants(path: str, spec, *, warps=WARPS) -> list[Variant]:
                                             spec.dtype, **({"kv_dtype": spec.kv_dtype} if spec.kv_dtype else {}))
         return _Against(package.engine.engine_for(theirs, **options), package)
 
-    return [v._replace(name=f"{v.name}-{tag}") for v in variants(spec, warps=warps, make_engine=make_engine)]
+    return [v._replace(name=f"{v.name}-{tag}") for v in variants(spec, warps=warps, make_engine=make_engine,
+                                                                 routes=routes)]
 
 
 def parse_waves(text: str) -> tuple[float, ...]:
@@ -197,8 +198,10 @@ def main() -> int:
                             "target_items: adds wq@xW and wq8@xW")
         parser.add_argument("--baselines", default=",".join(BASELINES),
                             help="comma-separated baselines to time where installed (default all; '' for none)")
-        parser.add_argument("--against", default="", help="a folder with another version's kernels/ and "
-                            "src/persistentkv_TAG: adds its shipped variants as X-TAG (see above)")
+        parser.add_argument("--against", default="", help="comma-separated folders, each with another version's "
+                            "kernels/ and src/persistentkv_TAG: adds its shipped variants as X-TAG (see above)")
+        parser.add_argument("--routes", default=",".join(ENGINE_ROUTES),
+                            help="comma-separated routes of ours (and --against's) to time (default all)")
         parser.add_argument("--heads", default="32:8", help="query heads and kv heads, HQ:HKV (default 32:8)")
         parser.add_argument("--kv-dtype", default="", choices=["", "float8_e4m3"],
                             help="the cache's dtype: the query's (default) or float8_e4m3 (see above)")
@@ -206,12 +209,13 @@ def main() -> int:
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
     baseline_names = parse_names(args.baselines, BASELINES, "--baselines")
+    routes = parse_names(args.routes, ENGINE_ROUTES, "--routes")
     spec16 = parse_heads(args.heads)
     spec = replace(spec16, kv_dtype=args.kv_dtype or None)
     t_start = time.time()
-    ours = variants(spec, waves=waves)
-    if args.against:
-        ours += against_variants(args.against, spec)
+    ours = variants(spec, waves=waves, routes=routes)
+    for path in (p for p in args.against.split(",") if p.strip()):
+        ours += against_variants(path.strip(), spec, routes=routes)
     if not ours:
         raise SystemExit("no engine could be built on this GPU")
     ceiling = read_ceiling_gbps()

@@ -197,6 +197,11 @@ def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batc
     assert [v.name for v in out] == ["wq-old1", "buckets-old1", "split-old1", "wq8-old1", "buckets8-old1",
                                      "split8-old1"]
     assert [v.engine.warps for v in out] == [4, 4, 4, 8, 8, 8]
+    try:  # --routes: only the queue
+        queue_only = bench_engine.against_variants(str(tmp_path), bench_engine.SPEC, routes=("workqueue",))
+    finally:
+        sys.path.remove(str(tmp_path / "src"))
+    assert [v.name for v in queue_only] == ["wq-old1", "wq8-old1"]
     batch = make_batch(bench_engine.SPEC, [300, 17])
     assert out[1].engine.plan(batch, **out[1].plan) == ("planned", "persistentkv_old1.cache", "buckets", (300, 17))
     (tmp_path / "kernels" / "pkv_decode.cu").unlink()
