@@ -49,3 +49,9 @@ def trace_source(wildcards):
 wildcard_constraints:
     trace="|".join(TRACE_NAMES),
     seed=r"\d+",
+
+
+def in_report(path, suffix, **report_args):
+    """``path`` as an entry of Snakemake's report (``report_args``: caption, category, ...) for
+    the config's cache (``suffix`` ""); an FP8 run's table (suffix "_fp8") stays out of it."""
+    return path if suffix else report(path, **report_args)

@@ -150,77 +150,18 @@ for _kv_dtype in config["measure"].get("kv_dtypes", []):
                 )
 
 
-# The FP8 cache beyond the kernel grids (when config measure.kv_dtypes names float8_e4m3): every
-# backend against float64 on e4m3 caches (validate_gpu_fp8), the full decode step over an FP8 cache
-# in measure.e2e_passes passes (measure_e2e_fp8, results/<hw>/e2e_fp8/), and what the FP8 cache does
-# to the logits (fp8_logits).
+# The FP8 cache beyond the kernel grids (when config measure.kv_dtypes names float8_e4m3):
+# validate-gpu and the full decode step over an FP8 cache (KV_RUNS: the rules at the end of this
+# file, validate_gpu_fp8 and measure_e2e_fp8, into validation_gpu_fp8.parquet and e2e_fp8/), and
+# what the FP8 cache does to the logits (fp8_logits). KV_RUNS maps a run's suffix to the option
+# its commands get.
+KV_RUNS = {"": ""}
 if FP8_KV in config["measure"].get("kv_dtypes", []):
-    E2E_FP8_TABLES = expand(f"{RESULTS}/e2e_fp8/pass{{n}}.parquet", n=E2E_PASSES)
-    MEASURE_TARGETS += [f"{RESULTS}/validation_gpu_fp8.parquet", f"{RESULTS}/fp8_logits.parquet"] + E2E_FP8_TABLES
+    KV_RUNS["_fp8"] = f" --kv-dtype {FP8_KV}"
+    MEASURE_TARGETS += [f"{RESULTS}/validation_gpu_fp8.parquet", f"{RESULTS}/fp8_logits.parquet"]
+    MEASURE_TARGETS += expand(f"{RESULTS}/e2e_fp8/pass{{n}}.parquet", n=E2E_PASSES)
     SIDECARS += [f"{RESULTS}/validation_gpu_fp8.json", f"{RESULTS}/fp8_logits.json"]
     SIDECARS += expand(f"{RESULTS}/e2e_fp8/pass{{n}}.json", n=E2E_PASSES)
-
-    rule validate_gpu_fp8:
-        input:
-            traces=TRACE_FILES,
-            kernels=rules.kernels.output,
-            policy=POLICY,
-        output:
-            table=f"{RESULTS}/validation_gpu_fp8.parquet",
-            provenance=f"{RESULTS}/validation_gpu_fp8.json",
-        log:
-            f"logs/measure/{HW}/validate_gpu_fp8.log",
-        params:
-            config=CONFIG_FILE,
-            spec=config["spec"],
-            validation=config["validation"]["gpu"],
-            traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
-        threads: GPU_JOB_THREADS
-        resources:
-            gpu=1,
-        conda:
-            CONDA_ENV
-        shell:
-            job(
-                "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
-                " --kv-dtype float8_e4m3 --out {output.table} --policy {input.policy} > {log} 2>&1",
-                gpu=HW,
-            )
-
-    rule measure_e2e_fp8:
-        """Every pass of the full decode step over an FP8 cache (rule measure_e2e_fp8_pass)."""
-        input:
-            E2E_FP8_TABLES,
-
-    rule measure_e2e_fp8_pass:
-        """One pass of measure-e2e --kv-dtype float8_e4m3 (the backends without an FP8 path: rows
-        that say why)."""
-        input:
-            kernels=rules.kernels.output,
-        output:
-            table=f"{RESULTS}/e2e_fp8/pass{{n}}.parquet",
-            provenance=f"{RESULTS}/e2e_fp8/pass{{n}}.json",
-        wildcard_constraints:
-            n=r"[1-9][0-9]*",
-        log:
-            f"logs/measure/{HW}/e2e_fp8_pass{{n}}.log",
-        params:
-            config=CONFIG_FILE,
-            spec=config["spec"],
-            measure=config["measure"],
-            models=config.get("models", {}),
-            traces=config["traces"],
-        threads: GPU_JOB_THREADS
-        resources:
-            gpu=1,
-        conda:
-            CONDA_ENV
-        shell:
-            job(
-                "persistentkv measure-e2e --config {params.config} --kv-dtype float8_e4m3 --out {output.table}"
-                " > {log} 2>&1",
-                gpu=HW,
-            )
 
     rule fp8_logits:
         """The logits of each model's decode loop over FP8 caches against its own dtype (fp8-logits)."""
@@ -287,35 +228,6 @@ for _experiment in EXPERIMENTS:
             f"{RESULTS}/raw/{_experiment}.parquet",
 
 
-rule validate_gpu:
-    input:
-        traces=TRACE_FILES,
-        kernels=rules.kernels.output,
-        policy=POLICY,
-    output:
-        table=report(f"{RESULTS}/validation_gpu.parquet", caption="../report/validation_gpu.rst",
-                     category="Validation", subcategory=HW),
-        provenance=f"{RESULTS}/validation_gpu.json",
-    log:
-        f"logs/measure/{HW}/validate_gpu.log",
-    params:
-        config=CONFIG_FILE,
-        spec=config["spec"],
-        validation=config["validation"]["gpu"],
-        traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
-    threads: GPU_JOB_THREADS
-    resources:
-        gpu=1,
-    conda:
-        CONDA_ENV
-    shell:
-        job(
-            "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
-            " --out {output.table} --policy {input.policy} > {log} 2>&1",
-            gpu=HW,
-        )
-
-
 rule calibrate:
     input:
         timings=f"{RESULTS}/raw/calibration.parquet",
@@ -355,38 +267,79 @@ rule provenance:
         )
 
 
-rule measure_e2e:
-    """Every pass of the full decode step (rule measure_e2e_pass)."""
-    input:
-        E2E_TABLES,
+# validate-gpu (every backend against float64 at sampled trace steps) and the full decode step
+# (measure-e2e in measure.e2e_passes passes: measure_e2e runs every measure_e2e_pass, each its own
+# job and process), once per entry of KV_RUNS: validate_gpu, measure_e2e and measure_e2e_pass on the
+# config's cache, and the same names with _fp8 on an FP8 cache (the backends without an FP8 path:
+# rows that say why).
+for _suffix, _kv_option in KV_RUNS.items():
 
+    rule:
+        name:
+            f"validate_gpu{_suffix}"
+        input:
+            traces=TRACE_FILES,
+            kernels=rules.kernels.output,
+            policy=POLICY,
+        output:
+            table=in_report(f"{RESULTS}/validation_gpu{_suffix}.parquet", _suffix,
+                            caption="../report/validation_gpu.rst", category="Validation", subcategory=HW),
+            provenance=f"{RESULTS}/validation_gpu{_suffix}.json",
+        log:
+            f"logs/measure/{HW}/validate_gpu{_suffix}.log",
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            validation=config["validation"]["gpu"],
+            traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
+            # params, not the shell string: the loop's variables hold their last values by then
+            kv_option=_kv_option,
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv validate-gpu --config {params.config} --traces-dir {params.traces_dir}"
+                "{params.kv_option} --out {output.table} --policy {input.policy} > {log} 2>&1",
+                gpu=HW,
+            )
 
-rule measure_e2e_pass:
-    """One pass of the full Llama decode step with each backend (persistentkv measure-e2e): every
-    model of config models: with cases, their B x context cells and the config's generated traces."""
-    input:
-        kernels=rules.kernels.output,
-    output:
-        table=report(f"{RESULTS}/e2e/pass{{n}}.parquet", caption="../report/measure_e2e.rst",
-                     category="End to end", subcategory=HW),
-        provenance=f"{RESULTS}/e2e/pass{{n}}.json",
-    wildcard_constraints:
-        n=r"[1-9][0-9]*",
-    log:
-        f"logs/measure/{HW}/e2e_pass{{n}}.log",
-    params:
-        config=CONFIG_FILE,
-        spec=config["spec"],
-        measure=config["measure"],
-        models=config.get("models", {}),
-        traces=config["traces"],
-    threads: GPU_JOB_THREADS
-    resources:
-        gpu=1,
-    conda:
-        CONDA_ENV
-    shell:
-        job(
-            "persistentkv measure-e2e --config {params.config} --out {output.table} > {log} 2>&1",
-            gpu=HW,
-        )
+    rule:
+        name:
+            f"measure_e2e{_suffix}"
+        input:
+            expand(f"{RESULTS}/e2e{_suffix}/pass{{n}}.parquet", n=E2E_PASSES),
+
+    rule:
+        name:
+            f"measure_e2e{_suffix}_pass"
+        input:
+            kernels=rules.kernels.output,
+        output:
+            table=in_report(f"{RESULTS}/e2e{_suffix}/pass{{n}}.parquet", _suffix,
+                            caption="../report/measure_e2e.rst", category="End to end", subcategory=HW),
+            provenance=f"{RESULTS}/e2e{_suffix}/pass{{n}}.json",
+        wildcard_constraints:
+            n=r"[1-9][0-9]*",
+        log:
+            f"logs/measure/{HW}/e2e{_suffix}_pass{{n}}.log",
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            measure=config["measure"],
+            models=config.get("models", {}),
+            traces=config["traces"],
+            kv_option=_kv_option,
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv measure-e2e --config {params.config}{params.kv_option} --out {output.table}"
+                " > {log} 2>&1",
+                gpu=HW,
+            )
