@@ -1,0 +1,191 @@
+"""Kernel variants for `bench_engine.py --against`: each a copy of this checkout's kernels/ with one
+source patch and of src/persistentkv renamed persistentkv_TAG, so the shipped kernel and the
+variants run side by side in one process, on the same batches, checked against float64.
+
+    python benchmarks/kernel_variants.py --out DIR [TAG ...] [--ptxas sm_90]
+    python benchmarks/bench_engine.py --kv-dtype float8_e4m3 --routes workqueue \
+        --against DIR/occ3,DIR/lazy,...
+
+Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"):
+  occ3       FP8 modules at 4 warps promised 3 resident CTAs per SM (__launch_bounds__ min blocks
+             3: registers <= 168), so the engine's queue (occupancy x SMs) has 396 items of 12
+             warps per SM, where 2 CTAs give 8: the FP8 loop is issue-bound, not byte-bound
+  occ4       FP8 modules at 4 CTAs per SM (4 warps) and 2 (8 warps): registers <= 128
+  lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
+             16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
+  lazyocc3   lazy and occ3 together
+  pagewarp   warp w loads the 16 token rows 16w..16w+15 of each tile, so with pages of >= 16
+             tokens a thread's rows share one page: one page id and one 64-bit offset per tile
+             where the shipped loader computes one per row
+--ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
+prints their registers and spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+KERNEL = "pkv_decode.cu"
+
+MIN_BLOCKS = "constexpr int MIN_BLOCKS = WARPS == 4 ? 2 : 1;"
+OCC3 = [(MIN_BLOCKS, "constexpr int MIN_BLOCKS = WARPS == 4 ? (FP8 ? 3 : 2) : 1;")]
+OCC4 = [(MIN_BLOCKS, "constexpr int MIN_BLOCKS = WARPS == 4 ? (FP8 ? 4 : 2) : (FP8 ? 2 : 1);")]
+LAZY = [
+    ("""  const float a0 = fast_exp2(ws.m0 - base0), a1 = fast_exp2(ws.m1 - base1);
+  ws.m0 = mn0;
+  ws.m1 = mn1;""",
+     """  // lazy rescale: a warp whose rows' maxima all stayed skips the exp2s and O's multiplies (a = 1)
+  const bool grew = __any_sync(0xffffffffu, mn0 != ws.m0 || mn1 != ws.m1);
+  float a0 = 1.f, a1 = 1.f;
+  if (grew) {
+    a0 = fast_exp2(ws.m0 - base0);
+    a1 = fast_exp2(ws.m1 - base1);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      ws.o[j][0] *= a0;
+      ws.o[j][1] *= a0;
+      ws.o[j][2] *= a1;
+      ws.o[j][3] *= a1;
+    }
+  }
+  ws.m0 = mn0;
+  ws.m1 = mn1;"""),
+    ("""  ws.l1 = ws.l1 * a1 + ps1;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    ws.o[j][0] *= a0;
+    ws.o[j][1] *= a0;
+    ws.o[j][2] *= a1;
+    ws.o[j][3] *= a1;
+  }
+""", "  ws.l1 = ws.l1 * a1 + ps1;\n"),
+]
+PAGEWARP = [
+    ("""  int lo, hi, log2_page, p_mask;
+  int lc, lr;
+};
+""", """  int lo, hi, log2_page, p_mask;
+  int lc, lr;            // chunk lc of token rows lr + RPW * i of a tile (lr = 16 * warp + lane / CHUNKS)
+  unsigned rstep_b;      // RPW token rows in bytes
+  bool one_page;         // pages of >= 16 tokens and a 16-aligned item: a warp's 16 rows share a page
+};
+constexpr int RPW = 32 / CHUNKS;  // token rows a warp loads per pass; RPW * LOADS = 16
+static_assert(RPW * LOADS == 16, "a warp loads its 16 rows of each tile");
+"""),
+    ("""  ld.lc = tid % CHUNKS;
+  ld.lr = tid / CHUNKS;
+""", """  ld.lc = tid % CHUNKS;
+  ld.lr = warp * 16 + (tid & 31) / CHUNKS;
+  ld.rstep_b = (unsigned)RPW * (unsigned)p.kv_st * (unsigned)sizeof(cache_t);
+  ld.one_page = p.log2_page >= 4 && (it.lo & 15) == 0;
+"""),
+    # fetch_pages: one page id per thread when its rows share a page
+    ("""  const int t0 = ld.lo + tile * TILE;
+#pragma unroll
+  for (int i = 0; i < LOADS; ++i) {
+    const int tok = t0 + ld.lr + ROWS_PER_PASS * i;
+    pg[i] = tok < ld.hi ? __ldg(ld.pages + (tok >> ld.log2_page)) : 0;
+  }""", """  const int t0 = ld.lo + tile * TILE + ld.lr;
+  if (ld.one_page) {  // every row of this thread lies in the page of its first
+    pg[0] = t0 < ld.hi ? __ldg(ld.pages + (t0 >> ld.log2_page)) : 0;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < LOADS; ++i) {
+    const int tok = t0 + RPW * i;
+    pg[i] = tok < ld.hi ? __ldg(ld.pages + (tok >> ld.log2_page)) : 0;
+  }"""),
+    # issue_stage: one offset per tile on that path; the rows RPW apart elsewhere
+    ("""  const int t0 = ld.lo + tile * TILE;
+#pragma unroll
+  for (int b = 0; b < LOADS; b += BURST) {""", """  const int t0 = ld.lo + tile * TILE + ld.lr;
+  if (ld.one_page) {
+    const unsigned long long off0 =
+        (unsigned long long)(unsigned)pg[0] * ld.sp_b + ((unsigned)(t0 & ld.p_mask) * ld.st_b + ld.lc * 16u);
+    const char* kp = ld.kbytes + off0;
+    const char* vp = ld.vbytes + off0;
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u)
+      cp_async16(dK + swzb(ld.lr + RPW * u, ld.lc), kp + u * ld.rstep_b, t0 + RPW * u < ld.hi);
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u)
+      cp_async16(dV + swzb(ld.lr + RPW * u, ld.lc), vp + u * ld.rstep_b, t0 + RPW * u < ld.hi);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < LOADS; b += BURST) {"""),
+    ("      const int tok = t0 + ld.lr + ROWS_PER_PASS * (b + u);", "      const int tok = t0 + RPW * (b + u);"),
+    ("      cp_async16(dK + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.kbytes + off[u], valid[u]);",
+     "      cp_async16(dK + swzb(ld.lr + RPW * (b + u), ld.lc), ld.kbytes + off[u], valid[u]);"),
+    ("      cp_async16(dV + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.vbytes + off[u], valid[u]);",
+     "      cp_async16(dV + swzb(ld.lr + RPW * (b + u), ld.lc), ld.vbytes + off[u], valid[u]);"),
+]
+VARIANTS = {"occ3": OCC3, "occ4": OCC4, "lazy": LAZY, "lazyocc3": LAZY + OCC3, "pagewarp": PAGEWARP}
+
+
+def patched(text: str, patches) -> str:
+    """``text`` with each (old, new) of ``patches`` replaced; each old must occur exactly once."""
+    for old, new in patches:
+        if text.count(old) != 1:
+            raise SystemExit(f"{KERNEL} has {text.count(old)} copies of the patched text "
+                             f"{old.strip().splitlines()[0]!r} (the variant needs exactly one)")
+        text = text.replace(old, new)
+    return text
+
+
+def build(out: Path, tag: str) -> Path:
+    """DIR/TAG with kernels/ (patched) and src/persistentkv_TAG: what --against reads."""
+    dest = out / tag
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(ROOT / "kernels", dest / "kernels")
+    shutil.copytree(ROOT / "src" / "persistentkv", dest / "src" / f"persistentkv_{tag}",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    source = dest / "kernels" / KERNEL
+    source.write_text(patched(source.read_text(), VARIANTS[tag]))
+    return dest
+
+
+def ptxas_report(source: Path, arch: str) -> list[dict]:
+    """Registers and spills (persistentkv.kernel_build.parse_ptxas rows, plus ``warps``) of the FP8
+    decode kernels of ``source`` at head_dim 128, 4 and 8 warps, compiled for ``arch``."""
+    from persistentkv.kernel_build import parse_ptxas
+
+    rows = []
+    for warps in (4, 8):
+        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", "/dev/null", "-std=c++17", "--use_fast_math",
+                               "-DPKV_FP8=1", f"-DPKV_WARPS={warps}", "-DPKV_HEAD_DIM=128", "-Xptxas", "-v",
+                               str(source)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"nvcc failed on {source}:\n{done.stderr.strip()}")
+        rows += [dict(r, warps=warps) for r in parse_ptxas(done.stderr) if r["kernel"].startswith("pkv_decode")]
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tags", nargs="*", help=f"variants to build (default all: {', '.join(VARIANTS)})")
+    parser.add_argument("--out", required=True, help="folder for the DIR/TAG trees")
+    parser.add_argument("--ptxas", default="", help="also compile each for this arch (e.g. sm_90) and print "
+                        "registers and spills")
+    args = parser.parse_args(argv)
+    bad = [t for t in args.tags if t not in VARIANTS]
+    if bad:
+        parser.error(f"unknown variant {', '.join(bad)}; known: {', '.join(VARIANTS)}")
+    for tag in args.tags or VARIANTS:
+        dest = build(Path(args.out), tag)
+        print(dest)
+        if args.ptxas:
+            for r in ptxas_report(dest / "kernels" / KERNEL, args.ptxas):
+                print(f"  {r['warps']} warps {r['kernel']}: {r['registers']} registers, "
+                      f"{r['spill_store_bytes']} B spill stores")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
