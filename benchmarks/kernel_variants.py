@@ -14,9 +14,8 @@ Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"):
   lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
              16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
   lazyocc3   lazy and occ3 together
-  pagewarp   warp w loads the 16 token rows 16w..16w+15 of each tile, so with pages of >= 16
-             tokens a thread's rows share one page: one page id and one 64-bit offset per tile
-             where the shipped loader computes one per row
+The A/B at be4ba01 (NOTES, "Variants"): each occupancy wins on some cases and loses on others, lazy
+0.985-0.995 from 268 MB; pagewarp (one page id per warp's 16 rows) was rejected there and removed.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
 prints their registers and spills.
 """
@@ -66,67 +65,7 @@ LAZY = [
   }
 """, "  ws.l1 = ws.l1 * a1 + ps1;\n"),
 ]
-PAGEWARP = [
-    ("""  int lo, hi, log2_page, p_mask;
-  int lc, lr;
-};
-""", """  int lo, hi, log2_page, p_mask;
-  int lc, lr;            // chunk lc of token rows lr + RPW * i of a tile (lr = 16 * warp + lane / CHUNKS)
-  unsigned rstep_b;      // RPW token rows in bytes
-  bool one_page;         // pages of >= 16 tokens and a 16-aligned item: a warp's 16 rows share a page
-};
-constexpr int RPW = 32 / CHUNKS;  // token rows a warp loads per pass; RPW * LOADS = 16
-static_assert(RPW * LOADS == 16, "a warp loads its 16 rows of each tile");
-"""),
-    ("""  ld.lc = tid % CHUNKS;
-  ld.lr = tid / CHUNKS;
-""", """  ld.lc = tid % CHUNKS;
-  ld.lr = warp * 16 + (tid & 31) / CHUNKS;
-  ld.rstep_b = (unsigned)RPW * (unsigned)p.kv_st * (unsigned)sizeof(cache_t);
-  ld.one_page = p.log2_page >= 4 && (it.lo & 15) == 0;
-"""),
-    # fetch_pages: one page id per thread when its rows share a page
-    ("""  const int t0 = ld.lo + tile * TILE;
-#pragma unroll
-  for (int i = 0; i < LOADS; ++i) {
-    const int tok = t0 + ld.lr + ROWS_PER_PASS * i;
-    pg[i] = tok < ld.hi ? __ldg(ld.pages + (tok >> ld.log2_page)) : 0;
-  }""", """  const int t0 = ld.lo + tile * TILE + ld.lr;
-  if (ld.one_page) {  // every row of this thread lies in the page of its first
-    pg[0] = t0 < ld.hi ? __ldg(ld.pages + (t0 >> ld.log2_page)) : 0;
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < LOADS; ++i) {
-    const int tok = t0 + RPW * i;
-    pg[i] = tok < ld.hi ? __ldg(ld.pages + (tok >> ld.log2_page)) : 0;
-  }"""),
-    # issue_stage: one offset per tile on that path; the rows RPW apart elsewhere
-    ("""  const int t0 = ld.lo + tile * TILE;
-#pragma unroll
-  for (int b = 0; b < LOADS; b += BURST) {""", """  const int t0 = ld.lo + tile * TILE + ld.lr;
-  if (ld.one_page) {
-    const unsigned long long off0 =
-        (unsigned long long)(unsigned)pg[0] * ld.sp_b + ((unsigned)(t0 & ld.p_mask) * ld.st_b + ld.lc * 16u);
-    const char* kp = ld.kbytes + off0;
-    const char* vp = ld.vbytes + off0;
-#pragma unroll
-    for (int u = 0; u < LOADS; ++u)
-      cp_async16(dK + swzb(ld.lr + RPW * u, ld.lc), kp + u * ld.rstep_b, t0 + RPW * u < ld.hi);
-#pragma unroll
-    for (int u = 0; u < LOADS; ++u)
-      cp_async16(dV + swzb(ld.lr + RPW * u, ld.lc), vp + u * ld.rstep_b, t0 + RPW * u < ld.hi);
-    return;
-  }
-#pragma unroll
-  for (int b = 0; b < LOADS; b += BURST) {"""),
-    ("      const int tok = t0 + ld.lr + ROWS_PER_PASS * (b + u);", "      const int tok = t0 + RPW * (b + u);"),
-    ("      cp_async16(dK + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.kbytes + off[u], valid[u]);",
-     "      cp_async16(dK + swzb(ld.lr + RPW * (b + u), ld.lc), ld.kbytes + off[u], valid[u]);"),
-    ("      cp_async16(dV + swzb(ld.lr + ROWS_PER_PASS * (b + u), ld.lc), ld.vbytes + off[u], valid[u]);",
-     "      cp_async16(dV + swzb(ld.lr + RPW * (b + u), ld.lc), ld.vbytes + off[u], valid[u]);"),
-]
-VARIANTS = {"occ3": OCC3, "occ4": OCC4, "lazy": LAZY, "lazyocc3": LAZY + OCC3, "pagewarp": PAGEWARP}
+VARIANTS = {"occ3": OCC3, "occ4": OCC4, "lazy": LAZY, "lazyocc3": LAZY + OCC3}
 
 
 def patched(text: str, patches) -> str:
