@@ -122,11 +122,20 @@ def test_the_loader_fills_kv_dtype_for_files_without_it(tmp_path):
     assert not any("fp8" in m for m in loaded.missing)          # an absent FP8 file is no 'missing' line
 
 
-def test_the_committed_files_read_as_caches_of_their_query_dtype():
+def test_the_committed_files_read_as_caches_of_their_query_dtype_or_of_fp8():
+    """The fp16 grids and experiments (written before kv_dtype existed) read as caches of their
+    query's dtype; the committed FP8 grid as e4m3 caches at an fp16 query, each case's attention
+    bytes half those of its fp16 twin in bench_kernels."""
     loaded = load_results(ROOT / "results" / "nvidia-h200", ROOT / "results" / "counters", CONFIG)
     for frame in (loaded.bench, loaded.shapes, loaded.raw):
         assert not frame.empty and (frame["kv_dtype"] == frame["dtype"]).all()
-    assert loaded.kv_grids == {}
+    assert set(loaded.kv_grids) == {kv_grid_name("bench_kernels", FP8_KV)}
+    fp8 = loaded.kv_grid("bench_kernels", FP8_KV)
+    attention = fp8[(fp8["protocol"] == "kernel") & (fp8["backend"] == "pkv-workqueue")]
+    assert not attention.empty and set(attention["kv_dtype"]) == {FP8_KV} and set(attention["dtype"]) == {"float16"}
+    fp16 = loaded.bench[(loaded.bench["protocol"] == "kernel") & (loaded.bench["backend"] == "pkv-workqueue")]
+    halves = attention.groupby("trace")["kv_bytes"].first() * 2
+    assert (halves == fp16.groupby("trace")["kv_bytes"].first().reindex(halves.index)).all()
 
 
 # -- the verdicts ---------------------------------------------------------------------------------
@@ -263,11 +272,22 @@ def test_not_measured_states_the_rules():
     assert part["every_cell"]["verdict"] == targets.HOLDS
 
 
-def test_the_committed_claims_say_not_measured():
-    claims = json.loads((ROOT / "results" / "nvidia-h200" / "claims.json").read_text())
-    if "fp8" not in claims:
-        pytest.skip("claims.json not rendered since the fp8 entry exists")
-    assert claims["fp8"]["summary"] == "not measured on nvidia-h200"
+def test_the_committed_claims_judge_the_committed_fp8_files():
+    """claims.json's fp8 entry is the judgement of the FP8 files committed beside it: the grid's
+    run, every one of its cases in the every-cell rule, the logits' models, and not-measured
+    entries exactly where no file is committed."""
+    hw = ROOT / "results" / "nvidia-h200"
+    fp8 = json.loads((hw / "claims.json").read_text())["fp8"]
+    grid = pd.read_parquet(hw / "bench_kernels_fp8.parquet")
+    assert fp8["measured"] and fp8["files"] == {"bench_kernels_fp8": True,
+                                                "bench_shapes_fp8": (hw / "bench_shapes_fp8.parquet").is_file()}
+    assert fp8["run_ids"] == sorted(grid["run_id"].unique().tolist())
+    kernel_cases = grid.loc[(grid["protocol"] == "kernel") & (grid["backend"] == "pkv-workqueue"), "trace"]
+    assert len(fp8["every_cell"]["cases"]) == kernel_cases.nunique()
+    logits = pd.read_parquet(hw / "fp8_logits.parquet")
+    assert len(fp8["logits"]["cases"]) == logits.groupby(["model", "scales"]).ngroups
+    assert (fp8["validation"]["verdict"] == targets.NOT_MEASURED) == (not (hw / "validation_gpu_fp8.parquet").is_file())
+    assert (fp8["e2e"]["verdict"] == targets.NOT_MEASURED) == (not (hw / "e2e_fp8").is_dir())
 
 
 # -- the workflow ---------------------------------------------------------------------------------
