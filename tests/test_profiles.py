@@ -234,8 +234,9 @@ def test_reproduce_check_compares_with_what_git_holds(built, tmp_path):
 
 
 #: Every `snakemake` command of docs/WORKFLOW.md and what its dry run must list: a job count per
-#: rule ({}: nothing to do), on the small grid built without a GPU ("built") or on a fresh copy
-#: whose hardware.target is nvidia-h200 ("gpu").
+#: rule ({}: nothing to do), on the small grid built without a GPU ("built"), on a fresh copy
+#: whose hardware.target is nvidia-h200 ("gpu"), or on such a copy with the committed policy
+#: ("gpu+policy").
 GPU_ALL = {"trace": 4, "counter": 4, "validate_cpu": 1, "ablation_buckets": 1, "ablation_splits": 1, "kernels": 1,
            **GPU_RULES, "render_claims": 1, "render_figures": 1, "render_report": 1, "paper_tables": 1,
            "paper_figures": 1, "all": 1}
@@ -255,6 +256,9 @@ DOCUMENTED = {
     "snakemake validate_gpu_fp8 measure_e2e_fp8 fp8_logits --cores all": (
         "gpu", {"trace": 4, "kernels": 1, "measure": 1, "calibrate": 1, "validate_gpu_fp8": 1,
                 "measure_e2e_fp8_pass": SMALL_E2E_PASSES, "measure_e2e_fp8": 1, "fp8_logits": 1}),
+    # the committed policy kept: only the traces, the kernels and the target run (no measure, no calibrate)
+    "snakemake validate_gpu_fp8 --cores all --allowed-rules trace kernels validate_gpu_fp8": (
+        "gpu+policy", {"trace": 4, "kernels": 1, "validate_gpu_fp8": 1}),
     "snakemake measure_published --cores all": ("gpu", {"trace": 4, "kernels": 1, "measure": 2, "calibrate": 1,
                                                         "measure_published": 1}),
     "snakemake all --workflow-profile workflow/profiles/gpus --resources gpu=4": ("gpu", GPU_ALL),
@@ -286,11 +290,15 @@ def test_every_documented_command_has_an_expected_dry_run():
 def test_documented_commands_do_what_they_say(built, tmp_path):
     repo, env = built
     gpu_repo, _ = small_repo(tmp_path, target="nvidia-h200")
+    policy_repo, _ = small_repo(tmp_path / "policy", target="nvidia-h200")
+    (policy_repo / "results" / "nvidia-h200").mkdir(parents=True)
+    shutil.copy(ROOT / "results" / "nvidia-h200" / "policy.json", policy_repo / "results" / "nvidia-h200")
+    repos = {"built": repo, "gpu": gpu_repo, "gpu+policy": policy_repo}
     for command, (where, expected) in DOCUMENTED.items():
         if where in ("report", "unlock"):
             continue
         args = command.split()[1:]
-        done = snakemake(repo if where == "built" else gpu_repo, "-n", *args, env=env)
+        done = snakemake(repos[where], "-n", *args, env=env)
         assert done.returncode == 0, (command, done.stderr[-2000:])
         counts = job_counts(done.stdout)
         if expected == "all":
