@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -91,18 +90,23 @@ def build(out: Path, tag: str) -> Path:
 
 
 def ptxas_report(source: Path, arch: str) -> list[dict]:
-    """Registers and spills (persistentkv.kernel_build.parse_ptxas rows, plus ``warps``) of the FP8
-    decode kernels of ``source`` at head_dim 128, 4 and 8 warps, compiled for ``arch``."""
-    from persistentkv.kernel_build import parse_ptxas
+    """Registers and spills (persistentkv.kernel_build.compile_module's ptxas rows, plus ``warps``)
+    of the FP8 decode kernels of ``source`` at head_dim 128, 4 and 8 warps, compiled for ``arch``
+    with the engine's own options (launch.compile_options)."""
+    import tempfile
 
+    from persistentkv.kernel_build import compile_module
+    from persistentkv.launch import compile_options
+    from persistentkv.spec import AttentionSpec
+
+    spec = AttentionSpec(1, 1, 128, 16, "float16", kv_dtype="float8_e4m3")
     rows = []
-    for warps in (4, 8):
-        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", "/dev/null", "-std=c++17", "--use_fast_math",
-                               "-DPKV_FP8=1", f"-DPKV_WARPS={warps}", "-DPKV_HEAD_DIM=128", "-Xptxas", "-v",
-                               str(source)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"nvcc failed on {source}:\n{done.stderr.strip()}")
-        rows += [dict(r, warps=warps) for r in parse_ptxas(done.stderr) if r["kernel"].startswith("pkv_decode")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for warps in (4, 8):
+            rows += [dict(r, warps=warps) for r in
+                     compile_module(arch, source, Path(tmp) / f"w{warps}.cubin", list(compile_options(spec, warps)),
+                                    f"{source.parent.parent.name} FP8 D=128 warps={warps}")
+                     if r["kernel"].startswith("pkv_decode")]
     return rows
 
 
