@@ -44,7 +44,7 @@ def variant_name(route: str, warps: int) -> str:
 
 
 #: the shipped engine configurations' names, the bases of paired_ratios
-SHIPPED = tuple(variant_name(route, warps) for route in ENGINE_ROUTES for warps in WARPS)
+SHIPPED = (*(variant_name(route, warps) for route in ENGINE_ROUTES for warps in WARPS), "auto")
 
 
 def first_line(exc: BaseException) -> str:

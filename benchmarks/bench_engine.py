@@ -3,6 +3,7 @@
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
                                       [--waves 2,0.5] [--baselines vllm-fa3] [--routes workqueue]
                                       [--against DIR[,DIR...]] [--heads 32:8] [--kv-dtype float8_e4m3]
+                                      [--ctas 3,4]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
@@ -14,7 +15,12 @@ of the case interleaved. Variants:
   split, split8            the rectangular split grid with its merge (route split)
   wq@xW, wq8@xW            (--waves W,...) the queues over W times their default target_items:
                            W waves of shorter items (W > 1), or fewer and longer ones (W < 1)
-  X-TAG                    (--against DIR[,DIR...]) every shipped variant X built by another
+  wqcK                     (--ctas K,..., FP8 cache) the 4-warp module built for K resident CTAs
+                           per SM (3 or 4; the default module holds 2), its queue K x SMs items
+  auto                     (with the workqueue route) pkv-workqueue's per-step choice of module,
+                           as the backend makes it (choose.choose_warps, choose_ctas_per_sm); each
+                           case prints the module it chose
+  X-TAG                    (--against DIR[,DIR...]) every shipped variant X (auto too) built by another
                            version of the engine: each DIR holds that version's kernels/ and
                            src/PACKAGE (the package renamed, e.g. persistentkv_0390ebd, so all
                            import in one process; TAG is its suffix, one per DIR). Made by
@@ -61,15 +67,23 @@ class Variant(NamedTuple):
     plan: dict
 
 
-def variants(spec, *, warps=WARPS, waves=(), make_engine=None, routes=ENGINE_ROUTES) -> list[Variant]:
+def variants(spec, *, warps=WARPS, waves=(), make_engine=None, routes=ENGINE_ROUTES, ctas=(),
+             make_auto=None) -> list[Variant]:
     """Our variants (module docstring), in the order the tables print them: each of ``routes`` at
-    each of ``warps``, then the queue over each of ``waves`` times its default target_items.
-    ``make_engine(spec, **options)`` builds
-    the engines (default persistentkv.engine.engine_for), so the same variants can come from
-    another build of the kernels. Warps whose engine cannot be built here print why and are left
-    out."""
+    each of ``warps``, then the queue over each of ``waves`` times its default target_items, then
+    the 4-warp queue of each of ``ctas`` resident CTAs per SM, then ``auto`` (with the workqueue
+    route). ``make_engine(spec, **options)`` builds the engines (default
+    persistentkv.engine.engine_for) and ``make_auto()`` the auto variant's engine-like object
+    (default _Auto over persistentkv's PKVWorkqueue; False: no auto variant), so the same variants
+    can come from another build of the kernels. Modules that cannot be built here print why and are
+    left out."""
     if make_engine is None:
         from persistentkv.engine import engine_for as make_engine
+    if make_auto is None:
+        from persistentkv.backends.pkv import PKVWorkqueue
+
+        def make_auto():
+            return _Auto(PKVWorkqueue())
     out = []
     for w in warps:
         try:
@@ -82,7 +96,33 @@ def variants(spec, *, warps=WARPS, waves=(), make_engine=None, routes=ENGINE_ROU
         out += [Variant(f"{queue}@x{x:g}", engine, {"route": "workqueue",
                                                     "target_items": max(1, round(x * engine.target_items))})
                 for x in waves]
+    for k in ctas:
+        try:
+            out.append(Variant(f"wqc{k}", make_engine(spec, ctas_per_sm=k), {"route": "workqueue"}))
+        except Exception as exc:
+            print(f"{k} CTAs per SM: no engine ({first_line(exc)})")
+    if "workqueue" in routes and make_auto is not False:
+        out.append(Variant("auto", make_auto(), {}))
     return out
+
+
+class _Auto:
+    """pkv-workqueue's per-step module choice (warps="auto") as an engine: plan() is the backend's
+    (on the batch ``rebuild`` makes, for another version's package), run() the planning engine's;
+    ``chosen`` names the module of the last plan."""
+
+    def __init__(self, backend, rebuild=None):
+        self._backend, self._rebuild, self.chosen = backend, rebuild, ""
+
+    def plan(self, batch, **_):
+        plan = self._backend.plan(self._rebuild(batch) if self._rebuild else batch)
+        engine = plan.engine
+        self.chosen = f"{engine.warps} warps, {getattr(engine, 'ctas_per_sm', None) or engine.module.occupancy} " \
+                      f"CTAs per SM, {engine.target_items} items"
+        return plan
+
+    def run(self, q, kv, plan, out) -> None:
+        plan.engine.run(q, kv, plan, out)
 
 
 class _Against:
@@ -97,11 +137,16 @@ class _Against:
         return getattr(self._engine, name)
 
     def plan(self, batch, route="workqueue", **options):
-        spec = self._spec.AttentionSpec(**{k: getattr(batch.spec, k) for k in
-                                           ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")},
-                                        **({"kv_dtype": batch.spec.kv_dtype} if batch.spec.kv_dtype else {}))
-        theirs = self._cache.Batch(spec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
-        return self._engine.plan(theirs, route, **options)
+        return self._engine.plan(their_batch(batch, self._spec, self._cache), route, **options)
+
+
+def their_batch(batch, spec_module, cache_module):
+    """``batch`` rebuilt with another version's AttentionSpec and Batch (``spec_module``,
+    ``cache_module``): the same lengths, page table and pages."""
+    spec = spec_module.AttentionSpec(**{k: getattr(batch.spec, k) for k in
+                                        ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")},
+                                     **({"kv_dtype": batch.spec.kv_dtype} if batch.spec.kv_dtype else {}))
+    return cache_module.Batch(spec, batch.seq_lens, batch.kv_indptr, batch.kv_indices, batch.num_pages)
 
 
 class FP16Twin:
@@ -150,14 +195,22 @@ def against_variants(path: str, spec, *, warps=WARPS, routes=ENGINE_ROUTES) -> l
     name = packages[0]
     package = SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in ("cache", "spec", "engine")})
     tag = name.removeprefix("persistentkv_")
+    try:
+        backend = importlib.import_module(f"{name}.backends.pkv").PKVWorkqueue
+    except (ImportError, AttributeError) as exc:
+        print(f"auto-{tag}: left out ({first_line(exc)})")
+        backend = None
 
     def make_engine(spec, **options):
         theirs = package.spec.AttentionSpec(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
                                             spec.dtype, **({"kv_dtype": spec.kv_dtype} if spec.kv_dtype else {}))
         return _Against(package.engine.engine_for(theirs, **options), package)
 
+    def make_auto():
+        return _Auto(backend(), lambda batch: their_batch(batch, package.spec, package.cache))
+
     return [v._replace(name=f"{v.name}-{tag}") for v in variants(spec, warps=warps, make_engine=make_engine,
-                                                                 routes=routes)]
+                                                                 routes=routes, make_auto=make_auto if backend else False)]
 
 
 def parse_waves(text: str) -> tuple[float, ...]:
@@ -169,6 +222,22 @@ def parse_waves(text: str) -> tuple[float, ...]:
     if any(not w > 0 or w == 1 for w in waves):
         raise SystemExit("--waves: each multiple must be > 0 and not 1 (1 is the default queue, wq / wq8)")
     return waves
+
+
+def parse_ctas(text: str, spec) -> tuple[int, ...]:
+    """``3,4`` -> (3, 4): resident CTAs per SM of the FP8 4-warp modules (--ctas)."""
+    from persistentkv.launch import ENGINE_CTAS_PER_SM
+
+    allowed = ENGINE_CTAS_PER_SM[4][1:]
+    try:
+        ctas = tuple(int(k) for k in text.split(",") if k.strip())
+    except ValueError:
+        raise SystemExit(f"--ctas: {text!r} is not comma-separated integers") from None
+    if any(k not in allowed for k in ctas):
+        raise SystemExit(f"--ctas: each must be one of {', '.join(map(str, allowed))}, got {text!r}")
+    if ctas and not spec.fp8_kv:
+        raise SystemExit("--ctas needs --kv-dtype float8_e4m3 (the modules are built for an FP8 cache)")
+    return ctas
 
 
 def parse_heads(text: str) -> AttentionSpec:
@@ -205,6 +274,8 @@ def main() -> int:
         parser.add_argument("--heads", default="32:8", help="query heads and kv heads, HQ:HKV (default 32:8)")
         parser.add_argument("--kv-dtype", default="", choices=["", "float8_e4m3"],
                             help="the cache's dtype: the query's (default) or float8_e4m3 (see above)")
+        parser.add_argument("--ctas", default="", help="comma-separated resident CTAs per SM (3, 4) of the "
+                            "FP8 4-warp modules: adds wqcK (see above)")
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
@@ -213,7 +284,8 @@ def main() -> int:
     spec16 = parse_heads(args.heads)
     spec = replace(spec16, kv_dtype=args.kv_dtype or None)
     t_start = time.time()
-    ours = variants(spec, waves=waves, routes=routes)
+    ctas = parse_ctas(args.ctas, spec)
+    ours = variants(spec, waves=waves, routes=routes, ctas=ctas)
     for path in (p for p in args.against.split(",") if p.strip()):
         ours += against_variants(path.strip(), spec, routes=routes)
     if not ours:
@@ -230,6 +302,8 @@ def main() -> int:
         add = planning_adder(runs)
         for v in ours:
             add_engine_plan(add, batch, v.name, v.engine, v.plan)
+            if isinstance(v.engine, _Auto) and v.name in runs:  # planned just now: chosen is this case's
+                print(f"  {v.name}: {v.engine.chosen}")
         add_baselines(add, batch, baselines)
         add_plain_read(add, batch)
         if spec.fp8_kv:

@@ -4,18 +4,15 @@ variants run side by side in one process, on the same batches, checked against f
 
     python benchmarks/kernel_variants.py --out DIR [TAG ...] [--ptxas sm_90]
     python benchmarks/bench_engine.py --kv-dtype float8_e4m3 --routes workqueue \
-        --against DIR/occ3,DIR/lazy,...
+        --against DIR/lazy,...
 
 Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"):
-  occ3       FP8 modules at 4 warps promised 3 resident CTAs per SM (__launch_bounds__ min blocks
-             3: registers <= 168), so the engine's queue (occupancy x SMs) has 396 items of 12
-             warps per SM, where 2 CTAs give 8: the FP8 loop is issue-bound, not byte-bound
-  occ4       FP8 modules at 4 CTAs per SM (4 warps) and 2 (8 warps): registers <= 128
   lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
              16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
-  lazyocc3   lazy and occ3 together
-The A/B at be4ba01 (NOTES, "Variants"): each occupancy wins on some cases and loses on others, lazy
-0.985-0.995 from 268 MB; pagewarp (one page id per warp's 16 rows) was rejected there and removed.
+The A/B at be4ba01 (NOTES, "Variants"): lazy 0.985-0.995 from 268 MB; each occupancy (occ3, occ4:
+the FP8 4-warp modules promised 3 or 4 resident CTAs per SM) won on some cases and lost on others,
+and now ships as the engine's own ctas_per_sm modules, chosen per step (bench_engine --ctas, auto);
+pagewarp (one page id per warp's 16 rows) was rejected there and removed.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
 prints their registers and spills.
 """
@@ -31,9 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 KERNEL = "pkv_decode.cu"
 
-MIN_BLOCKS = "constexpr int MIN_BLOCKS = WARPS == 4 ? 2 : 1;"
-OCC3 = [(MIN_BLOCKS, "constexpr int MIN_BLOCKS = WARPS == 4 ? (FP8 ? 3 : 2) : 1;")]
-OCC4 = [(MIN_BLOCKS, "constexpr int MIN_BLOCKS = WARPS == 4 ? (FP8 ? 4 : 2) : (FP8 ? 2 : 1);")]
 LAZY = [
     ("""  const float a0 = fast_exp2(ws.m0 - base0), a1 = fast_exp2(ws.m1 - base1);
   ws.m0 = mn0;
@@ -64,7 +58,7 @@ LAZY = [
   }
 """, "  ws.l1 = ws.l1 * a1 + ps1;\n"),
 ]
-VARIANTS = {"occ3": OCC3, "occ4": OCC4, "lazy": LAZY, "lazyocc3": LAZY + OCC3}
+VARIANTS = {"lazy": LAZY}
 
 
 def patched(text: str, patches) -> str:

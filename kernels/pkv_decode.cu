@@ -122,9 +122,17 @@ static_assert(WARPS == 4 || WARPS == 8, "PKV_WARPS must be 4 or 8");
 // 8 warps at D = 256 would need 2 stages x 2 x 128 tokens x 256 x 2 B = 256 KB of shared memory.
 static_assert(WARPS == 4 || D <= 128, "PKV_WARPS=8 needs head_dim <= 128");
 // Minimum resident CTAs per SM promised to ptxas (__launch_bounds__): two 4-warp CTAs or one
-// 8-warp CTA, 256 threads either way, so the register cap stays 255 per thread; two 8-warp CTAs
-// would cap it at 128 and the decode kernels (158-199 registers) would spill.
+// 8-warp CTA by default, 256 threads either way, so the register cap stays 255 per thread; two
+// 8-warp CTAs would cap it at 128 and the decode kernels (158-199 registers) would spill.
+// PKV_CTAS_PER_SM raises it for the FP8 4-warp modules, whose 48 KB of stages leave room for 3 or
+// 4 CTAs per SM (registers <= 168 or <= 128): more warps to hide the FP8 loop's conversion and
+// mma latencies, chosen per step (choose.choose_ctas_per_sm; benchmarks/NOTES.md, FP8).
+#ifdef PKV_CTAS_PER_SM
+constexpr int MIN_BLOCKS = PKV_CTAS_PER_SM;
+static_assert(WARPS == 4 && MIN_BLOCKS >= 2 && MIN_BLOCKS <= 4, "PKV_CTAS_PER_SM: 2-4 CTAs of 4 warps");
+#else
 constexpr int MIN_BLOCKS = WARPS == 4 ? 2 : 1;
+#endif
 static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "load mapping");
 static_assert(CHUNKS == 4 || CHUNKS % 8 == 0, "the swizzle (swzb) covers rows of 4 or 8k chunks");
 

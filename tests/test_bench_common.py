@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def test_every_shipped_route_and_warps_has_a_variant_name():
     from persistentkv.names import ENGINE_ROUTES
 
     assert tuple(bench_common.ROUTE_STEMS) == ENGINE_ROUTES
-    assert bench_common.SHIPPED == ("wq", "wq8", "buckets", "buckets8", "split", "split8")
+    assert bench_common.SHIPPED == ("wq", "wq8", "buckets", "buckets8", "split", "split8", "auto")
     assert len(set(bench_common.SHIPPED)) == len(bench_common.SHIPPED)
 
 
@@ -148,21 +149,60 @@ def test_bench_engine_variants_are_the_shipped_routes_and_warps_then_waves(capsy
             raise RuntimeError("no 8-warp module here")
         return FakeEngine(target_items=132 if options["warps"] == 8 else 264, **options)
 
-    out = bench_engine.variants("spec", waves=(2, 0.5), make_engine=make_engine)
+    out = bench_engine.variants("spec", waves=(2, 0.5), make_engine=make_engine, make_auto=lambda: "the auto")
     assert [v.name for v in out] == ["wq", "buckets", "split", "wq@x2", "wq@x0.5",
-                                     "wq8", "buckets8", "split8", "wq8@x2", "wq8@x0.5"]
+                                     "wq8", "buckets8", "split8", "wq8@x2", "wq8@x0.5", "auto"]
+    assert out[-1].engine == "the auto" and out[-1].plan == {}
     plans = {v.name: v.plan for v in out}
     assert plans["buckets8"] == {"route": "buckets"} and plans["wq"] == {"route": "workqueue"}
     assert plans["wq@x2"] == {"route": "workqueue", "target_items": 528}
     assert plans["wq8@x0.5"] == {"route": "workqueue", "target_items": 66}
-    engines = {v.name: v.engine.options for v in out}
+    engines = {v.name: v.engine.options for v in out[:-1]}
     assert engines["wq8"] == engines["split8"] == {"warps": 8}
     assert built == [{"warps": 4}, {"warps": 8}]
     # an engine that cannot be built leaves its warps out, and says why
     out = bench_engine.variants("spec", make_engine=lambda spec, **o: (
-        FakeEngine(**o) if o["warps"] == 4 else make_engine(spec, fail=True, **o)))
+        FakeEngine(**o) if o["warps"] == 4 else make_engine(spec, fail=True, **o)), make_auto=False)
     assert [v.name for v in out] == ["wq", "buckets", "split"]
     assert "8 warps: no engine (RuntimeError: no 8-warp module here)" in capsys.readouterr().out
+
+
+def test_bench_engine_ctas_variants_and_the_default_auto(capsys):
+    """--ctas K adds wqcK, the 4-warp module built for K CTAs per SM (left out with the reason where
+    it cannot be built); auto is pkv-workqueue's own per-step choice, with the workqueue route only."""
+    import bench_engine
+
+    from persistentkv.backends.pkv import PKVWorkqueue
+
+    def make_engine(spec, **options):
+        if options.get("ctas_per_sm") == 4:
+            raise RuntimeError("holds 3 CTAs per SM")
+        return FakeEngine(**options)
+
+    out = bench_engine.variants("spec", warps=(4,), routes=("workqueue",), ctas=(3, 4), make_engine=make_engine)
+    assert [v.name for v in out] == ["wq", "wqc3", "auto"]
+    assert out[1].engine.options == {"ctas_per_sm": 3} and out[1].plan == {"route": "workqueue"}
+    assert isinstance(out[2].engine, bench_engine._Auto) and isinstance(out[2].engine._backend, PKVWorkqueue)
+    assert "4 CTAs per SM: no engine (RuntimeError: holds 3 CTAs per SM)" in capsys.readouterr().out
+    assert [v.name for v in bench_engine.variants("spec", warps=(4,), routes=("buckets",), make_engine=make_engine)] \
+        == ["buckets"]
+
+
+def test_bench_engine_auto_plans_through_the_backend_and_names_its_module():
+    import bench_engine
+
+    class Backend:
+        def plan(self, batch):
+            engine = SimpleNamespace(warps=4, ctas_per_sm=3, target_items=396,
+                                     run=lambda q, kv, plan, out: calls.append((q, kv, plan, out)))
+            return SimpleNamespace(engine=engine, batch=batch)
+
+    calls = []
+    auto = bench_engine._Auto(Backend(), rebuild=lambda batch: ("theirs", batch))
+    plan = auto.plan("batch", route="workqueue")
+    assert plan.batch == ("theirs", "batch") and auto.chosen == "4 warps, 3 CTAs per SM, 396 items"
+    auto.run("q", "kv", plan, "out")
+    assert calls == [("q", "kv", plan, "out")]
 
 
 def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batches(tmp_path):
@@ -195,7 +235,7 @@ def test_bench_engine_against_builds_the_other_versions_variants_on_its_own_batc
     finally:
         sys.path.remove(str(tmp_path / "src"))
     assert [v.name for v in out] == ["wq-old1", "buckets-old1", "split-old1", "wq8-old1", "buckets8-old1",
-                                     "split8-old1"]
+                                     "split8-old1"]  # no backends.pkv there: no auto-old1
     assert [v.engine.warps for v in out] == [4, 4, 4, 8, 8, 8]
     try:  # --routes: only the queue
         queue_only = bench_engine.against_variants(str(tmp_path), bench_engine.SPEC, routes=("workqueue",))
@@ -219,6 +259,13 @@ def test_bench_engine_options_are_checked_before_any_gpu_work():
     assert bench_engine.parse_names("vllm-fa3,trtllm-xqa", ("vllm-fa3", "trtllm-xqa"), "--baselines") == \
         ("vllm-fa3", "trtllm-xqa")
     assert bench_engine.parse_names("", ("vllm-fa3",), "--baselines") == ()
+    fp8 = bench_engine.replace(bench_engine.SPEC, kv_dtype="float8_e4m3")
+    assert bench_engine.parse_ctas("", bench_engine.SPEC) == () and bench_engine.parse_ctas("3, 4", fp8) == (3, 4)
+    for bad, spec, message in (("2", fp8, "--ctas: each must be one of 3, 4"),
+                               ("x", fp8, "--ctas: 'x' is not comma-separated integers"),
+                               ("3", bench_engine.SPEC, "--ctas needs --kv-dtype float8_e4m3")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            bench_engine.parse_ctas(bad, spec)
     with pytest.raises(SystemExit, match="--baselines: flashinfer not among"):
         bench_engine.parse_names("vllm-fa3,flashinfer", ("vllm-fa3", "trtllm-xqa"), "--baselines")
 

@@ -1,5 +1,6 @@
-"""choose.choose_warps, the one rule that picks a pkv-workqueue step's module (4 or 8 warps), and
-the queue imbalance it rests on.
+"""choose.choose_warps and choose_ctas_per_sm, the rules that pick a pkv-workqueue step's module
+(4 or 8 warps; on an FP8 cache 3 or 4 resident 4-warp CTAs per SM), and the queue imbalance they
+rest on.
 
 Every expected value here is worked out by hand in the comments (tiles of 32 tokens, Hkv = 8, the
 H200 queues: 132 items of >= 4 tiles at 8 warps, 264 items of >= 2 tiles at 4 warps) or by the
@@ -11,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persistentkv.choose import _warps_for_tiles, choose_warps, queue_imbalance
+from persistentkv.choose import (CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, _warps_for_tiles, choose_ctas_per_sm,
+                                 choose_warps, queue_imbalance)
 from persistentkv.errors import PKVError
 
 # zipf_b8's step: tiles 412, 442, 457, 480, 507, 516, 554, 606 (ceil(n / 32)); 3974 tiles in all.
@@ -241,3 +243,97 @@ def test_memoised_answer_is_the_unmemoised_one():
     assert choose_warps(ZIPF_B8, 128) == 4
     assert choose_warps(ZIPF_B8, 128, queue8=(264, 4)) == 8
     assert choose_warps(ZIPF_B8, 128, max_imbalance=1.2) == 8
+
+
+# -- choose_ctas_per_sm: FP8 4-warp modules at 3 or 4 CTAs per SM ---------------------------------
+
+def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None):
+    """The documented rule with the oracle's imbalance: the first of 4, 3 CTAs per SM whose queue
+    (ctas x sms items of >= 2 tiles, as many waves as one item per group needs) has a mean item of at
+    least 4096 / 2048 tokens and an imbalance at most 1.02 x the picked module's queue's."""
+    tiles = tiles_of(lens)
+    if picked_queue is None:
+        picked_queue = (264, 2) if oracle_warps(lens, hkv) == 4 else (132, 4)
+    base = oracle_imbalance(tiles, hkv, *picked_queue)
+    for ctas, min_tokens in ((4, 4096), (3, 2048)):
+        target = ctas * sms
+        waves = 1
+        while waves * target <= len(tiles) * hkv:
+            waves += 1
+        if 32 * hkv * sum(tiles) < min_tokens * waves * target:
+            continue
+        if oracle_imbalance(tiles, hkv, target, 2) <= 1.02 * base:
+            return ctas
+    return None
+
+
+def picked_queue(lens):
+    return (264, 2) if choose_warps(lens, 128) == 4 else (132, 4)
+
+
+def test_ctas_constants_are_the_documented_ones():
+    assert CTAS_MIN_ITEM_TOKENS == {3: 2048, 4: 4096} and CTAS_MAX_IMBALANCE == 1.02
+
+
+@pytest.mark.parametrize("lens, want", [
+    ([131072], 3),          # 8 x 4096 tiles over 396 slots: 2648 tokens an item; 4 CTAs: 1986 < 4096
+    ([32768] * 4, 3),       # the same tokens in 4 rows
+    ([16384] * 8, 3),
+    ([8192] * 16, 3),       # 128 groups of 256 tiles: 3 items each (86 tiles), 1.039 against the 8-warp 1.031
+    ([8192] * 64, 4),       # 512 one-item groups in 528 slots, 7944 tokens an item, 1.03 as the 8-warp queue's
+    ([32768] * 64, 4),
+    ([262144], 3),          # 4 CTAs: 3971 tokens an item, under 4096
+    ([32768], None),        # 662 tokens an item at 3 CTAs
+    ([65536], None),        # 1324
+    ([1024] * 64, None),
+    ([4096] * 64, None),    # 4 CTAs: 3971 tokens an item
+])
+def test_choose_ctas_worked_cases(lens, want):
+    assert choose_ctas_per_sm(lens, 8, 132, picked_queue(lens)) == want
+    assert oracle_ctas(lens) == want
+
+
+def test_choose_ctas_imbalance_rules_out_a_partial_wave():
+    """B=48 x 8K: 384 one-item groups. 3 CTAs hold them in one wave of 396 (1.03); 4 CTAs would
+    leave 144 of 528 slots empty (1.375) and the 8-warp queue runs 3 waves (132 x 3 = 396: 1.03):
+    3. B=64 x 8K at 3 CTAs (512 groups over 2 x 396 slots: 1.55) is ruled out the same way."""
+    lens = [8192] * 48
+    assert choose_ctas_per_sm(lens, 8, 132, (132, 4)) == 3
+    assert queue_imbalance(tiles_of(lens), 8, 528, 2) == pytest.approx(1.375)
+    assert queue_imbalance(tiles_of([8192] * 64), 8, 396, 2) == pytest.approx(256 * 792 / (8 * 64 * 256))
+    assert choose_ctas_per_sm([8192] * 64, 8, 132, (132, 4), candidates=(3,)) is None
+
+
+def test_choose_ctas_single_kv_head_keeps_the_module():
+    """Hkv = 1 (a TP=8 shard): one group, items of 83-331 tokens at 3 CTAs (1.11-1.17x slower measured)."""
+    for n in (32768, 131072):
+        assert choose_ctas_per_sm([n], 1, 132, (132, 4)) is None
+
+
+def test_choose_ctas_scales_with_the_sms():
+    """The thresholds are per item, so fewer SMs make longer items: on 66 SMs B=1 x 128K has 264
+    items of 3971 tokens at 4 CTAs (under 4096: 3 CTAs), B=1 x 256K 7944 (4 CTAs); on 33 SMs B=1 x
+    32K has 99 items of 2648 tokens at 3 CTAs."""
+    assert choose_ctas_per_sm([131072], 8, 66, (66, 4)) == 3
+    assert choose_ctas_per_sm([262144], 8, 66, (66, 4)) == 4   # 8 x 262144 / 264 = 7944 tokens an item
+    assert choose_ctas_per_sm([32768], 8, 33, (33, 4)) == 3    # 8 x 32768 / 99 = 2648
+
+
+def test_choose_ctas_refuses_no_rows():
+    with pytest.raises(PKVError, match="at least one row"):
+        choose_ctas_per_sm([], 8, 132, (132, 4))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 64, 100])
+def test_choose_ctas_matches_the_documented_rule(rows):
+    rng = np.random.default_rng(300 + rows)
+    picked = set()
+    for trial in range(20):
+        seq = random_rows(rng, rows, trial)
+        if trial % 4 == 3:
+            seq = seq * 16  # long rows: the item thresholds within reach
+        lens = seq.tolist()
+        want = oracle_ctas(lens)
+        assert choose_ctas_per_sm(seq, 8, 132, picked_queue(lens)) == want, lens
+        picked.add(want)
+    assert None in picked and (rows > 8 or 3 in picked)  # the cases exercise more than one answer

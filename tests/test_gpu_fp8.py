@@ -5,7 +5,8 @@ code x scale, the scale per tensor or per KV head (float32 device tensors read a
 Its queries and outputs stay fp16/bf16, so it is held to the same per-(row, query head) gate as
 an fp16/bf16 cache (reference.TOLERANCE of the query dtype): the reference attends over exactly
 the dequantised values, in float64, and never looks at a plan. The matrix runs every shipped
-configuration (4- and 8-warp modules x every route) over dtypes, head dims, group sizes, page
+configuration (4- and 8-warp modules x every route, and the workqueue of the 4-warp modules built
+for 3 and 4 resident CTAs per SM, which pkv-workqueue picks per step) over dtypes, head dims, group sizes, page
 sizes with page- and stage-boundary lengths, ragged batches over scattered pages, strided (K/V
 interleaved) caches, per-tensor and per-head scales, the numerics stress kinds, subnormal codes,
 a 1M-token row and graph replay with scales changed between replays; then the bad inputs.
@@ -26,8 +27,16 @@ from persistentkv.spec import FP8_KV, AttentionSpec
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-CONFIGS = [(w, r) for w in (4, 8) for r in ENGINE_ROUTES]
-CONFIG_IDS = [f"w{w}-{r}" for w, r in CONFIGS]
+
+def module_id(module) -> str:
+    """4, 8, or 4c3 for (4, 3): a module's name in test ids and messages."""
+    return f"{module[0]}c{module[1]}" if isinstance(module, tuple) else str(module)
+
+
+#: the modules: warps, or (4, CTAs per SM) for the FP8 4-warp modules built for 3 or 4 resident CTAs
+MODULES = (4, 8, (4, 3), (4, 4))
+CONFIGS = [(w, r) for w in (4, 8) for r in ENGINE_ROUTES] + [(m, "workqueue") for m in MODULES[2:]]
+CONFIG_IDS = [f"w{module_id(w)}-{r}" for w, r in CONFIGS]
 SCALES = ("tensor", "head")
 
 
@@ -36,11 +45,15 @@ def fp8_spec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=
 
 
 def engine_of(spec, warps=4):
+    """The engine of module ``warps`` (4, 8, or (4, CTAs per SM)) for ``spec``."""
     from persistentkv.engine import engine_for
 
+    warps, ctas = warps if isinstance(warps, tuple) else (warps, None)
     if warps == 8 and spec.head_dim > 128:
         pytest.skip("no 8-warp module at head_dim > 128")
-    return engine_for(spec, warps=warps)
+    if ctas is not None and spec.head_dim > 128:
+        pytest.skip(f"no module for {ctas} CTAs per SM at head_dim > 128")
+    return engine_for(spec, warps=warps, **({"ctas_per_sm": ctas} if ctas else {}))
 
 
 def quantized(values, spec, per_head: bool):
@@ -104,14 +117,14 @@ def run_fp8(spec, lengths, warps=4, route="workqueue", seed=0, hole_fraction=0.2
 def test_dtype_headdim(warps, route, dtype, head_dim, layout, scales):
     spec = fp8_spec(head_dim=head_dim, dtype=dtype)
     run_fp8(spec, [1, 15, 16, 17, 300, 4096, 777], warps, route, seed=head_dim, layout=layout,
-            per_head=scales == "head", what=f"fp8 {dtype} D={head_dim} w{warps} {route} {layout} {scales}")
+            per_head=scales == "head", what=f"fp8 {dtype} D={head_dim} w{module_id(warps)} {route} {layout} {scales}")
 
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8, 16])
 def test_group_sizes(warps, route, group):
     spec = fp8_spec(4 * group, 4)
-    run_fp8(spec, [5, 64, 2000, 513], warps, route, seed=group, per_head=True, what=f"fp8 G={group} w{warps} {route}")
+    run_fp8(spec, [5, 64, 2000, 513], warps, route, seed=group, per_head=True, what=f"fp8 G={group} w{module_id(warps)} {route}")
 
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
@@ -121,7 +134,7 @@ def test_page_sizes_and_boundaries(warps, route, page_size):
     lengths = sorted({1, 2, max(page_size - 1, 1), page_size, page_size + 1, 31, 32, 33, 63, 64, 65, 127, 128,
                       129, 255, 256, 257, 3 * page_size + 5, 1000, 1025, 3001})
     run_fp8(spec, lengths, warps, route, seed=page_size, hole_fraction=0.5, layout="kv_interleaved",
-            what=f"fp8 P={page_size} w{warps} {route}")
+            what=f"fp8 P={page_size} w{module_id(warps)} {route}")
 
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
@@ -129,13 +142,13 @@ def test_page_sizes_and_boundaries(warps, route, page_size):
 def test_ragged_batches(warps, route, batch_size):
     lengths = np.random.default_rng(batch_size).integers(1, 9000, size=batch_size)
     run_fp8(fp8_spec(), lengths, warps, route, seed=batch_size, per_head=batch_size % 2 == 0,
-            what=f"fp8 B={batch_size} w{warps} {route}")
+            what=f"fp8 B={batch_size} w{module_id(warps)} {route}")
 
 
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("warps", MODULES, ids=module_id)
 def test_million_token_row(warps):
     run_fp8(fp8_spec(), [1 << 20], warps, "workqueue", seed=7, hole_fraction=0.0, per_head=True,
-            what=f"fp8 1M tokens w{warps}")
+            what=f"fp8 1M tokens w{module_id(warps)}")
 
 
 @pytest.mark.parametrize("warps, route", CONFIGS, ids=CONFIG_IDS)
@@ -156,11 +169,11 @@ def test_numerics_stress(warps, route, kind, dtype):
     out = torch.full_like(q, float("nan"))
     engine.run(q, (kc, vc), plan, out, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
-    assert_rows_close(out, reference_torch64(batch, q, kd, vd), dtype, f"fp8 {kind} {dtype} w{warps} {route}",
+    assert_rows_close(out, reference_torch64(batch, q, kd, vd), dtype, f"fp8 {kind} {dtype} w{module_id(warps)} {route}",
                       seq_lens=batch.seq_lens)
 
 
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("warps", MODULES, ids=module_id)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_subnormal_codes(warps, dtype):
     """Every K and V code subnormal (exponent field 0: m/8 x 2^-6), with scales of 2^6 so that their
@@ -186,7 +199,7 @@ def test_subnormal_codes(warps, dtype):
     torch.cuda.synchronize()
     kd, vd = kc.float() * 64.0, vc.float() * 64.0
     assert float(kd.abs().min()) >= 1 / 8 and float(kd.abs().max()) <= 7 / 8
-    assert_rows_close(out, reference_torch64(batch, q, kd, vd), dtype, f"subnormal codes {dtype} w{warps}",
+    assert_rows_close(out, reference_torch64(batch, q, kd, vd), dtype, f"subnormal codes {dtype} w{module_id(warps)}",
                       seq_lens=batch.seq_lens)
 
 
@@ -198,7 +211,7 @@ def test_graph_replay_follows_new_scales(warps, route):
 
     spec = fp8_spec()
     _, engine, plan, batch, q, (kc, vc, ks, vs) = run_fp8(spec, [1000, 20000, 77], warps, route, seed=5,
-                                                          per_head=True, what=f"fp8 eager w{warps} {route}")
+                                                          per_head=True, what=f"fp8 eager w{module_id(warps)} {route}")
     out = torch.full_like(q, float("nan"))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -218,7 +231,34 @@ def test_graph_replay_follows_new_scales(warps, route):
         torch.cuda.synchronize()
         view = (1, 1, -1, 1)
         ref = reference_torch64(batch, q, kc.float() * ks.view(view), vc.float() * vs.view(view))
-        assert_rows_close(out, ref, spec.dtype, f"replay {replay} w{warps} {route}", seq_lens=batch.seq_lens)
+        assert_rows_close(out, ref, spec.dtype, f"replay {replay} w{module_id(warps)} {route}", seq_lens=batch.seq_lens)
+
+
+@pytest.mark.parametrize("lengths", [[131072], [8192] * 64, [32768], [4096] * 64], ids=["1x128K", "64x8K", "1x32K",
+                                                                                          "64x4K"])
+def test_auto_picks_the_module_per_step(lengths):
+    """pkv-workqueue (warps="auto") on an FP8 cache runs the module choose_warps and
+    choose_ctas_per_sm name for the step, and its output passes the per-(row, head) gate."""
+    import torch
+
+    from persistentkv.backends.pkv import PKVWorkqueue
+    from persistentkv.choose import choose_ctas_per_sm, choose_warps
+
+    spec = fp8_spec()
+    backend = PKVWorkqueue()
+    batch, q, (kc, vc, ks, vs), (kd, vd) = fp8_case(spec, lengths, seed=len(lengths), per_head=True)
+    plan = backend.plan(batch)
+    w4 = backend.engine(spec)
+    warps = choose_warps(batch.seq_lens, spec.head_dim, num_kv_heads=spec.num_kv_heads,
+                         queue4=(w4.target_items, w4.min_chunk_tiles), queue8=(w4.num_sms, 4))
+    ctas = choose_ctas_per_sm(batch.seq_lens, spec.num_kv_heads, w4.num_sms,
+                              (w4.target_items, 2) if warps == 4 else (w4.num_sms, 4))
+    assert (plan.engine.warps, plan.engine.ctas_per_sm) == ((4, ctas) if ctas else (warps, None))
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, (kc, vc, ks, vs), plan, out)
+    torch.cuda.synchronize()
+    assert_rows_close(out, reference_torch64(batch, q, kd, vd), spec.dtype, f"auto {len(lengths)}x{lengths[0]}",
+                      seq_lens=batch.seq_lens)
 
 
 def test_lse_of_an_fp8_cache():

@@ -46,10 +46,10 @@ def test_a_patch_whose_text_moved_is_refused_by_name(tmp_path):
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
 @pytest.mark.slow
-def test_the_occupancy_variants_fit_their_register_budget(tmp_path):
-    """occ3: 3 x 128 threads per SM -> <= 168 registers, no spills; occ4: 128 registers."""
-    occ3 = kernel_variants.ptxas_report(kernel_variants.build(tmp_path, "occ3") / "kernels" / "pkv_decode.cu", "sm_90")
-    four = [r for r in occ3 if r["warps"] == 4]
-    assert len(four) == 2 and all(r["registers"] <= 168 and r["spill_store_bytes"] == 0 for r in four)
-    occ4 = kernel_variants.ptxas_report(kernel_variants.build(tmp_path, "occ4") / "kernels" / "pkv_decode.cu", "sm_90")
-    assert all(r["registers"] <= 128 for r in occ4) and len(occ4) == 4
+def test_the_ptxas_report_gives_each_fp8_decode_kernels_registers(tmp_path):
+    """--ptxas: the lazy variant's FP8 decode kernels at 4 and 8 warps, their registers within the
+    shipped launch bounds (255 at 2 CTAs of 4 warps or 1 of 8) and no spills."""
+    rows = kernel_variants.ptxas_report(kernel_variants.build(tmp_path, "lazy") / "kernels" / "pkv_decode.cu", "sm_90")
+    assert sorted((r["warps"], r["kernel"]) for r in rows) == [(w, k) for w in (4, 8)
+                                                               for k in ("pkv_decode", "pkv_decode_fused")]
+    assert all(r["registers"] <= 255 and r["spill_store_bytes"] == 0 for r in rows), rows

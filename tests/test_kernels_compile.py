@@ -5,6 +5,7 @@ before nvcc; the pkv backends hand the engine the options it takes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -16,7 +17,7 @@ from persistentkv.kernel_build import MODULES, check_arch, cubin_name, nvcc_path
 from persistentkv.model import step_ops
 from persistentkv.launch import compile_options, kernels_dir, min_chunk_tiles_for, stage_tokens
 from persistentkv.plan import TILE_TOKENS
-from persistentkv.spec import AttentionSpec
+from persistentkv.spec import FP8_KV, AttentionSpec
 
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
 
@@ -74,6 +75,58 @@ def test_compile_options_define_warps_only_for_8():
     default = compile_options(spec)
     assert compile_options(spec, 4) == default and not any("PKV_WARPS" in o for o in default)
     assert compile_options(spec, 8) == (*default, "-DPKV_WARPS=8")
+
+
+def test_compile_options_define_ctas_only_off_the_default():
+    spec = AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=FP8_KV)
+    default = compile_options(spec)
+    assert compile_options(spec, 4, ctas_per_sm=2) == default
+    assert compile_options(spec, 8, ctas_per_sm=1) == compile_options(spec, 8)
+    assert compile_options(spec, 4, ctas_per_sm=3) == (*default, "-DPKV_CTAS_PER_SM=3")
+    assert compile_options(spec, 4, ctas_per_sm=4, trace=True) == (*default, "-DPKV_CTAS_PER_SM=4", "-DPKV_TRACE=1")
+
+
+@pytest.mark.parametrize("spec, warps, ctas, message", [
+    (AttentionSpec(32, 8, 128, 16, "float16"), 4, 3, "ctas_per_sm=3 is built for an FP8 cache at head_dim <= 128 "
+                                                    "(got a float16 cache at head_dim 128); use the default, 2"),
+    (AttentionSpec(32, 8, 256, 16, "bfloat16", kv_dtype=FP8_KV), 4, 4, "got an FP8 cache at head_dim 256"),
+    (AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=FP8_KV), 8, 2, "ctas_per_sm must be one of 1 at 8 warps, got 2"),
+    (AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=FP8_KV), 4, 5, "must be one of 2, 3, 4 at 4 warps, got 5"),
+    (AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=FP8_KV), 4, True, "got True"),
+])
+def test_unsupported_ctas_are_refused_before_any_compile(spec, warps, ctas, message):
+    assert any(message in r for r in engine_unsupported(spec, warps, ctas))
+    with pytest.raises(PKVError, match=re.escape(message)):
+        compile_options(spec, warps, ctas_per_sm=ctas)
+    with pytest.raises(PKVError, match=re.escape(message)):  # before the GPU checks, compile or launch
+        DecodeEngine(spec, warps=warps, ctas_per_sm=ctas)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ctas", [3, 4])
+def test_fp8_modules_for_more_ctas_fit_their_register_cap(tmp_path, dtype, head_dim, ctas):
+    """The FP8 4-warp modules built for 3 and 4 CTAs per SM (sm_90) stay within 65536 / (ctas x 128)
+    registers, so the occupancy the engine's queue assumes is what the SM can hold; at 3 CTAs they do
+    not spill, at 4 (128 registers) at most a few words at head_dim 128 (8-20 bytes measured)."""
+    spec = AttentionSpec(32, 8, head_dim, 16, dtype, kv_dtype=FP8_KV)
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "x.cubin"),
+           *compile_options(spec, 4, ctas_per_sm=ctas), str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in parse_ptxas(proc.stderr)}
+    for name in ("pkv_decode", "pkv_decode_fused"):
+        assert rows[name]["registers"] <= 65536 // (ctas * 128) // 8 * 8, rows[name]
+        assert rows[name]["spill_store_bytes"] <= (0 if ctas == 3 or head_dim == 64 else 32), rows[name]
+
+
+@needs_nvcc
+def test_the_kernel_itself_refuses_ctas_off_the_4_warp_range(tmp_path):
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90", "-o", str(tmp_path / "x.cubin"), "-DPKV_HEAD_DIM=128",
+           "-DPKV_WARPS=8", "-DPKV_CTAS_PER_SM=2", str(kernels_dir() / "pkv_decode.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and "PKV_CTAS_PER_SM: 2-4 CTAs of 4 warps" in proc.stderr
 
 
 def test_the_trace_build_adds_one_define():
@@ -248,3 +301,51 @@ def test_pkv_workqueue_auto_warps_picks_the_module_per_step(monkeypatch):
     for bad in (6, True, "8"):
         with pytest.raises(PKVError, match="warps must be one of auto, 4, 8"):
             PKVWorkqueue(warps=bad)
+
+
+def test_pkv_workqueue_auto_builds_more_ctas_for_long_fp8_steps(monkeypatch):
+    """On an FP8 cache, after choose_warps, choose_ctas_per_sm may move the step to the 4-warp
+    module built for 3 or 4 CTAs per SM (engine_for(..., ctas_per_sm=K), planned with its own
+    defaults); an fp16 cache, short steps and explicit queue options never do; a module the
+    device cannot hold falls back to choose_warps' module."""
+    from types import SimpleNamespace
+
+    from persistentkv.backends import pkv
+    from persistentkv.backends.pkv import PKVWorkqueue
+    from persistentkv.cache import make_batch
+
+    built, refuse = [], set()
+
+    def engine_for(spec, warps=4, ctas_per_sm=None):
+        if ctas_per_sm in refuse:
+            raise PKVError(f"holds 2 CTAs per SM, not {ctas_per_sm}")
+        built.append((warps, ctas_per_sm))
+        ctas = ctas_per_sm or (2 if warps == 4 else 1)
+        engine = SimpleNamespace(spec=spec, warps=warps, ctas_per_sm=ctas_per_sm, num_sms=132,
+                                 target_items=132 * ctas, min_chunk_tiles=warps // 2)
+        engine.plan = lambda batch, route, **options: (engine, options)
+        return engine
+
+    monkeypatch.setattr(pkv, "engine_for", engine_for)
+    fp8, fp16 = AttentionSpec(kv_dtype=FP8_KV), AttentionSpec()
+
+    def module(backend, spec, lens):
+        engine, options = backend.plan(make_batch(spec, lens))
+        return engine.warps, engine.ctas_per_sm, options
+
+    auto = PKVWorkqueue()
+    assert module(auto, fp8, [131072]) == (4, 3, {})
+    assert module(auto, fp8, [8192] * 64) == (4, 4, {})
+    assert module(auto, fp8, [32768]) == (8, None, {})
+    assert module(auto, fp8, [1024] * 64) == (4, None, {})
+    assert module(auto, fp16, [131072]) == (8, None, {}) and module(auto, fp16, [8192] * 64) == (8, None, {})
+    assert module(auto, fp8, [131072]) == (4, 3, {})
+    assert built.count((4, 3)) == 1 and built.count((4, 4)) == 1  # each module built once per spec
+    pinned = PKVWorkqueue(target_items=264)
+    assert module(pinned, fp8, [131072]) == (8, None, {})  # choose_warps alone
+    bimodal = [49152, 1024, 1024, 1024] * 2  # 4 warps, then 3 CTAs per SM unpinned
+    assert module(auto, fp8, bimodal) == (4, 3, {})
+    assert module(pinned, fp8, bimodal) == (4, None, {"target_items": 264})
+    assert module(PKVWorkqueue(warps=8), fp8, [131072]) == (8, None, {})
+    refuse.add(3)
+    assert module(PKVWorkqueue(), fp8, [131072]) == (8, None, {})  # 3 CTAs do not fit: choose_warps' 8 warps

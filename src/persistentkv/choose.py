@@ -1,8 +1,9 @@
-"""Which module runs a pkv-workqueue step: 4 or 8 warps per CTA, chosen per step.
+"""Which module runs a pkv-workqueue step: 4 or 8 warps per CTA, and for an FP8 cache 2-4
+resident 4-warp CTAs per SM, chosen per step.
 
 The one place a step's kernel shape is chosen (besides the policy, which picks the backend): a
-pure function of the step's row lengths and the two modules' queues, with the H200 measurements
-that set its thresholds. The planner (plan.py) then shapes the step for the chosen module.
+pure function of the step's row lengths and the modules' queues, with the H200 measurements that
+set its thresholds. The planner (plan.py) then shapes the step for the chosen module.
 """
 
 from __future__ import annotations
@@ -93,3 +94,44 @@ def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max
     imbalance4 = queue_imbalance(counts, num_kv_heads, *queue4)
     imbalance8 = queue_imbalance(counts, num_kv_heads, *queue8)
     return 4 if imbalance8 > max_imbalance * imbalance4 else 8
+
+
+#: choose_ctas_per_sm: the smallest mean item, in tokens, of a queue of ``ctas`` 4-warp FP8 CTAs per
+#: SM (3 or 4). More resident CTAs hide the FP8 loop's conversion and mma latencies, but split the
+#: rows into more, shorter items, each paying its ramp and its share of the merge. H200 A/B at
+#: be4ba01 (benchmarks/NOTES.md, FP8, "Variants"), time / the shipped module's: 3 CTAs 0.963 at
+#: B=1 x 128K and B=4 x 32K (2648 tokens an item), 0.972 on B8-bimodal (~2600), 1.007 at
+#: B=1 x 32K (662), 1.09 at B=1 x 4K (83), 1.11-1.17 under Hkv=1 (83-331); 4 CTAs 0.953 at
+#: B=64 x 8K (7944), 1.021 at B=1 x 128K (1986), 1.007 at B=4 x 32K, 1.012 on B8-bimodal.
+CTAS_MIN_ITEM_TOKENS = {3: 2048, 4: 4096}
+#: ... and its queue's imbalance (queue_imbalance) at most this factor over the module choose_warps
+#: picked: 3 CTAs at B=64 x 8K leave 512 one-item groups over 396 slots (1.55 against 1.03; 1.134x
+#: slower measured).
+CTAS_MAX_IMBALANCE = 1.02
+
+
+def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[int, int],
+                       candidates=(4, 3), min_chunk_tiles: int = 2) -> int | None:
+    """More resident 4-warp CTAs per SM for an FP8 pkv-workqueue step, or None to keep the module
+    choose_warps picked (whose balanced queue is ``queue``, (target_items, min_chunk_tiles)).
+
+    The first of ``candidates`` (3 or 4 CTAs per SM, a queue of ``ctas * num_sms`` items of at
+    least ``min_chunk_tiles`` tiles) whose mean item is at least CTAS_MIN_ITEM_TOKENS[ctas]
+    tokens and whose imbalance is at most CTAS_MAX_IMBALANCE x the picked queue's.
+    Worked numbers (Hkv = 8, 132 SMs): B=64 x 8K -> 4 (528 items of 7944 tokens, imbalance 1.03 as
+    the 8-warp queue's); B=1 x 128K and B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986);
+    B=16 x 8K -> 3; B=1 x 32K -> None (662 tokens at 3 CTAs); B=64 x 1K -> None."""
+    tiles = num_tiles(np.asarray(seq_lens, dtype=np.int64).reshape(-1))
+    require(tiles.size >= 1, "choose_ctas_per_sm needs at least one row")
+    group_tokens = TILE_TOKENS * num_kv_heads * int(tiles.sum())
+    base = None
+    for ctas in candidates:
+        target = ctas * num_sms
+        slots = queue_waves(tiles.size, num_kv_heads, target) * target
+        if group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
+            continue
+        if base is None:
+            base = queue_imbalance(tiles, num_kv_heads, *queue)
+        if queue_imbalance(tiles, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE * base:
+            return ctas
+    return None

@@ -28,7 +28,9 @@ else is refused in ``DecodeEngine`` or ``plan`` with one line.
 
 ``warps`` (default 4) picks the module's CTA shape: 8 warps stream 128-token pipeline stages
 (192 KB of shared memory at head_dim 128, one CTA per SM) instead of 64-token ones (two CTAs per
-SM); head_dim <= 128 only. ``choose.choose_warps`` picks per step for pkv-workqueue.
+SM); head_dim <= 128 only. ``ctas_per_sm`` (FP8 cache, 4 warps: 2 by default, 3 or 4) builds the
+module for more resident CTAs, so the queue's wave (occupancy x SMs) has more, shorter items.
+``choose.choose_warps`` and ``choose.choose_ctas_per_sm`` pick both per step for pkv-workqueue.
 
 Every kernel launches plainly, after the kernel before it on the stream has completed (launches
 with programmatic dependent launch were measured and rejected: benchmarks/NOTES.md, "Tried and
@@ -53,17 +55,17 @@ from .env import cuda_reasons, missing_module
 from .errors import PKVError, require
 from .launch import (DEFAULT_WARPS, ENGINE_DTYPES, ENGINE_KV_DTYPES, MAX_GROUP_SIZE, DecodeArgs, KernelLaunch,
                      MergeArgs, PlanArgs, PTRS, STRIDES, arg_block, kernel_launcher, kernel_occupancy, load_module, min_chunk_tiles_for,
-                     raw_stream_reader, warps_unsupported)
+                     ctas_unsupported, raw_stream_reader, warps_unsupported)
 from .names import ENGINE_ROUTES
 from .spec import AttentionSpec
 
 LOG2E = 1.4426950408889634
 
 
-def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS) -> list[str]:
-    """Reasons our kernels cannot run ``spec`` with ``warps``-warp CTAs (empty when they can);
-    checked before any compile or launch."""
-    reasons = warps_unsupported(spec, warps)
+def engine_unsupported(spec: AttentionSpec, warps: int = DEFAULT_WARPS, ctas_per_sm: int | None = None) -> list[str]:
+    """Reasons our kernels cannot run ``spec`` with ``warps``-warp CTAs, ``ctas_per_sm`` of them
+    resident per SM (None: the default), empty when they can; checked before any compile or launch."""
+    reasons = warps_unsupported(spec, warps) or ctas_unsupported(spec, warps, ctas_per_sm)
     if spec.dtype not in ENGINE_DTYPES:
         reasons.append(f"the PersistentKV kernels take {'/'.join(ENGINE_DTYPES)}, not {spec.dtype}")
     if spec.cache_dtype != spec.dtype and spec.cache_dtype not in ENGINE_KV_DTYPES:
@@ -196,29 +198,34 @@ class DecodeEngine:
         Smallest work item in 32-token planner tiles (default: one pipeline stage).
     warps : {4, 8}
         Warps per decode CTA (8: head_dim <= 128).
+    ctas_per_sm : {2, 3, 4}, optional
+        Resident CTAs per SM the 4-warp module is built for (default 2; 3 and 4: FP8 cache only).
     trace : bool
         Build with the CTA trace stamps (development; benchmarks/trace_cta.py).
     """
 
     def __init__(self, spec: AttentionSpec, device: int | None = None, *, target_items: int | None = None,
-                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, trace: bool = False):
+                 min_chunk_tiles: int | None = None, warps: int = DEFAULT_WARPS, trace: bool = False,
+                 ctas_per_sm: int | None = None):
         require(isinstance(trace, bool), f"trace must be True or False, got {trace!r}")
-        reasons = engine_unsupported(spec, warps) + gpu_reasons()
+        reasons = engine_unsupported(spec, warps, ctas_per_sm) + gpu_reasons()
         if reasons:
             raise PKVError("; ".join(reasons))
         import torch  # the engine's tensors are torch's; imported only where a GPU is used
 
         self.spec = spec
         self.warps = warps
+        self.ctas_per_sm = ctas_per_sm
         self.trace = trace
         self.torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        self.module = load_module(spec, warps, self.device.index, trace)
+        self.module = load_module(spec, warps, self.device.index, trace, ctas_per_sm)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.capability = (props.major, props.minor)
-        # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel).
-        self.target_items = int(target_items or self.module.occupancy * self.num_sms)
+        # Balanced queue: one wave of resident CTAs (occupancy read from the compiled kernel, or the
+        # CTAs per SM the module was built for: load_module checked that they fit).
+        self.target_items = int(target_items or (ctas_per_sm or self.module.occupancy) * self.num_sms)
         self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))
         self.torch_dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
         #: the cache's torch dtype: the query's, or float8_e4m3fn

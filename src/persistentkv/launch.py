@@ -3,7 +3,7 @@
 * ``load_cuda_module``: THE way a CUDA source of kernels/ is compiled (CuPy RawModule, NVRTC) and
   its functions fetched on a device, cached per (source path, options, device); the engine's
   pkv_decode.cu, model.step_ops' step_ops.cu and ceiling's ceiling.cu all load through it.
-* ``compile_options`` / ``load_module``: the engine's module per (dtype, head_dim, warps, trace,
+* ``compile_options`` / ``load_module``: the engine's module per (dtype, head_dim, warps, CTAs per SM, trace,
   source file), on top of ``load_cuda_module``; the module's own launch facts (shared memory,
   threads, stage tokens, stages) are read from it (``pkv_config``), never restated here.
 * ``kernel_launcher``: THE launch, the driver's cuLaunchKernel over a parameter block;
@@ -41,6 +41,12 @@ DEFAULT_WARPS = 4
 #: Largest head_dim of an 8-warp module: 3 stages of 128 tokens fill 192 KB at 128 (the kernel's
 #: static_assert; 256 would need 256 KB).
 WARPS8_MAX_HEAD_DIM = 128
+#: Resident CTAs per SM a module is built for (PKV_CTAS_PER_SM, __launch_bounds__' min blocks), by
+#: warps: the default first. 3 and 4 are the FP8 4-warp modules' at head_dim <= 128 (48 KB of
+#: stages at 128 leave room for them, in <= 168 and <= 128 registers; an fp16 cache's 96 KB fits
+#: two, and FP8 at 256 would spill and fit 3 CTAs at most); choose.choose_ctas_per_sm picks per step.
+ENGINE_CTAS_PER_SM = {4: (2, 3, 4), 8: (1,)}
+CTAS_MAX_HEAD_DIM = 128
 #: Query heads per kv head the kernels take: the 16 rows of one mma tile.
 MAX_GROUP_SIZE = 16
 #: Query, cache and output dtypes the kernels compile for (PKV_BF16).
@@ -93,17 +99,36 @@ def warps_unsupported(spec: AttentionSpec, warps: int) -> list[str]:
     return []
 
 
-def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, trace: bool = False) -> tuple[str, ...]:
+def ctas_unsupported(spec: AttentionSpec, warps: int, ctas_per_sm: int | None) -> list[str]:
+    """Reasons a ``warps``-warp module cannot be built for ``ctas_per_sm`` resident CTAs per SM
+    (None: the default; empty when it can)."""
+    if ctas_per_sm is None or warps not in ENGINE_CTAS_PER_SM:
+        return []
+    allowed = ENGINE_CTAS_PER_SM[warps]
+    if isinstance(ctas_per_sm, bool) or ctas_per_sm not in allowed:
+        return [f"ctas_per_sm must be one of {', '.join(map(str, allowed))} at {warps} warps, got {ctas_per_sm!r}"]
+    if ctas_per_sm != allowed[0] and (not spec.fp8_kv or spec.head_dim > CTAS_MAX_HEAD_DIM):
+        return [f"ctas_per_sm={ctas_per_sm} is built for an FP8 cache at head_dim <= {CTAS_MAX_HEAD_DIM} (got "
+                f"{'an FP8' if spec.fp8_kv else f'a {spec.cache_dtype}'} cache at head_dim {spec.head_dim}); "
+                f"use the default, {allowed[0]}"]
+    return []
+
+
+def compile_options(spec: AttentionSpec, warps: int = DEFAULT_WARPS, trace: bool = False,
+                    ctas_per_sm: int | None = None) -> tuple[str, ...]:
     """Compiler options of the module for ``spec``'s (dtype, kv_dtype, head_dim) with ``warps`` warps per
-    decode CTA, and the CTA trace stamps when ``trace`` (kernels/pkv_trace.cuh); shared with
-    ``persistentkv compile-kernels``. The 4-warp module gets no PKV_WARPS define, so its options
-    (and CuPy's cache key) are those of before 8 warps existed."""
-    reasons = warps_unsupported(spec, warps)
+    decode CTA and ``ctas_per_sm`` resident CTAs per SM (None: the warps' default), and the CTA
+    trace stamps when ``trace`` (kernels/pkv_trace.cuh); shared with ``persistentkv
+    compile-kernels``. The default module gets no PKV_WARPS or PKV_CTAS_PER_SM define, so its
+    options (and CuPy's cache key) are those of before either existed."""
+    reasons = warps_unsupported(spec, warps) or ctas_unsupported(spec, warps, ctas_per_sm)
     require(not reasons, "; ".join(reasons))
     options = ("-std=c++17", "--use_fast_math", f"-DPKV_HEAD_DIM={spec.head_dim}",
                f"-DPKV_BF16={1 if spec.dtype == 'bfloat16' else 0}")
     options = (*options, "-DPKV_FP8=1") if spec.fp8_kv else options
     options = options if warps == DEFAULT_WARPS else (*options, f"-DPKV_WARPS={warps}")
+    if ctas_per_sm is not None and ctas_per_sm != ENGINE_CTAS_PER_SM[warps][0]:
+        options = (*options, f"-DPKV_CTAS_PER_SM={ctas_per_sm}")
     return (*options, "-DPKV_TRACE=1") if trace else options
 
 
@@ -124,25 +149,29 @@ class Module:
     raw: Any = field(default=None, repr=False)
 
 
-def load_module(spec: AttentionSpec, warps: int, device: int, trace: bool = False) -> Module:
-    """The module for ``spec``'s (dtype, head_dim) and ``warps`` on CUDA ``device``, compiled from
-    kernels_dir() (once per process and source file; CuPy caches the binary on disk)."""
+def load_module(spec: AttentionSpec, warps: int, device: int, trace: bool = False,
+                ctas_per_sm: int | None = None) -> Module:
+    """The module for ``spec``'s (dtype, head_dim), ``warps`` and ``ctas_per_sm`` on CUDA ``device``,
+    compiled from kernels_dir() (once per process and source file; CuPy caches the binary on disk).
+    A module built for more resident CTAs than the device holds is refused with one line."""
     source = kernels_dir() / KERNEL_FILE
-    return _load_module(spec.dtype, spec.kv_dtype, spec.head_dim, warps, device, trace, str(source.resolve()))
+    return _load_module(spec.dtype, spec.kv_dtype, spec.head_dim, warps, device, trace, str(source.resolve()),
+                        ctas_per_sm)
 
 
 @lru_cache(maxsize=None)
 def _load_module(dtype: str, kv_dtype: str | None, head_dim: int, warps: int, device: int, trace: bool,
-                 source: str) -> Module:
+                 source: str, ctas_per_sm: int | None = None) -> Module:
     import cupy  # the engine's only CuPy use; imported when a module is first built
 
     spec = AttentionSpec(num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype)
     path = Path(source)
-    options = (*compile_options(spec, warps, trace), f"-I{path.parent}")
+    options = (*compile_options(spec, warps, trace, ctas_per_sm), f"-I{path.parent}")
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
         options += (f"-I{Path(cuda_path) / 'include'}",)
-    what = f"{dtype}{f' with a {kv_dtype} cache' if kv_dtype else ''}/head_dim {head_dim}/warps {warps}"
+    what = (f"{dtype}{f' with a {kv_dtype} cache' if kv_dtype else ''}/head_dim {head_dim}/warps {warps}"
+            f"{f'/{ctas_per_sm} CTAs per SM' if ctas_per_sm else ''}")
     with cupy.cuda.Device(device):
         # compiled first: the decode kernels' shared memory (their max dynamic shared memory below)
         # is the module's own fact, read from it
@@ -159,6 +188,9 @@ def _load_module(dtype: str, kv_dtype: str | None, head_dim: int, warps: int, de
                                      {name: smem for name in FUNCTIONS if name.startswith("pkv_decode")},
                                      what=what).functions
         occupancy = kernel_occupancy(functions["pkv_decode_fused"].ptr, threads, smem)
+        require(ctas_per_sm is None or occupancy >= ctas_per_sm,
+                f"the {what} module holds {occupancy} CTAs per SM on this device ({smem} B of shared memory "
+                f"each), not {ctas_per_sm}; use fewer")
     return Module(functions, smem, threads, tile, stages, max(1, occupancy), plan_threads, plan_max_rows, module)
 
 

@@ -4,9 +4,11 @@
                     fused; ``warps="auto"`` (default) picks the module per step with
                     choose.choose_warps (8 warps, 128-token stages, unless the 8-warp queue's items
                     balance worse than the 4-warp queue's or it would run several waves of short
-                    rows; 4 at head_dim > 128); ``warps=4`` or ``8`` fixes it. Explicit
-                    target_items and min_chunk_tiles apply to the 4-warp module; the 8-warp one
-                    keeps its own defaults (one wave of its resident CTAs, one 128-token stage).
+                    rows; 4 at head_dim > 128), then on an FP8 cache choose.choose_ctas_per_sm
+                    (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long);
+                    ``warps=4`` or ``8`` fixes it. Explicit target_items and min_chunk_tiles
+                    apply to the 4-warp module and keep it; the 8-warp one keeps its own defaults
+                    (one wave of its resident CTAs, one 128-token stage).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -14,7 +16,7 @@
 from __future__ import annotations
 
 from ..cache import Batch
-from ..choose import choose_warps
+from ..choose import choose_ctas_per_sm, choose_warps
 from ..engine import ENGINE_DTYPES, engine_for, engine_unsupported, gpu_reasons
 from ..launch import ENGINE_KV_DTYPES
 from ..errors import PKVError, require
@@ -68,10 +70,12 @@ class PKVWorkqueue(_PKVBackend):
         self.warps = warps
         self.engine_options = {"warps": 8} if warps == 8 else {}
         self._engines = {}        # spec -> the 8-warp DecodeEngine (auto)
+        self._ctas_engines = {}   # (spec, CTAs per SM) -> the FP8 4-warp DecodeEngine built for them (auto)
         self._warps8_error = None  # why the 8-warp module is unavailable here (auto falls back to 4)
 
     def _engine_for_step(self, batch: Batch):
-        """(engine, plan options) for this step: the fixed module, or choose_warps's."""
+        """(engine, plan options) for this step: the fixed module, or choose_warps's, or on an FP8
+        cache the 4-warp module built for choose_ctas_per_sm's CTAs per SM (where it builds)."""
         engine = self.engine(batch.spec)
         if self.warps != "auto" or self._warps8_error is not None or batch.spec.head_dim > 128:
             return engine, self.options
@@ -85,10 +89,24 @@ class PKVWorkqueue(_PKVBackend):
         options = self.options
         queue4 = (options.get("target_items") or engine.target_items,
                   options.get("min_chunk_tiles") or engine.min_chunk_tiles)
-        if choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads, queue4=queue4,
-                        queue8=(w8.target_items, w8.min_chunk_tiles)) == 4:
-            return engine, options
-        return w8, {}
+        queue8 = (w8.target_items, w8.min_chunk_tiles)
+        warps = choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads,
+                             queue4=queue4, queue8=queue8)
+        chosen = (engine, options) if warps == 4 else (w8, {})
+        if not batch.spec.fp8_kv or options:
+            return chosen
+        ctas = choose_ctas_per_sm(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms,
+                                  queue4 if warps == 4 else queue8, min_chunk_tiles=engine.min_chunk_tiles)
+        if ctas is None:
+            return chosen
+        key = (batch.spec, ctas)
+        more = self._ctas_engines.get(key)
+        if more is None:
+            try:
+                more = self._ctas_engines[key] = engine_for(batch.spec, ctas_per_sm=ctas)
+            except PKVError:  # a device that holds fewer such CTAs per SM: the module choose_warps picked
+                more = self._ctas_engines[key] = chosen[0]
+        return more, {}
 
     def plan(self, batch: Batch):
         engine, options = self._engine_for_step(batch)
