@@ -7,8 +7,9 @@
                     rows; 4 at head_dim > 128), then on an FP8 cache choose.choose_ctas_per_sm
                     (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long);
                     ``warps=4`` or ``8`` fixes it. Explicit target_items and min_chunk_tiles
-                    apply to the 4-warp module and keep it; the 8-warp one keeps its own defaults
-                    (one wave of its resident CTAs, one 128-token stage).
+                    apply to the default 4-warp module (the config's planner values); the 8-warp
+                    module and the FP8 modules for 3 or 4 CTAs per SM keep their own defaults
+                    (one wave of their resident CTAs; one stage, 128 or 64 tokens).
     pkv-buckets     exact-length buckets, one decode + merge launch pair each (the published B=1 route)
     pkv-split       the rectangular B x Hkv x S grid with empty splits (the published kernel's grid)
 """
@@ -93,7 +94,7 @@ class PKVWorkqueue(_PKVBackend):
         warps = choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads,
                              queue4=queue4, queue8=queue8)
         chosen = (engine, options) if warps == 4 else (w8, {})
-        if not batch.spec.fp8_kv or options:
+        if not batch.spec.fp8_kv:
             return chosen
         ctas = choose_ctas_per_sm(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms,
                                   queue4 if warps == 4 else queue8, min_chunk_tiles=engine.min_chunk_tiles)
