@@ -124,18 +124,21 @@ def test_the_loader_fills_kv_dtype_for_files_without_it(tmp_path):
 
 def test_the_committed_files_read_as_caches_of_their_query_dtype_or_of_fp8():
     """The fp16 grids and experiments (written before kv_dtype existed) read as caches of their
-    query's dtype; the committed FP8 grid as e4m3 caches at an fp16 query, each case's attention
-    bytes half those of its fp16 twin in bench_kernels."""
+    query's dtype; the committed FP8 grids as e4m3 caches at an fp16 query, each case's attention
+    bytes half those of its fp16 twin (the same trace and heads) in bench_kernels / bench_shapes."""
     loaded = load_results(ROOT / "results" / "nvidia-h200", ROOT / "results" / "counters", CONFIG)
     for frame in (loaded.bench, loaded.shapes, loaded.raw):
         assert not frame.empty and (frame["kv_dtype"] == frame["dtype"]).all()
-    assert set(loaded.kv_grids) == {kv_grid_name("bench_kernels", FP8_KV)}
-    fp8 = loaded.kv_grid("bench_kernels", FP8_KV)
-    attention = fp8[(fp8["protocol"] == "kernel") & (fp8["backend"] == "pkv-workqueue")]
-    assert not attention.empty and set(attention["kv_dtype"]) == {FP8_KV} and set(attention["dtype"]) == {"float16"}
-    fp16 = loaded.bench[(loaded.bench["protocol"] == "kernel") & (loaded.bench["backend"] == "pkv-workqueue")]
-    halves = attention.groupby("trace")["kv_bytes"].first() * 2
-    assert (halves == fp16.groupby("trace")["kv_bytes"].first().reindex(halves.index)).all()
+    assert set(loaded.kv_grids) == {kv_grid_name(grid, FP8_KV) for grid in ("bench_kernels", SHAPES_EXPERIMENT)}
+    key = ["trace", "num_qo_heads", "num_kv_heads"]
+    for grid, twin in (("bench_kernels", loaded.bench), (SHAPES_EXPERIMENT, loaded.shapes)):
+        fp8 = loaded.kv_grid(grid, FP8_KV)
+        attention = fp8[(fp8["protocol"] == "kernel") & (fp8["backend"] == "pkv-workqueue")]
+        assert not attention.empty and set(attention["kv_dtype"]) == {FP8_KV}
+        assert set(attention["dtype"]) == {"float16"}
+        fp16 = twin[(twin["protocol"] == "kernel") & (twin["backend"] == "pkv-workqueue")]
+        halves = attention.groupby(key)["kv_bytes"].first() * 2
+        assert (halves == fp16.groupby(key)["kv_bytes"].first().reindex(halves.index)).all(), grid
 
 
 # -- the verdicts ---------------------------------------------------------------------------------
@@ -278,12 +281,14 @@ def test_the_committed_claims_judge_the_committed_fp8_files():
     entries exactly where no file is committed."""
     hw = ROOT / "results" / "nvidia-h200"
     fp8 = json.loads((hw / "claims.json").read_text())["fp8"]
-    grid = pd.read_parquet(hw / "bench_kernels_fp8.parquet")
+    grids = [pd.read_parquet(path) for path in (hw / "bench_kernels_fp8.parquet", hw / "bench_shapes_fp8.parquet")
+             if path.is_file()]
     assert fp8["measured"] and fp8["files"] == {"bench_kernels_fp8": True,
                                                 "bench_shapes_fp8": (hw / "bench_shapes_fp8.parquet").is_file()}
-    assert fp8["run_ids"] == sorted(grid["run_id"].unique().tolist())
-    kernel_cases = grid.loc[(grid["protocol"] == "kernel") & (grid["backend"] == "pkv-workqueue"), "trace"]
-    assert len(fp8["every_cell"]["cases"]) == kernel_cases.nunique()
+    assert fp8["run_ids"] == sorted({r for grid in grids for r in grid["run_id"].unique().tolist()})
+    cells = sum(grid.loc[(grid["protocol"] == "kernel") & (grid["backend"] == "pkv-workqueue"),
+                         ["trace", "num_qo_heads", "num_kv_heads"]].drop_duplicates().shape[0] for grid in grids)
+    assert len(fp8["every_cell"]["cases"]) == cells
     logits = pd.read_parquet(hw / "fp8_logits.parquet")
     assert len(fp8["logits"]["cases"]) == logits.groupby(["model", "scales"]).ngroups
     assert (fp8["validation"]["verdict"] == targets.NOT_MEASURED) == (not (hw / "validation_gpu_fp8.parquet").is_file())
