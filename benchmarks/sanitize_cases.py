@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py --warps 4,8
     compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py --warps 4,8
     compute-sanitizer --tool synccheck python benchmarks/sanitize_cases.py --warps 4,8
-    compute-sanitizer --tool memcheck python benchmarks/sanitize_cases.py --warps 4,8 --kv-dtype float8_e4m3
+    compute-sanitizer --tool racecheck --kernel-name kns=pkv python benchmarks/sanitize_cases.py --warps 4,8 \
+        --kv-dtype float8_e4m3 --ctas 3,4
 
 Small shapes (the tools slow kernels down by 100x or more) covering every kernel of the shipped
 routes: the GPU planner, the fused work queue, the separate decode and merge of buckets and split,
@@ -14,7 +15,10 @@ NaN-poisoned output checked against float64; exits non-zero if any output is wro
 
 ``--kv-dtype float8_e4m3``: the same cases over e4m3 codes (the FP8 modules), K and V scaled per KV
 head (heads of different magnitudes, so a scale read for the wrong head shows) and quantised with
-per-KV-head scales; the reference reads the codes' values (code x scale) in float64.
+per-KV-head scales; the reference reads the codes' values (code x scale) in float64. ``--ctas 3,4``
+adds the FP8 4-warp modules built for 3 and 4 resident CTAs per SM (head_dim <= 128). With an FP8
+cache, give racecheck ``--kernel-name kns=pkv``: the script's per-head scales come from torch's amax,
+whose reduce_kernel racecheck reports (14 hazards at a66ff0e, none in ours).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated CTA widths, 4 and/or 8 (8 runs only where head_dim <= 128; default 4)")
     parser.add_argument("--kv-dtype", default=None, choices=[FP8_KV],
                         help=f"the cache's dtype when it is not the query's: {FP8_KV} (per-KV-head scales)")
+    parser.add_argument("--ctas", default="",
+                        help="comma-separated resident CTAs per SM, 3 and/or 4, of the FP8 4-warp modules "
+                             "(needs --kv-dtype; head_dim <= 128)")
     args = parser.parse_args(argv)
     try:
         widths = [int(w) for w in args.warps.split(",")]
@@ -77,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         widths = []
     if not widths or any(w not in (4, 8) for w in widths):
         parser.error(f"--warps takes 4 and/or 8, got {args.warps!r}")
+    try:
+        ctas = [int(c) for c in args.ctas.split(",") if c.strip()]
+    except ValueError:
+        ctas = [0]
+    if any(c not in (3, 4) for c in ctas) or (ctas and not args.kv_dtype):
+        parser.error(f"--ctas takes 3 and/or 4 with --kv-dtype {FP8_KV}, got {args.ctas!r}")
+    modules = [(w, None) for w in widths] + [(4, c) for c in ctas]
 
     failures = 0
 
@@ -94,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         ok = err <= TOLERANCE[spec.dtype]
         failures += not ok
         print(f"{spec.dtype}/{spec.cache_dtype} D={spec.head_dim} G={spec.group_size} P={spec.page_size} "
-              f"w{engine.warps} {label}: "
+              f"w{engine.warps}{f'c{engine.ctas_per_sm}' if engine.ctas_per_sm else ''} {label}: "
               f"worst (row, head) rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
-    for (spec, lengths), warps in ((case, w) for case in CASES for w in widths):
-        if warps == 8 and spec.head_dim > 128:
+    for (spec, lengths), (warps, per_sm) in ((case, m) for case in CASES for m in modules):
+        if (warps == 8 or per_sm) and spec.head_dim > 128:
             continue
         batch, q, k, v = device_case(spec, lengths, hole_fraction=0.5, seed=len(lengths))
         cache = (k, v)
@@ -106,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = replace(spec, kv_dtype=args.kv_dtype)
             batch = replace(batch, spec=spec)
             cache, k, v = fp8_cache(k, v)
-        engine = engine_for(spec, warps=warps)
+        engine = engine_for(spec, warps=warps, **({"ctas_per_sm": per_sm} if per_sm else {}))
         ref = reference_torch64(batch, q, k, v)
         for route, options in ROUTES:
             check(engine, batch, q, cache, ref, route, options, route)

@@ -403,3 +403,18 @@ def test_bench_engine_heads_set_the_spec_and_refuse_a_bad_pair():
         with pytest.raises(SystemExit, match="--heads"):
             bench_engine.parse_heads(bad)
 
+
+
+def test_sanitize_cases_checks_its_modules_before_any_gpu_work(capsys):
+    """sanitize_cases.py: --warps 4/8, --ctas 3/4 only with an FP8 cache; a bad value is a usage
+    error (exit 2) naming the option, before a CUDA call."""
+    pytest.importorskip("torch")
+    import sanitize_cases
+
+    for argv, option in ((["--warps", "6"], "--warps takes 4 and/or 8"),
+                         (["--ctas", "3"], "--ctas takes 3 and/or 4 with --kv-dtype float8_e4m3"),
+                         (["--ctas", "5", "--kv-dtype", "float8_e4m3"], "--ctas takes 3 and/or 4"),
+                         (["--ctas", "x", "--kv-dtype", "float8_e4m3"], "--ctas takes 3 and/or 4")):
+        with pytest.raises(SystemExit) as exc:
+            sanitize_cases.main(argv)
+        assert exc.value.code == 2 and option in capsys.readouterr().err
