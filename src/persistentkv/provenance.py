@@ -1,8 +1,8 @@
 """Provenance of a GPU run: the sidecar JSON written beside every GPU output (docs/DATA.md).
 
 ``{run_id: {gpu, gpu_uuid, gpu_index, cpus, sm_count, l2_bytes, sm_clock_mhz, mem_clock_mhz, driver,
-cuda, python, torch, cupy, flashinfer, vllm, git_commit, git_dirty, config_hash, seeds, started_at,
-command}}``
+cuda, python, torch, cupy, flashinfer, vllm, cudnn_frontend, git_commit, git_dirty, config_hash, seeds,
+started_at, command}}``
 
 ``gpu_index`` (nvidia-smi's) and ``cpus`` are what the workflow job was given
 (persistentkv.job_resources); ``gpu_uuid`` is that GPU's, else the one torch reports. Anything that
@@ -29,7 +29,7 @@ from typing import Any
 from .io import atomic_write_json
 
 FIELDS = ("gpu", "gpu_uuid", "gpu_index", "cpus", "sm_count", "l2_bytes", "sm_clock_mhz", "mem_clock_mhz",
-          "driver", "cuda", "python", "torch", "cupy", "flashinfer", "vllm", "git_commit", "git_dirty",
+          "driver", "cuda", "python", "torch", "cupy", "flashinfer", "vllm", "cudnn_frontend", "git_commit", "git_dirty",
           "config_hash", "seeds", "started_at", "command")
 
 
@@ -147,6 +147,7 @@ def collect(config: dict, seeds: list[int], started_at: str, device=None, argv: 
     record["cupy"] = package_version("cupy-cuda13x", "cupy") or package_version("cupy-cuda12x", "cupy")
     record["flashinfer"] = package_version("flashinfer-python", "flashinfer")
     record["vllm"] = package_version("vllm", "vllm")
+    record["cudnn_frontend"] = package_version("nvidia-cudnn-frontend", "cudnn")  # flashinfer-cudnn's
     record["git_commit"], record["git_dirty"] = git_state(root)
     record["config_hash"] = config_hash(config)
     record["seeds"] = sorted(int(s) for s in seeds)
