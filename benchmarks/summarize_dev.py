@@ -253,6 +253,20 @@ def print_gemv_tune(path: Path, df: pd.DataFrame) -> None:
               + ", ".join(f"{c} {v:.0f} ({v / part[first]:.3f})" for c, v in part.items()))
 
 
+def print_validate_gpu(path: Path, df: pd.DataFrame) -> None:
+    """validate-gpu's rows kept beside a NOTES entry (a run that did not replace the committed
+    results/<hw>/validation_gpu.parquet): per backend and dtype, the rows, how many passed per
+    (row, head), the worst error and the tolerance, and the backends that did not run and why."""
+    ran = df[df["status"] == "ok"]
+    table = ran.groupby(["backend", "dtype"]).agg(rows=("passed", "size"), passed=("passed", "sum"),
+                                                  worst=("max_row_head_err", "max"), rtol=("rtol", "first"))
+    print(f"\n{path.stem} (validate-gpu: per backend and dtype, rows passed per (row, head) against float64)")
+    print(table.to_string())
+    other = df[df["status"] != "ok"].groupby(["backend", "status"])["reason"].first()
+    if not other.empty:
+        print(other.to_string())
+
+
 #: file-name prefix -> its table, tried in this order (bench_stream_ before the variant benches')
 PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", print_variants),
             ("ceiling_sizes_", print_ceiling_sizes), ("trace_cta_", print_trace),
@@ -260,7 +274,7 @@ PRINTERS = (("tune_", print_tune), ("bench_stream_", print_stream), ("bench_", p
             ("replay_latency_", print_replay_latency), ("host_overhead_", print_host_overhead),
             ("host_percpu_", print_host_percpu), ("e2e_", print_e2e),
             ("step_probe_ctas_", print_step_probe_ctas), ("step_probe_", print_step_probe),
-            ("gemv_tune_", print_gemv_tune))
+            ("gemv_tune_", print_gemv_tune), ("validate_gpu_", print_validate_gpu))
 
 
 def printer_for(path: Path):
