@@ -16,7 +16,7 @@ from workflow_support import (NO_GPU, ROOT, copy_workflow, fake_calls, fake_gpu_
                               snakemake)
 
 import synthetic
-from persistentkv import cli, configuration, targets, targets_fp8
+from persistentkv import claims, cli, configuration, targets, targets_fp8
 from persistentkv.commands import bench_kernels, bench_shapes
 from persistentkv.commands.measure import parse_kv_dtype
 from persistentkv.errors import PKVError
@@ -210,8 +210,10 @@ def test_the_constructed_grids_pass_every_rule():
     from test_fp8_runs import passing_runs
 
     grids_only = targets_fp8.fp8_verdicts(fp8_results())
-    assert grids_only["verdict"] == targets.NOT_MEASURED  # the full step and validate-gpu are rules too
-    out = targets_fp8.fp8_verdicts(replace(fp8_results(), **passing_runs()))
+    assert grids_only["verdict"] == targets.NOT_MEASURED  # the full step, validate-gpu, the policy are rules too
+    results = replace(fp8_results(), **passing_runs())
+    assert targets_fp8.fp8_verdicts(results)["policy"]["verdict"] == targets.NOT_MEASURED  # no adaptive entry given
+    out = targets_fp8.fp8_verdicts(results, claims.fp8_adaptive(results))
     json.dumps(out)
     assert out["verdict"] == targets.HOLDS and out["summary"] == "holds on test-gpu"
     for key in CHECKS:
@@ -265,7 +267,7 @@ def test_not_measured_states_the_rules():
     assert out["measured"] is False and out["files"] == {"bench_kernels_fp8": False, "bench_shapes_fp8": False}
     for key in CHECKS:
         assert out[key]["verdict"] == targets.NOT_MEASURED, key
-    assert len(out["rules"]) == 6 and "1.35x at B=1 x 128K" in out["rules"][1]
+    assert len(out["rules"]) == 7 and "1.35x at B=1 x 128K" in out["rules"][1] and "FP8 policy" in out["rules"][6]
     (sentence,) = out["sentences"]
     assert "not measured on nvidia-h200" in sentence and targets_fp8.FP8_COMMAND in sentence
     # one FP8 grid without the other: its checks are judged, the missing named cell is not measured

@@ -22,7 +22,7 @@ from workflow_support import (ROOT, SMALL_E2E_PASSES, copy_workflow, fake_calls,
                               needs_snakemake, small_config, snakemake)
 
 from persistentkv import configuration
-from persistentkv.names import EXPERIMENTS
+from persistentkv.names import EXPERIMENTS, FP8_EXPERIMENTS
 from persistentkv.render import FIGURE_NAMES
 
 pytestmark = [needs_snakemake, pytest.mark.slow]
@@ -30,7 +30,8 @@ pytestmark = [needs_snakemake, pytest.mark.slow]
 GPU_RULES = {"measure": len(EXPERIMENTS), "bench_kernels": 1, "bench_shapes": 1, "validate_gpu": 1, "calibrate": 1, "provenance": 1,
              "kernels_report": 1, "measure_e2e_pass": SMALL_E2E_PASSES,
              "bench_kernels_fp8": 1, "bench_shapes_fp8": 1,   # the grids on the config's one other cache dtype
-             "validate_gpu_fp8": 1, "fp8_logits": 1, "measure_e2e_fp8_pass": SMALL_E2E_PASSES}   # and its runs
+             "validate_gpu_fp8": 1, "fp8_logits": 1, "measure_e2e_fp8_pass": SMALL_E2E_PASSES,   # and its runs
+             "measure_fp8": len(FP8_EXPERIMENTS), "calibrate_fp8": 1}   # and its policy's
 H200 = "NVIDIA H200"
 
 
@@ -61,8 +62,9 @@ def test_gpus_profile_runs_gpu_jobs_side_by_side_on_gpus_and_cpus_of_their_own(t
     calls = fake_calls(tmp_path)
     gpu_calls = [c for c in calls if c["held"].get("gpu_uuid")]
     # every measurement but the failed one, bench and its FP8 twin, validate and each of the full decode
-    # step's passes, each on both caches (the stand-in fakes bench-kernels, not bench-shapes nor fp8-logits)
-    assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 3 + SMALL_E2E_PASSES + 1 + SMALL_E2E_PASSES
+    # step's passes, each on both caches (the stand-in fakes bench-kernels, not bench-shapes nor fp8-logits),
+    # and the FP8 policy's measurements
+    assert len(gpu_calls) == len(EXPERIMENTS) - 1 + 3 + SMALL_E2E_PASSES + 1 + SMALL_E2E_PASSES + len(FP8_EXPERIMENTS)
     assert all(c["cuda_visible_devices"] == c["held"]["gpu_uuid"] and c["cpus"] == c["held"]["cpus"]
                for c in gpu_calls)
     side_by_side = [(a, b) for a, b in itertools.combinations(gpu_calls, 2) if overlap(a, b)]
@@ -82,9 +84,10 @@ def test_a_named_target_lists_every_gpu_job_on_a_host_without_one(tmp_path):
     assert done.returncode == 0, done.stderr
     counts = job_counts(done.stdout)
     assert {rule: counts.get(rule) for rule in GPU_RULES} == GPU_RULES
-    # bench, shapes, validate, their three FP8 twins, fp8-logits and each of the full decode step's
-    # passes on both caches
-    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == len(EXPERIMENTS) + 7 + 2 * SMALL_E2E_PASSES
+    # bench, shapes, validate, their three FP8 twins, fp8-logits, each of the full decode step's
+    # passes on both caches, and the FP8 policy's measurements
+    assert done.stdout.count("--gpu nvidia-h200 -- persistentkv ") == \
+        len(EXPERIMENTS) + 7 + 2 * SMALL_E2E_PASSES + len(FP8_EXPERIMENTS)
     assert not probes.exists()  # nothing asked this host for a GPU
     for target in ("none", "auto"):
         small_config(repo, target=target)

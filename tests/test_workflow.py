@@ -78,12 +78,24 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     passes = counts["measure_e2e_pass"]
     assert passes == e2e_passes(repo) and passes >= 2
     # + bench, shapes, validate, the two grids on each measure.kv_dtypes cache, and each of the full
-    # decode step's passes; with an FP8 cache also validate-gpu, fp8-logits and the step's passes on it
+    # decode step's passes; with an FP8 cache also validate-gpu, fp8-logits, the step's passes and the
+    # FP8 policy's experiments (names.FP8_EXPERIMENTS) on it
+    from persistentkv.names import FP8_EXPERIMENTS
+
     per_cache = 2 * len(CONFIG["measure"].get("kv_dtypes", []))
     assert counts.get("bench_kernels_fp8", 0) + counts.get("bench_shapes_fp8", 0) == per_cache
-    fp8_runs = 2 + passes if "float8_e4m3" in CONFIG["measure"].get("kv_dtypes", []) else 0
+    fp8 = "float8_e4m3" in CONFIG["measure"].get("kv_dtypes", [])
+    fp8_runs = 2 + passes + len(FP8_EXPERIMENTS) if fp8 else 0
     assert counts.get("validate_gpu_fp8", 0) + counts.get("fp8_logits", 0) + counts.get("measure_e2e_fp8_pass", 0) \
-        == fp8_runs
+        + counts.get("measure_fp8", 0) == fp8_runs
+    if fp8:
+        assert counts["calibrate_fp8"] == 1 and counts["measure_fp8"] == len(FP8_EXPERIMENTS) == 3
+        assert ("--experiment calibration --kv-dtype float8_e4m3 --traces-dir build/traces --out "
+                "results/nvidia-h200/raw_fp8/calibration.parquet  >") in out
+        assert ("--experiment published --kv-dtype float8_e4m3 --traces-dir build/traces --out "
+                "results/nvidia-h200/raw_fp8/published.parquet --policy results/nvidia-h200/policy_fp8.json") in out
+        assert ("persistentkv calibrate --config config/config.yaml --timings "
+                "results/nvidia-h200/raw_fp8/calibration.parquet --out results/nvidia-h200/policy_fp8.json") in out
     gpu_jobs = counts["measure"] + 3 + per_cache + passes + fp8_runs
     assert out.count("--gpu nvidia-h200 -- persistentkv ") == gpu_jobs
     assert out.count("gpu=1") == gpu_jobs

@@ -24,7 +24,7 @@ A check holds only on evidence: an interval that leaves the question open fails 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from typing import Callable
 
@@ -705,6 +705,15 @@ def adaptive_verdicts(results: Results) -> dict:
         entry["sentence"] = _adaptive_sentence(protocol, entry)
         out["protocols"][protocol] = entry
     return out
+
+
+def fp8_adaptive(results: Results) -> dict | None:
+    """adaptive_verdicts over the FP8 rows (results.raw_fp8: the FP8 policy's holdout rows, measure
+    --kv-dtype float8_e4m3), judged alone (never pooled with the fp16 rows); None where there are none.
+    targets_fp8.fp8_policy reads it."""
+    if results.raw_fp8.empty:
+        return None
+    return adaptive_verdicts(replace(results, raw=results.raw_fp8, bench=results.bench.iloc[:0]))
 
 
 _ADAPTIVE_ROWS = {"step": "Step rows (plan once + the layers, eager)", "kernel": "Kernel rows (CUDA-graph replay)"}

@@ -83,6 +83,10 @@ FP8_KV = "float8_e4m3"
 KV_GRID_SUFFIX = {FP8_KV: "fp8"}
 #: The kernel grids that are measured per cache dtype (results/<hw>/<grid>_<suffix>.parquet).
 KV_GRIDS = ("bench_kernels", SHAPES_EXPERIMENT)
+#: The experiments measured again on an FP8 cache (persistentkv measure --kv-dtype float8_e4m3, into
+#: results/<hw>/raw_fp8/): the FP8 policy's fit (calibration) and its holdout judgement (the published
+#: traces and the long-context rows, as the fp16 policy's).
+FP8_EXPERIMENTS = ("calibration", "published", "long_context")
 
 
 def kv_grid_name(grid: str, kv_dtype: str) -> str:

@@ -27,6 +27,11 @@ from .names import CEILING_BACKENDS, EXPERIMENTS, KV_GRID_SUFFIX, KV_GRIDS, SHAP
 #: folder of measure-e2e's FP8 passes (results/{hw}/e2e_fp8/pass<N>.parquet + .json).
 FP8_FILES = ("validation_gpu_fp8", "fp8_logits")
 FP8_E2E = "e2e_fp8"
+#: The experiments measured on an FP8 cache (names.FP8_EXPERIMENTS: the FP8 policy's calibration and
+#: holdout rows), kept apart from raw/ so they are never pooled with the fp16 rows, and the policy
+#: fitted on them.
+FP8_RAW = "raw_fp8"
+FP8_POLICY = "policy_fp8.json"
 
 
 @dataclass
@@ -75,6 +80,11 @@ class Results:
     validation_gpu_fp8: pd.DataFrame = field(default_factory=pd.DataFrame)
     e2e_fp8: pd.DataFrame = field(default_factory=pd.DataFrame)
     fp8_logits: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: results/{hw}/raw_fp8/*.parquet (measure --kv-dtype float8_e4m3: calibration, published,
+    #: long_context on FP8 caches) and the policy fitted on them (results/{hw}/policy_fp8.json), where
+    #: present; never in :attr:`timing` nor in :attr:`missing` (claims' fp8 entry judges them)
+    raw_fp8: pd.DataFrame = field(default_factory=pd.DataFrame)
+    policy_fp8: dict | None = None
 
     def kv_grid(self, grid: str, kv_dtype: str) -> pd.DataFrame:
         """The rows of ``grid`` (names.KV_GRIDS) measured on a ``kv_dtype`` cache; empty when absent."""
@@ -147,10 +157,10 @@ def finished(paths) -> list[Path]:
 def sidecar_paths(results_dir: str | Path) -> list[Path]:
     """The provenance sidecars of results/{hw}/ as they lie (rule provenance merges them into
     provenance.json): raw/*.json, bench_kernels.json, validation_gpu.json, bench_shapes.json and
-    e2e/*.json."""
+    e2e/*.json, and the FP8 runs' (raw_fp8/*.json, the FP8 grids', validate-gpu's, the logits',
+    e2e_fp8/*.json)."""
     results_dir = Path(results_dir)
-    raw_dir = results_dir / "raw"
-    paths = finished(sorted(raw_dir.glob("*.json"))) if raw_dir.is_dir() else []
+    paths = [p for folder in ("raw", FP8_RAW) for p in finished(sorted((results_dir / folder).glob("*.json")))]
     names = ["bench_kernels.json", "validation_gpu.json", f"{SHAPES_EXPERIMENT}.json"]
     names += [f"{kv_grid_name(grid, kv)}.json" for grid in KV_GRIDS for kv in KV_GRID_SUFFIX]
     names += [f"{name}.json" for name in FP8_FILES]
@@ -262,6 +272,10 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
     if e2e.empty:
         missing.append("e2e")
     e2e_fp8 = passes(FP8_E2E)
+    raw_fp8_paths = finished(sorted((results_dir / FP8_RAW).glob("*.parquet")))
+    found.update({f"{FP8_RAW}/{p.stem}": str(p) for p in raw_fp8_paths})
+    raw_fp8 = pd.concat([_read_timing(p) for p in raw_fp8_paths], ignore_index=True) if raw_fp8_paths \
+        else pd.DataFrame()
     validation_gpu = optional_parquet("validation_gpu", results_dir / "validation_gpu.parquet", _read_validation)
     validation_gpu_fp8 = present("validation_gpu_fp8", results_dir / "validation_gpu_fp8.parquet", _read_validation)
     fp8_logits = present("fp8_logits", results_dir / "fp8_logits.parquet")
@@ -278,7 +292,7 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         records = {str(k): v for k, v in payload.items() if isinstance(v, dict)}
         if path == prov_path:  # the merge may be older than the sidecars: a run nothing else holds is gone
             live = set(provenance) | _run_ids(raw, bench, shapes, e2e, validation_gpu, *kv_grids.values(), e2e_fp8,
-                                              validation_gpu_fp8, fp8_logits)
+                                              validation_gpu_fp8, fp8_logits, raw_fp8)
             stale = sorted(set(records) - live)
             if stale:
                 warnings.warn(f"{prov_path} names runs whose rows and sidecars are gone ({', '.join(stale)}); "
@@ -298,6 +312,9 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
         return None
 
     policy = optional_json("policy", results_dir / "policy.json")
+    policy_fp8 = _read_json(results_dir / FP8_POLICY) if (results_dir / FP8_POLICY).is_file() else None
+    if policy_fp8 is not None:
+        found["policy_fp8"] = str(results_dir / FP8_POLICY)
     kernels = optional_json("kernels", results_dir / "kernels.json")
 
     config = config or {}
@@ -308,4 +325,5 @@ def load_results(results_dir: str | Path, counters_dir: str | Path | None = None
                    holdout_seeds=tuple(int(s) for s in seeds.get("holdout", ())),
                    calibration_seed=seeds.get("calibration"), config=config, found=found, missing=missing,
                    shapes=shapes, e2e=e2e, kv_grids=kv_grids, e2e_fp8=e2e_fp8,
-                   validation_gpu_fp8=validation_gpu_fp8, fp8_logits=fp8_logits)
+                   validation_gpu_fp8=validation_gpu_fp8, fp8_logits=fp8_logits, raw_fp8=raw_fp8,
+                   policy_fp8=policy_fp8)

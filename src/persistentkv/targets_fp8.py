@@ -73,6 +73,17 @@ FP8_COMMAND = "snakemake bench_kernels_fp8 --cores all"
 FP8_E2E_MIN_RATIO = E2E_STEP_MIN_RATIO
 #: What measures the rest of the FP8 evidence: validate-gpu, the full step, the logits.
 FP8_RUNS_COMMAND = "snakemake validate_gpu_fp8 measure_e2e_fp8 fp8_logits --cores all"
+#: The FP8 policy (results/<hw>/policy_fp8.json, `persistentkv calibrate` on the calibration rows of an
+#: FP8 cache) judged as the fp16 policy is (claims.adaptive_verdicts on the FP8 holdout rows: the
+#: published traces at the holdout seeds and the long-context rows, step rows): the adaptive backend
+#: at least FP8_POLICY_MIN_RATIO of each cell's best single backend and a geometric mean at least
+#: FP8_POLICY_GEOMEAN over the faster FlashInfer (claims.ADAPTIVE_MIN_RATIO and ADAPTIVE_GEOMEAN;
+#: tests/test_fp8_pipeline.py holds them equal).
+FP8_POLICY_MIN_RATIO = 0.98
+FP8_POLICY_GEOMEAN = 1.15
+FP8_POLICY_PROTOCOL = "step"
+#: What measures the FP8 policy's rows and fits it.
+FP8_POLICY_COMMAND = "snakemake measure_fp8_published measure_fp8_long_context --cores all"
 
 
 def fp8_rules() -> list[str]:
@@ -91,10 +102,14 @@ def fp8_rules() -> list[str]:
             f"{FP8_E2E_MIN_RATIO:g}x the fastest FP8 baseline's speed in every cell",
             f"validate-gpu --kv-dtype {FP8_KV}: every backend that ran within its dtype's tolerance per (row, head) "
             f"against float64 over the dequantised cache, except a backend that rounds the query to e4m3, whose "
-            f"error is reported"]
+            f"error is reported",
+            f"the FP8 policy (fitted on calibration rows over an FP8 cache) on the FP8 holdout rows (published "
+            f"traces at the holdout seeds, long-context rows; {FP8_POLICY_PROTOCOL} rows): the adaptive backend "
+            f"at least {FP8_POLICY_MIN_RATIO:g}x of each cell's best single backend, and its geometric mean at "
+            f"least {FP8_POLICY_GEOMEAN:g}x the faster FlashInfer"]
 
 
-def fp8_verdicts(results: Results) -> dict:
+def fp8_verdicts(results: Results, adaptive: dict | None = None) -> dict:
     """ENGINE_BACKEND on an FP8 e4m3 cache (results.kv_grid(..., FP8_KV)) against the rules of this
     module; every entry has ``verdict`` (holds, does not hold, not measured):
 
@@ -105,7 +120,9 @@ def fp8_verdicts(results: Results) -> dict:
                 measured, and the check holds only when all are measured and hold;
     floor       per case of at least FP8_FLOOR_BANDS' first bytes, the FP8 floor's time over ours;
     fp16        per bench_kernels case whose fp16 twin reads at least FP8_OVER_FP16_BYTES, our fp16
-                time over our FP8 time (the two runs resampled independently).
+                time over our FP8 time (the two runs resampled independently);
+    policy      the FP8 policy on the FP8 holdout rows: ``adaptive``, claims.adaptive_verdicts of the
+                FP8 rows (results.raw_fp8; None where there are none), judged by fp8_policy.
 
     ``verdict``: "not measured" when neither FP8 file is present, else "does not hold" when a check
     does not hold, "holds" when all four hold, "not measured" otherwise; ``summary`` says it with
@@ -127,15 +144,35 @@ def fp8_verdicts(results: Results) -> dict:
     out["e2e"] = fp8_e2e(results)
     out["validation"] = fp8_validation(results)
     out["logits"] = fp8_logits(results)
+    out["policy"] = fp8_policy(adaptive, results.policy_fp8)
     out["runs_command"] = FP8_RUNS_COMMAND
-    out["measured"] = out["measured"] or out["e2e"]["measured"] or bool(out["validation"]["backends"])
-    checks = [out[k]["verdict"] for k in ("every_cell", "speedups", "floor", "fp16", "e2e", "validation")]
+    out["measured"] = out["measured"] or out["e2e"]["measured"] or bool(out["validation"]["backends"]) \
+        or out["policy"]["measured"]
+    checks = [out[k]["verdict"] for k in ("every_cell", "speedups", "floor", "fp16", "e2e", "validation", "policy")]
     out["verdict"] = (NOT_MEASURED if not out["measured"] else FAILS if FAILS in checks
                       else HOLDS if all(c == HOLDS for c in checks) else NOT_MEASURED)
     out["summary"] = f"{out['verdict']} on {results.hw}"
     out["run_ids"] = sorted({r for cells, _ in sources.values() for r in analysis.run_ids(cells)})
     out["sentences"] = _sentences(out, results.hw)
     return out
+
+
+def fp8_policy(adaptive: dict | None, policy: dict | None) -> dict:
+    """The FP8 policy's check from ``adaptive`` (claims.adaptive_verdicts over the FP8 rows) on its
+    FP8_POLICY_PROTOCOL rows: holds when no cell is below FP8_POLICY_MIN_RATIO of its best single
+    backend and the geometric mean reaches FP8_POLICY_GEOMEAN; not measured without holdout cells;
+    ``fitted_on`` names the calibration run of ``policy`` (policy_fp8.json) where there is one."""
+    entry = ((adaptive or {}).get("protocols") or {}).get(FP8_POLICY_PROTOCOL) or {}
+    measured = bool(entry.get("cells"))
+    out = {"measured": measured, "protocol": FP8_POLICY_PROTOCOL, "min_ratio": FP8_POLICY_MIN_RATIO,
+           "geomean_target": FP8_POLICY_GEOMEAN, "fitted_on": (policy or {}).get("run_id"),
+           "command": FP8_POLICY_COMMAND}
+    if not measured:
+        return {**out, "verdict": NOT_MEASURED}
+    holds = bool(entry.get("holds_floor")) and bool(entry.get("holds_geomean"))
+    return {**out, "verdict": HOLDS if holds else FAILS, "cells": entry["cells"], "min": entry.get("min"),
+            "below": entry.get("below_floor", []), "geomean": entry.get("geomean"), "sentence": entry.get("sentence"),
+            "run_ids": entry.get("run_ids", [])}
 
 
 def fp8_e2e(results: Results) -> dict:
@@ -324,6 +361,11 @@ def _run_sentences(entry: dict) -> list[str]:
         said.append(f"validate-gpu over an FP8 cache, rows within tolerance per (row, head): {', '.join(gated)}"
                     + (f"; rounding the query to e4m3, worst error reported: {', '.join(reported)}" if reported else "")
                     + f": {val['verdict']}.")
+    policy = entry["policy"]
+    fitted = f" (fitted on {policy['fitted_on']})" if policy["fitted_on"] else ""
+    said.append(f"The FP8 policy{fitted} on the FP8 holdout rows: "
+                + (f"{policy['sentence']} The policy check: {policy['verdict']}." if policy["measured"]
+                   else f"not measured ({policy['command']})."))
     for c in entry["logits"]["cases"]:
         said.append(f"The logits over an FP8 cache ({c['model']}, {c['scales']} scales, {c['steps']} steps x "
                     f"{c['rows']} rows): max |d logit| / max |logit| {c['max_rel_err']:.2e} (median "

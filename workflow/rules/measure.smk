@@ -6,7 +6,7 @@ import os
 # hardware.gpu_job_threads CPUs; job(..., gpu=HW) gives it a GPU of that name and CPUs that no
 # other job uses.
 
-from persistentkv.names import EXPERIMENTS, FP8_KV, kv_grid_name
+from persistentkv.names import EXPERIMENTS, FP8_EXPERIMENTS, FP8_KV, kv_grid_name
 
 RESULTS = f"results/{HW}"
 POLICY = f"{RESULTS}/policy.json"
@@ -244,6 +244,75 @@ rule calibrate:
         job(
             "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1",
         )
+
+
+# The FP8 policy (when config measure.kv_dtypes names float8_e4m3): the experiments of
+# names.FP8_EXPERIMENTS measured again on FP8 caches into raw_fp8/ (never pooled with raw/), the
+# policy fitted on their calibration rows (calibrate_fp8 -> policy_fp8.json) and judged on their
+# holdout rows (claims.json's fp8 entry, targets_fp8.fp8_policy). `snakemake measure_fp8_published`
+# names one.
+if FP8_KV in config["measure"].get("kv_dtypes", []):
+    FP8_POLICY = f"{RESULTS}/policy_fp8.json"
+    MEASURE_TARGETS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.parquet", experiment=FP8_EXPERIMENTS)
+    MEASURE_TARGETS += [FP8_POLICY]
+    SIDECARS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.json", experiment=FP8_EXPERIMENTS)
+
+    rule measure_fp8:
+        input:
+            traces=TRACE_FILES,
+            kernels=rules.kernels.output,
+            # the adaptive backend runs on the FP8 policy in every FP8 experiment but calibration
+            policy=lambda wildcards: [] if wildcards.experiment == "calibration" else [FP8_POLICY],
+        output:
+            table=f"{RESULTS}/raw_fp8/{{experiment}}.parquet",
+            provenance=f"{RESULTS}/raw_fp8/{{experiment}}.json",
+        log:
+            f"logs/measure/{HW}/{{experiment}}_fp8.log",
+        wildcard_constraints:
+            experiment="|".join(FP8_EXPERIMENTS),
+        params:
+            config=CONFIG_FILE,
+            spec=config["spec"],
+            measure=config["measure"],
+            traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
+            policy=lambda wildcards, input: f"--policy {input.policy}" if input.policy else "",
+        threads: GPU_JOB_THREADS
+        resources:
+            gpu=1,
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
+                f" --kv-dtype {FP8_KV}"
+                " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1",
+                gpu=HW,
+            )
+
+    for _experiment in FP8_EXPERIMENTS:
+
+        rule:
+            name:
+                f"measure_fp8_{_experiment}"
+            input:
+                f"{RESULTS}/raw_fp8/{_experiment}.parquet",
+
+    rule calibrate_fp8:
+        input:
+            timings=f"{RESULTS}/raw_fp8/calibration.parquet",
+        output:
+            report(FP8_POLICY, caption="../report/policy.rst", category="Policy", subcategory=HW),
+        log:
+            f"logs/measure/{HW}/calibrate_fp8.log",
+        params:
+            config=CONFIG_FILE,
+            policy=config["policy"],
+        conda:
+            CONDA_ENV
+        shell:
+            job(
+                "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1",
+            )
 
 
 rule provenance:

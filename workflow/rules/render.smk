@@ -23,6 +23,10 @@ RENDER_MEASURED = ["raw/*.parquet", "raw/*.json", "bench_kernels.parquet", "vali
 RENDER_MEASURED += ["bench_shapes.parquet"]  # the shapes experiment (measure.smk, rule bench_shapes)
 RENDER_MEASURED += ["bench_kernels_*.parquet", "bench_shapes_*.parquet"]  # the grids per cache dtype (measure.kv_dtypes)
 RENDER_MEASURED += ["e2e/*.parquet", "e2e/*.json"]  # the full decode step's passes (rule measure_e2e_pass)
+# the FP8 cache's runs beyond the grids (validate_gpu_fp8, fp8_logits, measure_e2e_fp8) and the FP8
+# policy's rows and fit (measure_fp8, calibrate_fp8)
+RENDER_MEASURED += ["validation_gpu_fp8.parquet", "fp8_logits.parquet", "e2e_fp8/*.parquet", "raw_fp8/*.parquet",
+                    "policy_fp8.json"]
 #: Files the GPU rules of this run will write (measure.smk, included only when measuring).
 RENDER_MEASURING = [str(t) for t in globals().get("MEASURE_TARGETS", [])]
 RENDER_HWS = sorted(

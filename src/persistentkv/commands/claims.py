@@ -22,7 +22,7 @@ def judged(results) -> dict:
 
     payload = claims.judge(results)
     payload["floor"] = floor_verdicts(results)  # the one-kernel floor and the shapes grid (targets.py)
-    payload["fp8"] = fp8_verdicts(results)      # the FP8 cache's grids (targets_fp8.py)
+    payload["fp8"] = fp8_verdicts(results, claims.fp8_adaptive(results))  # the FP8 cache's (targets_fp8.py)
     return payload
 
 

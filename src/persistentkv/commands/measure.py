@@ -2,7 +2,11 @@
 
     persistentkv measure --config config/config.yaml --experiment published \
         --traces-dir build/traces --out results/nvidia-h200/raw/published.parquet \
-        [--policy results/nvidia-h200/policy.json] [--backends a,b,...] [--quick]
+        [--policy results/nvidia-h200/policy.json] [--backends a,b,...] [--quick] [--kv-dtype float8_e4m3]
+
+``--kv-dtype float8_e4m3`` measures one of names.FP8_EXPERIMENTS on e4m3 caches (per-tensor scales,
+the query in the spec's dtype), into results/<hw>/raw_fp8/<experiment>.parquet: the FP8 policy's
+calibration and its holdout rows.
 
 Writes the raw rows of docs/DATA.md (every repeat of every backend and protocol, plus the read
 and copy ceilings measured in the same process) and the provenance sidecar (same path, .json).
@@ -15,7 +19,7 @@ import argparse
 from ..backends import registry
 from ..errors import require
 from ..measure.device import require_cuda
-from ..names import EXPERIMENTS, KV_GRID_SUFFIX
+from ..names import EXPERIMENTS, FP8_EXPERIMENTS, KV_GRID_SUFFIX
 
 #: --kv-dtype's values: ``auto``, the cache of the config spec's own dtype, or a cache dtype whose
 #: grid has files of its own (names.KV_GRID_SUFFIX).
@@ -31,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None, help="comma-separated subset (default: config measure.backends)")
     parser.add_argument("--quick", action="store_true",
                         help="one holdout seed, 4x the step stride, 2 repeats: a smoke run, not a result")
+    add_kv_dtype(parser, "results/<hw>/raw_fp8/<experiment>.parquet; experiments "
+                 + ", ".join(FP8_EXPERIMENTS))
 
 
 def parse_names(text: str | None, known, what: str) -> list[str] | None:
@@ -70,9 +76,13 @@ def parse_kv_dtype(text: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
+    require(kv_dtype is None or args.experiment in FP8_EXPERIMENTS,
+            f"--kv-dtype {args.kv_dtype} measures the experiments {', '.join(FP8_EXPERIMENTS)} "
+            f"(the FP8 policy's calibration and holdout), not {args.experiment}")
     require_cuda()
     from ..measure.runner import run_experiment  # the harness and pandas: loaded to run, not for --help
 
     backends = parse_backends(args.backends)
     return run_experiment(args.config, args.experiment, args.traces_dir, args.out, args.policy, backends,
-                          args.quick)
+                          args.quick, kv_dtype)

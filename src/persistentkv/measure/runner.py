@@ -177,9 +177,10 @@ def _summary(frame) -> None:
 
 
 def run_experiment(config_path: str, experiment: str, traces_dir: str, out: str, policy: str | None,
-                   backends: list[str] | None, quick: bool) -> int:
+                   backends: list[str] | None, quick: bool, kv_dtype: str | None = None) -> int:
+    """One experiment's raw rows into ``out``, on caches of ``kv_dtype`` (None: the spec's dtype)."""
     config = configuration.load_config(config_path)
-    cases = experiment_cases(experiment, config, traces_dir, policy, backends, quick)
+    cases = experiment_cases(experiment, config, traces_dir, policy, backends, quick, kv_dtype)
     device = _device()
     started = utc_now()
     run_id = new_run_id(experiment, started)

@@ -172,14 +172,15 @@ def _backend_names(config: dict, requested: list[str] | None, drop_adaptive: boo
 
 def experiment_cases(experiment: str, config: dict, traces_dir: str | Path | None,
                      policy_path: str | None = None, backends: list[str] | None = None,
-                     quick: bool = False) -> list[Case]:
-    """Every case of one experiment, with its backend variants, from the config."""
+                     quick: bool = False, kv_dtype: str | None = None) -> list[Case]:
+    """Every case of one experiment, with its backend variants, from the config; on caches of
+    ``kv_dtype`` (None: the spec's own dtype)."""
     require(experiment in EXPERIMENTS, f"unknown experiment {experiment!r}; expected one of {', '.join(EXPERIMENTS)}")
     measure = config["measure"]
     seeds = config["seeds"]
     holdout = list(seeds["holdout"])[:1] if quick else list(seeds["holdout"])
     stride = int(measure["step_stride"]) * (4 if quick else 1)
-    spec = configuration.spec(config)
+    spec = on_cache(configuration.spec(config), kv_dtype)
     names = _backend_names(config, backends, drop_adaptive=experiment == "calibration")
     if experiment == "calibration" and not backends:
         # calibration fits the policy, which chooses among policy.candidates: it times those
