@@ -337,3 +337,22 @@ def test_choose_ctas_matches_the_documented_rule(rows):
         assert choose_ctas_per_sm(seq, 8, 132, picked_queue(lens)) == want, lens
         picked.add(want)
     assert None in picked and (rows > 8 or 3 in picked)  # the cases exercise more than one answer
+
+
+def test_choose_ctas_memoised_answer_is_the_unmemoised_one():
+    """Remembered per tile counts and queues, as choose_warps' answer: a second call is a cache hit,
+    the same answer as the rule run afresh (and as the oracle); another queue is asked again."""
+    from persistentkv.choose import _ctas_for_tiles
+
+    rng = np.random.default_rng(9)
+    for lens in ([131072], [8192] * 64, [8192] * 48, [49152, 1024, 1024, 1024] * 2,
+                 (rng.integers(1, 1 << 16, size=80) * 4).tolist()):
+        _ctas_for_tiles.cache_clear()
+        first = choose_ctas_per_sm(lens, 8, 132, picked_queue(lens))
+        hits = _ctas_for_tiles.cache_info().hits
+        assert choose_ctas_per_sm(np.array(lens, dtype=np.int32), 8, 132, picked_queue(lens)) == first
+        assert _ctas_for_tiles.cache_info().hits == hits + 1
+        key = tuple(tiles_of(lens)) if len(lens) <= 64 else np.array(tiles_of(lens), dtype=np.int64).tobytes()
+        assert _ctas_for_tiles.__wrapped__(key, 8, 132, picked_queue(lens), (4, 3), 2) == first == oracle_ctas(lens)
+        choose_ctas_per_sm(lens, 8, 132, (1, 1))
+        assert _ctas_for_tiles.cache_info().misses == 2

@@ -121,17 +121,31 @@ def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[i
     Worked numbers (Hkv = 8, 132 SMs): B=64 x 8K -> 4 (528 items of 7944 tokens, imbalance 1.03 as
     the 8-warp queue's); B=1 x 128K and B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986);
     B=16 x 8K -> 3; B=1 x 32K -> None (662 tokens at 3 CTAs); B=64 x 1K -> None."""
-    tiles = num_tiles(np.asarray(seq_lens, dtype=np.int64).reshape(-1))
-    require(tiles.size >= 1, "choose_ctas_per_sm needs at least one row")
-    group_tokens = TILE_TOKENS * num_kv_heads * int(tiles.sum())
+    # On every FP8 step's host path, as choose_warps: the answer is remembered per tile counts (the
+    # two chunk searches cost 20-90 us; a decode step's tiles change only at 32-token boundaries).
+    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
+        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    require(seq.size >= 1, "choose_ctas_per_sm needs at least one row")
+    key = tuple(-(-n // TILE_TOKENS) for n in seq.tolist()) if seq.size <= 64 else num_tiles(seq).tobytes()
+    return _ctas_for_tiles(key, int(num_kv_heads), int(num_sms), tuple(queue), tuple(candidates), int(min_chunk_tiles))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candidates: tuple,
+                    min_chunk_tiles: int) -> int | None:
+    """choose_ctas_per_sm's rule for rows of ``tiles`` tiles (a tuple, or the bytes of an int64
+    array of more than 64 rows); memoised."""
+    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
+    rows = len(counts)
+    group_tokens = TILE_TOKENS * num_kv_heads * int(sum(counts) if isinstance(counts, list) else counts.sum())
     base = None
     for ctas in candidates:
         target = ctas * num_sms
-        slots = queue_waves(tiles.size, num_kv_heads, target) * target
+        slots = queue_waves(rows, num_kv_heads, target) * target
         if group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
             continue
         if base is None:
-            base = queue_imbalance(tiles, num_kv_heads, *queue)
-        if queue_imbalance(tiles, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE * base:
+            base = queue_imbalance(counts, num_kv_heads, *queue)
+        if queue_imbalance(counts, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE * base:
             return ctas
     return None
