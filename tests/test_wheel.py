@@ -21,7 +21,7 @@ import pytest
 
 from persistentkv import launch
 from persistentkv.errors import PKVError
-from persistentkv.kernel_build import MODULES, cubin_name, nvcc_path
+from persistentkv.kernel_build import FP8_MODULES, MODULES, cubin_name, nvcc_path
 from persistentkv.model import step_ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,4 +132,6 @@ def test_the_wheel_carries_the_kernels_and_compiles_them_installed(tmp_path, cap
     report = json.loads((work / "report.json").read_text())
     assert report["status"] == "ok" and report["archs"] == list(ARCHS)
     assert {p.name for p in (work / "cubins").glob("*.cubin")} == \
-        {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ARCHS} | {step_ops.cubin_name(a) for a in ARCHS}
+        {cubin_name(d, h, w, a) for d, h, w in MODULES for a in ARCHS} | \
+        {cubin_name(d, h, w, a, "float8_e4m3", c) for d, h, w, c in FP8_MODULES for a in ARCHS} | \
+        {step_ops.cubin_name(a) for a in ARCHS}

@@ -46,8 +46,10 @@ def run(args) -> int:
     rows = compile_all(archs, Path(args.cubin_dir)) + step_ops.compile_report(archs, Path(args.cubin_dir))
     atomic_write_json(args.out, {"status": "ok", "archs": archs, "kernels": rows})
     worst = max(rows, key=lambda r: r.get("spill_store_bytes", 0))
+    ctas = f" ctas={worst['ctas_per_sm']}" if worst.get("ctas_per_sm") else ""
     print(f"compile-kernels: {len(rows)} kernel instances for {', '.join(archs)}; "
           f"max registers {max(r['registers'] for r in rows)}, max spill stores {worst.get('spill_store_bytes', 0)} B "
-          f"({worst['kernel']} {worst['dtype']} D={worst['head_dim']} warps={worst['warps']} {worst['arch']})")
+          f"({worst['kernel']} {worst['dtype']}{' FP8' if worst.get('kv_dtype') == 'float8_e4m3' else ''} "
+          f"D={worst['head_dim']} warps={worst['warps']}{ctas} {worst['arch']})")
     print(json.dumps({"report": args.out}))
     return 0
