@@ -124,8 +124,8 @@ def fp8_verdicts(results: Results, adaptive: dict | None = None) -> dict:
     policy      the FP8 policy on the FP8 holdout rows: ``adaptive``, claims.adaptive_verdicts of the
                 FP8 rows (results.raw_fp8; None where there are none), judged by fp8_policy.
 
-    ``verdict``: "not measured" when neither FP8 file is present, else "does not hold" when a check
-    does not hold, "holds" when all four hold, "not measured" otherwise; ``summary`` says it with
+    ``verdict``: "not measured" when nothing over an FP8 cache is present, else "does not hold" when a check
+    does not hold, "holds" when every check holds, "not measured" otherwise; ``summary`` says it with
     the hardware."""
     frames = {grid: results.kv_grid(grid, FP8_KV) for grid in ("bench_kernels", SHAPES_EXPERIMENT)}
     frames = {grid: f[f["kv_dtype"] == FP8_KV] if "kv_dtype" in f.columns else f.iloc[:0]
