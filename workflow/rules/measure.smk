@@ -188,94 +188,44 @@ if FP8_KV in config["measure"].get("kv_dtypes", []):
             )
 
 
-rule measure:
-    input:
-        traces=TRACE_FILES,
-        kernels=rules.kernels.output,
-        # the adaptive backend needs the calibrated policy in every experiment but calibration
-        policy=lambda wildcards: [] if wildcards.experiment == "calibration" else [POLICY],
-    output:
-        table=f"{RESULTS}/raw/{{experiment}}.parquet",
-        provenance=f"{RESULTS}/raw/{{experiment}}.json",
-    log:
-        f"logs/measure/{HW}/{{experiment}}.log",
-    params:
-        config=CONFIG_FILE,
-        spec=config["spec"],
-        measure=config["measure"],
-        traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
-        policy=lambda wildcards, input: f"--policy {input.policy}" if input.policy else "",
-    threads: GPU_JOB_THREADS
-    resources:
-        gpu=1,
-    conda:
-        CONDA_ENV
-    shell:
-        job(
-            "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
-            " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1",
-            gpu=HW,
-        )
+# The experiments and the policy fitted on their calibration rows, once per entry of POLICY_RUNS
+# (suffix -> experiments, folder, policy, the option their commands get): measure, measure_<experiment>
+# and calibrate into raw/ and policy.json on the config's cache; with float8_e4m3 in measure.kv_dtypes
+# also measure_fp8, measure_fp8_<experiment> and calibrate_fp8 for names.FP8_EXPERIMENTS into raw_fp8/
+# (never pooled with raw/) and policy_fp8.json, judged on its holdout rows by claims.json's fp8.policy
+# (targets_fp8.fp8_policy). `snakemake measure_published` or `measure_fp8_published` names one.
+POLICY_RUNS = {"": (EXPERIMENTS, "raw", POLICY, "")}
+if FP8_KV in config["measure"].get("kv_dtypes", []):
+    POLICY_RUNS["_fp8"] = (FP8_EXPERIMENTS, "raw_fp8", f"{RESULTS}/policy_fp8.json", f" --kv-dtype {FP8_KV}")
+    MEASURE_TARGETS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.parquet", experiment=FP8_EXPERIMENTS)
+    MEASURE_TARGETS += [POLICY_RUNS["_fp8"][2]]
+    SIDECARS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.json", experiment=FP8_EXPERIMENTS)
 
-
-# One named target per experiment: `snakemake measure_published`.
-for _experiment in EXPERIMENTS:
+for _suffix, (_experiments, _raw, _policy, _kv_option) in POLICY_RUNS.items():
 
     rule:
         name:
-            f"measure_{_experiment}"
-        input:
-            f"{RESULTS}/raw/{_experiment}.parquet",
-
-
-rule calibrate:
-    input:
-        timings=f"{RESULTS}/raw/calibration.parquet",
-    output:
-        report(POLICY, caption="../report/policy.rst", category="Policy", subcategory=HW),
-    log:
-        f"logs/measure/{HW}/calibrate.log",
-    params:
-        config=CONFIG_FILE,
-        policy=config["policy"],
-    conda:
-        CONDA_ENV
-    shell:
-        job(
-            "persistentkv calibrate --config {params.config} --timings {input.timings} --out {output} > {log} 2>&1",
-        )
-
-
-# The FP8 policy (when config measure.kv_dtypes names float8_e4m3): the experiments of
-# names.FP8_EXPERIMENTS measured again on FP8 caches into raw_fp8/ (never pooled with raw/), the
-# policy fitted on their calibration rows (calibrate_fp8 -> policy_fp8.json) and judged on their
-# holdout rows (claims.json's fp8 entry, targets_fp8.fp8_policy). `snakemake measure_fp8_published`
-# names one.
-if FP8_KV in config["measure"].get("kv_dtypes", []):
-    FP8_POLICY = f"{RESULTS}/policy_fp8.json"
-    MEASURE_TARGETS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.parquet", experiment=FP8_EXPERIMENTS)
-    MEASURE_TARGETS += [FP8_POLICY]
-    SIDECARS += expand(f"{RESULTS}/raw_fp8/{{experiment}}.json", experiment=FP8_EXPERIMENTS)
-
-    rule measure_fp8:
+            f"measure{_suffix}"
         input:
             traces=TRACE_FILES,
             kernels=rules.kernels.output,
-            # the adaptive backend runs on the FP8 policy in every FP8 experiment but calibration
-            policy=lambda wildcards: [] if wildcards.experiment == "calibration" else [FP8_POLICY],
+            # the adaptive backend needs the calibrated policy in every experiment but calibration
+            policy=lambda wildcards, policy=_policy: [] if wildcards.experiment == "calibration" else [policy],
         output:
-            table=f"{RESULTS}/raw_fp8/{{experiment}}.parquet",
-            provenance=f"{RESULTS}/raw_fp8/{{experiment}}.json",
+            table=f"{RESULTS}/{_raw}/{{experiment}}.parquet",
+            provenance=f"{RESULTS}/{_raw}/{{experiment}}.json",
         log:
-            f"logs/measure/{HW}/{{experiment}}_fp8.log",
+            f"logs/measure/{HW}/{{experiment}}{_suffix}.log",
         wildcard_constraints:
-            experiment="|".join(FP8_EXPERIMENTS),
+            experiment="|".join(_experiments),
         params:
             config=CONFIG_FILE,
             spec=config["spec"],
             measure=config["measure"],
             traces_dir=lambda wildcards, input: os.path.dirname(input.traces[0]),
             policy=lambda wildcards, input: f"--policy {input.policy}" if input.policy else "",
+            # params, not the shell string: the loop's variables hold their last values by then
+            kv_option=_kv_option,
         threads: GPU_JOB_THREADS
         resources:
             gpu=1,
@@ -283,27 +233,28 @@ if FP8_KV in config["measure"].get("kv_dtypes", []):
             CONDA_ENV
         shell:
             job(
-                "persistentkv measure --config {params.config} --experiment {wildcards.experiment}"
-                f" --kv-dtype {FP8_KV}"
+                "persistentkv measure --config {params.config} --experiment {wildcards.experiment}{params.kv_option}"
                 " --traces-dir {params.traces_dir} --out {output.table} {params.policy} > {log} 2>&1",
                 gpu=HW,
             )
 
-    for _experiment in FP8_EXPERIMENTS:
+    for _experiment in _experiments:
 
         rule:
             name:
-                f"measure_fp8_{_experiment}"
+                f"measure{_suffix}_{_experiment}"
             input:
-                f"{RESULTS}/raw_fp8/{_experiment}.parquet",
+                f"{RESULTS}/{_raw}/{_experiment}.parquet",
 
-    rule calibrate_fp8:
+    rule:
+        name:
+            f"calibrate{_suffix}"
         input:
-            timings=f"{RESULTS}/raw_fp8/calibration.parquet",
+            timings=f"{RESULTS}/{_raw}/calibration.parquet",
         output:
-            report(FP8_POLICY, caption="../report/policy.rst", category="Policy", subcategory=HW),
+            report(_policy, caption="../report/policy.rst", category="Policy", subcategory=HW),
         log:
-            f"logs/measure/{HW}/calibrate_fp8.log",
+            f"logs/measure/{HW}/calibrate{_suffix}.log",
         params:
             config=CONFIG_FILE,
             policy=config["policy"],
