@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from gpu_support import TOLERANCE, device_case, reference_torch64, row_head_errors_torch  # noqa: E402
 from persistentkv.engine import engine_for  # noqa: E402
+from persistentkv.launch import ENGINE_CTAS_PER_SM  # noqa: E402
 from persistentkv.spec import AttentionSpec  # noqa: E402
 
 CASES = [
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         ctas = [int(c) for c in args.ctas.split(",") if c.strip()]
     except ValueError:
         ctas = [0]
-    if any(c not in (3, 4) for c in ctas) or (ctas and not args.kv_dtype):
+    if any(c not in ENGINE_CTAS_PER_SM[4][1:] for c in ctas) or (ctas and not args.kv_dtype):
         parser.error(f"--ctas takes 3 and/or 4 with --kv-dtype {FP8_KV}, got {args.ctas!r}")
     modules = [(w, None) for w in widths] + [(4, c) for c in ctas]
 
