@@ -2,26 +2,33 @@
 source patch and of src/persistentkv renamed persistentkv_TAG, so the shipped kernel and the
 variants run side by side in one process, on the same batches, checked against float64.
 
-    python benchmarks/kernel_variants.py --out DIR [TAG ...] [--ptxas sm_90]
+    python benchmarks/kernel_variants.py --out DIR [TAG ...] [--ptxas sm_90] [--sass sm_90]
     python benchmarks/bench_engine.py --kv-dtype float8_e4m3 --routes workqueue \
         --against DIR/lazy,...
 
 Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"):
   lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
              16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
+  kpair      (fp16 on sm_89+) K's codes converted in the pairs they arrive in, Q's dims permuted
+             to match: 16 byte permutes fewer per warp and tile (437 instructions against 453)
+  st6        six stages of FP8 codes at 2 CTAs per SM (4 warps) or 1 (8 warps): the fp16 module's
+             bytes in flight, against the 3- and 4-CTA modules' more warps
 The A/B at be4ba01 (NOTES, "Variants"): lazy 0.985-0.995 from 268 MB; each occupancy (occ3, occ4:
 the FP8 4-warp modules promised 3 or 4 resident CTAs per SM) won on some cases and lost on others,
 and now ships as the engine's own ctas_per_sm modules, chosen per step (bench_engine --ctas, auto);
 pagewarp (one page id per warp's 16 rows) was rejected there and removed.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
-prints their registers and spills.
+prints their registers and spills; --sass ARCH the static instruction count and mix of each FP8
+module's per-tile loop (pkv_decode_fused, 16 tokens per warp) beside the shipped kernel's.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +65,62 @@ LAZY = [
   }
 """, "  ws.l1 = ws.l1 * a1 + ps1;\n"),
 ]
-VARIANTS = {"lazy": LAZY}
+# fp16 on sm_89+ only (the cvt path; elsewhere PKV_K_PAIRS is 0 and the kernel is the shipped one):
+# K's B registers straight from the conversion of a thread's 4 consecutive codes, (x0, x1) and
+# (x2, x3), and Q's dims permuted to match (k 2j + e <-> dim 4j + e, 8 + 2j + e <-> dim 4j + 2 + e),
+# so K needs no byte permute: 16 PRMT fewer per warp and tile (V keeps its own: its pairs are tokens).
+KPAIR = [
+    ("""#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+""", """#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define PKV_K_PAIRS 1
+// K (kpair): codes x0..x3 of 4 consecutive dims to (x0, x1) and (x2, x3), no permute
+__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& lo, unsigned& hi) {
+  asm("{\\n .reg .b16 l, h;\\n mov.b32 {l, h}, %2;\\n cvt.rn.f16x2.e4m3x2 %0, l;\\n cvt.rn.f16x2.e4m3x2 %1, h;\\n}\\n"
+      : "=r"(lo), "=r"(hi) : "r"(r));
+}
+"""),
+    ("""
+struct Params {
+""", """#ifndef PKV_K_PAIRS
+#define PKV_K_PAIRS 0
+__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& ev, unsigned& od) { dequant4(r, ev, od); }
+#endif
+
+struct Params {
+"""),
+    ("""        const uint4 ev = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
+                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
+        const uint4 od = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
+                                    __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
+""", """        const uint4 ev = PKV_K_PAIRS ? make_uint4(a.x, a.z, b.x, b.z) :
+                         make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
+                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
+        const uint4 od = PKV_K_PAIRS ? make_uint4(a.y, a.w, b.y, b.w) :
+                         make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
+                                    __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
+"""),
+    ("""        qf[kk][0] = __byte_perm(a0, a1, 0x5410);
+        qf[kk][2] = __byte_perm(a0, a1, 0x7632);
+        qf[kk][1] = __byte_perm(b0, b1, 0x5410);
+        qf[kk][3] = __byte_perm(b0, b1, 0x7632);
+""", """        qf[kk][0] = PKV_K_PAIRS ? a0 : __byte_perm(a0, a1, 0x5410);
+        qf[kk][2] = PKV_K_PAIRS ? a1 : __byte_perm(a0, a1, 0x7632);
+        qf[kk][1] = PKV_K_PAIRS ? b0 : __byte_perm(b0, b1, 0x5410);
+        qf[kk][3] = PKV_K_PAIRS ? b1 : __byte_perm(b0, b1, 0x7632);
+"""),
+    ("""        dequant4(c[2 * h], e0, o0);
+        dequant4(c[2 * h + 1], e1, o1);
+        mma16816(s[0], a, e0, o0);""", """        dequant4_k(c[2 * h], e0, o0);
+        dequant4_k(c[2 * h + 1], e1, o1);
+        mma16816(s[0], a, e0, o0);"""),
+]
+# Six stages of FP8 codes (4 and 8 warps): the bytes in flight of the fp16 module's three at the
+# same occupancy (96 KB of stages per 4-warp CTA, 192 KB at 8 warps), against the 3- and 4-CTA
+# modules' more warps: is the FP8 loop short of bytes in flight or of warps? (The 3- and 4-CTA
+# modules cannot hold six stages and are refused.)
+ST6 = [("constexpr int STAGES = (D == 256) ? 2 : 3;",
+        "constexpr int STAGES = (D == 256) ? 2 : (PKV_FP8 ? 6 : 3);")]
+VARIANTS = {"lazy": LAZY, "kpair": KPAIR, "st6": ST6}
 
 
 def patched(text: str, patches) -> str:
@@ -71,15 +133,26 @@ def patched(text: str, patches) -> str:
     return text
 
 
+def variant_patches(tag: str) -> list:
+    """The patches of ``tag``: one variant, or several joined by '_' (kpair_lazy), applied in turn."""
+    names = tag.split("_")
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or len(set(names)) != len(names):
+        raise SystemExit(f"unknown or repeated variant in {tag!r}; known: {', '.join(VARIANTS)} "
+                         "(combine them with '_', e.g. kpair_lazy)")
+    return [patch for n in names for patch in VARIANTS[n]]
+
+
 def build(out: Path, tag: str) -> Path:
     """DIR/TAG with kernels/ (patched) and src/persistentkv_TAG: what --against reads."""
+    patches = variant_patches(tag)
     dest = out / tag
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(ROOT / "kernels", dest / "kernels")
     shutil.copytree(ROOT / "src" / "persistentkv", dest / "src" / f"persistentkv_{tag}",
                     ignore=shutil.ignore_patterns("__pycache__"))
     source = dest / "kernels" / KERNEL
-    source.write_text(patched(source.read_text(), VARIANTS[tag]))
+    source.write_text(patched(source.read_text(), patches))
     return dest
 
 
@@ -104,19 +177,95 @@ def ptxas_report(source: Path, arch: str) -> list[dict]:
     return rows
 
 
+def sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
+    """cuobjdump -sass text -> {function: [(address, instruction without the trailing ;)]}."""
+    funcs, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2)))
+    return funcs
+
+
+def loop_mix(instructions: list[tuple[int, str]], min_hmma: int = 16) -> Counter | None:
+    """Opcode counts (predicates and modifiers dropped) of the largest loop, a backward branch's
+    span, with at least ``min_hmma`` HMMA: the decode kernel's per-tile loop (16 tokens per warp);
+    None if there is none."""
+    best = None
+    for addr, text in instructions:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) > addr:
+            continue
+        lo = int(m.group(1), 16)
+        mix = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                      for a, t in instructions if lo <= a <= addr)
+        if mix["HMMA"] >= min_hmma and (best is None or sum(mix.values()) > sum(best.values())):
+            best = mix
+    return best
+
+
+SASS_MODULES = {"4 warps": [], "8 warps": ["-DPKV_WARPS=8"], "3 CTAs": ["-DPKV_CTAS_PER_SM=3"],
+                "4 CTAs": ["-DPKV_CTAS_PER_SM=4"]}
+SASS_OPS = ("HMMA", "F2FP", "PRMT", "FMUL", "MUFU", "LDSM", "LDGSTS")
+
+
+def sass_report(source: Path, arch: str) -> list[dict]:
+    """The per-tile loop of pkv_decode_fused in each FP8 module (head_dim 128, fp16 query) of
+    ``source`` compiled for ``arch`` (cuobjdump on PATH): its instruction count and mix, per warp
+    and tile. A module the source cannot build (e.g. six stages at 3 CTAs per SM) is left out."""
+    import subprocess
+    import tempfile
+
+    from persistentkv.kernel_build import compile_module
+    from persistentkv.launch import compile_options
+    from persistentkv.spec import AttentionSpec
+
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        raise SystemExit("--sass needs cuobjdump on PATH (the CUDA toolkit's, or pip's nvidia-cuda-cuobjdump)")
+    spec = AttentionSpec(1, 1, 128, 16, "float16", kv_dtype="float8_e4m3")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in SASS_MODULES.items():
+            cubin = Path(tmp) / f"{name.replace(' ', '_')}.cubin"
+            try:
+                compile_module(arch, source, cubin, [*compile_options(spec, 4), *extra], f"FP8 D=128 {name}")
+            except RuntimeError:
+                continue
+            text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            fused = [ins for f, ins in sass_functions(text).items() if "pkv_decode_fused" in f]
+            mix = loop_mix(fused[0]) if fused else None
+            if mix is not None:
+                rows.append({"module": name, "instructions": sum(mix.values()), **{op: mix[op] for op in SASS_OPS}})
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("tags", nargs="*", help=f"variants to build (default all: {', '.join(VARIANTS)})")
+    parser.add_argument("tags", nargs="*", help=f"variants to build (default all: {', '.join(VARIANTS)}; "
+                        "several joined by '_' make one, e.g. kpair_lazy)")
     parser.add_argument("--out", required=True, help="folder for the DIR/TAG trees")
     parser.add_argument("--ptxas", default="", help="also compile each for this arch (e.g. sm_90) and print "
                         "registers and spills")
+    parser.add_argument("--sass", default="", help="also print, for this arch, the instruction count and mix of "
+                        "each FP8 module's per-tile loop beside the shipped kernel's (needs cuobjdump)")
     args = parser.parse_args(argv)
-    bad = [t for t in args.tags if t not in VARIANTS]
-    if bad:
-        parser.error(f"unknown variant {', '.join(bad)}; known: {', '.join(VARIANTS)}")
+    for tag in args.tags:
+        variant_patches(tag)  # an unknown name stops here, before any tree is built
+    shipped = sass_report(ROOT / "kernels" / KERNEL, args.sass) if args.sass else []
     for tag in args.tags or VARIANTS:
         dest = build(Path(args.out), tag)
         print(dest)
+        if args.sass:
+            base = {r["module"]: r["instructions"] for r in shipped}
+            for r in sass_report(dest / "kernels" / KERNEL, args.sass):
+                mix = ", ".join(f"{op} {r[op]}" for op in SASS_OPS)
+                print(f"  {r['module']}: {r['instructions']} instructions per warp and tile "
+                      f"(shipped {base.get(r['module'], '-')}): {mix}")
         if args.ptxas:
             for r in ptxas_report(dest / "kernels" / KERNEL, args.ptxas):
                 print(f"  {r['warps']} warps {r['kernel']}: {r['registers']} registers, "

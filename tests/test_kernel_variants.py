@@ -5,6 +5,7 @@ FP8 decode kernels compile with the registers its hypothesis names."""
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,8 +41,18 @@ def test_a_patch_whose_text_moved_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="0 copies of the patched text 'no such line'"):
         kernel_variants.patched("int x;\n", [("no such line\n", "")])
     assert kernel_variants.main(["--out", str(tmp_path), "lazy"]) == 0
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="unknown or repeated variant in 'nope'"):
         kernel_variants.main(["--out", str(tmp_path), "nope"])
+    with pytest.raises(SystemExit, match="unknown or repeated variant in 'lazy_lazy'"):
+        kernel_variants.build(tmp_path, "lazy_lazy")
+
+
+def test_variants_joined_by_an_underscore_apply_every_patch_in_one_tree(tmp_path):
+    dest = kernel_variants.build(tmp_path, "kpair_lazy")
+    source = (dest / "kernels" / "pkv_decode.cu").read_text()
+    for old, new in kernel_variants.VARIANTS["kpair"] + kernel_variants.VARIANTS["lazy"]:
+        assert new in source
+    assert (dest / "src" / "persistentkv_kpair_lazy" / "engine.py").is_file()
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not on PATH")
@@ -53,3 +64,44 @@ def test_the_ptxas_report_gives_each_fp8_decode_kernels_registers(tmp_path):
     assert sorted((r["warps"], r["kernel"]) for r in rows) == [(w, k) for w in (4, 8)
                                                                for k in ("pkv_decode", "pkv_decode_fused")]
     assert all(r["registers"] <= 255 and r["spill_store_bytes"] == 0 for r in rows), rows
+
+
+SASS = """
+        Function : pkv_decode_fused
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/                   HMMA.16816.F32 R8, R4, R6, RZ ;
+        /*0030*/                   PRMT R4, R4, 0x3120, RZ ;
+        /*0040*/               @P0 HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0050*/              @!P1 BRA 0x10 ;
+        /*0060*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0070*/                   BRA 0x60 ;
+        Function : pkv_merge
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_the_sass_loop_mix_counts_the_largest_loop_with_enough_mma():
+    funcs = kernel_variants.sass_functions(SASS)
+    assert list(funcs) == ["pkv_decode_fused", "pkv_merge"]
+    assert funcs["pkv_decode_fused"][1] == (0x10, "LDSM.16.M88.4 R4, [R2]")
+    # the loop 0x10-0x50 (predicates and modifiers dropped); the one-instruction loop at 0x60-0x70
+    # has a single HMMA, and no loop has three
+    mix = kernel_variants.loop_mix(funcs["pkv_decode_fused"], min_hmma=2)
+    assert dict(mix) == {"LDSM": 1, "HMMA": 2, "PRMT": 1, "BRA": 1}
+    assert kernel_variants.loop_mix(funcs["pkv_decode_fused"], min_hmma=3) is None
+    assert kernel_variants.loop_mix(funcs["pkv_merge"]) is None
+
+
+@pytest.mark.skipif(nvcc_path() is None or shutil.which("cuobjdump") is None, reason="needs nvcc and cuobjdump on PATH")
+@pytest.mark.slow
+def test_kpair_drops_the_k_byte_permutes_from_the_fp8_loop(tmp_path):
+    """--sass: kpair's per-tile loop has 16 PRMT fewer per warp than the shipped kernel's (K's), the
+    same mma and conversions, in every FP8 module."""
+    shipped = {r["module"]: r for r in kernel_variants.sass_report(ROOT / "kernels" / "pkv_decode.cu", "sm_90")}
+    kpair = kernel_variants.sass_report(kernel_variants.build(tmp_path, "kpair") / "kernels" / "pkv_decode.cu", "sm_90")
+    assert sorted(shipped) == sorted(r["module"] for r in kpair) == sorted(kernel_variants.SASS_MODULES)
+    for r in kpair:
+        s = shipped[r["module"]]
+        assert (r["HMMA"], r["F2FP"], r["LDGSTS"]) == (s["HMMA"], s["F2FP"], s["LDGSTS"]) == (32, 68, 8)
+        assert s["PRMT"] - r["PRMT"] == 16 and r["instructions"] < s["instructions"]
