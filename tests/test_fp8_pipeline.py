@@ -389,6 +389,16 @@ def test_the_fp8_figure_draws_both_caches_from_a_constructed_frame(tmp_path):
     fig = figures.fig_fp8(frame, "test-gpu")
     floors = [line for line in fig.axes[0].get_lines() if "one-kernel floor" in str(line.get_label())]
     assert len(floors) == 2                                   # one floor line per cache
+    # a case's two caches share an x on the left (the fp16 bytes); on the right the floor fraction
+    # against the cache's own bytes, with one black segment per FP8 floor band
+    assert b128["fp16_bytes"] == 2 * b128["kv_bytes"]
+    fp16_twin = frame.set_index(["kv_dtype", "trace"]).loc[("float16", "B1xN131072")]
+    assert fp16_twin["fp16_bytes"] == fp16_twin["kv_bytes"] == b128["fp16_bytes"]
+    from matplotlib.collections import LineCollection
+
+    bands = [c for c in fig.axes[1].collections if isinstance(c, LineCollection) and len(c.get_segments()) == 1]
+    assert sorted(round(float(c.get_segments()[0][0][1]), 2) for c in bands) == sorted(
+        t for _, _, t in targets_fp8.FP8_FLOOR_BANDS)
     path = tmp_path / "fp8.svg"
     figures.save(fig, path)
     assert path.stat().st_size > 10_000 and b"<svg" in path.read_bytes()[:500]
@@ -411,13 +421,18 @@ def test_the_report_and_paper_sections_say_what_was_measured():
     page = html.render(fp8=missing, fp8_figure=None, fp8_unavailable=[], hw="nvidia-h200", ratio_ci=report.ratio_ci)
     assert "has not been measured on nvidia-h200" in page and "snakemake bench_kernels_fp8 --cores all" in page
     assert "<table" not in page and "<img" not in page
+    # in the report the figure stands there too, as its placeholder (figures.fig_fp8 without FP8 rows)
+    page = html.render(fp8=missing, fp8_figure="data:image/svg+xml;base64,AA==", fp8_unavailable=[],
+                       hw="nvidia-h200", ratio_ci=report.ratio_ci)
+    assert page.count('data-figure="fp8"') == 1 and "has not been measured" in page
     text = tex.render(fp8=missing, hw="nvidia-h200")
     assert [line for line in text.splitlines() if not line.startswith("%")] == [
         r"\emph{The FP8 grid has not been measured on nvidia-h200: \texttt{snakemake bench\_kernels\_fp8 --cores "
         r"all} measures it.}"]
     measured = fp8_results(speedup={"B1xN131072": 1.30})
-    context = report.fp8_context(targets_fp8.fp8_verdicts(measured), measured)
-    assert context["fp8_figure"].startswith("data:image/svg+xml;base64,")
+    uri = "data:image/svg+xml;base64,AA=="  # the fp8 figure's SVG, as render() reads it from the figures folder
+    context = report.fp8_context(targets_fp8.fp8_verdicts(measured), measured, uri)
+    assert context["fp8_figure"] == uri
     assert context["fp8_unavailable"] == [{"file": "bench_kernels_fp8", "backend": "vllm-fa3",
                                            "reason": "vLLM FA3 with an FP8 cache writes bfloat16 only"}]
     page = html.render(**context, hw="test-gpu", ratio_ci=report.ratio_ci)

@@ -242,7 +242,7 @@ def test_the_report_shows_the_runs_over_an_fp8_cache():
                            "rel_err": [0.012, 0.031], "top1": [True, False]})
     results = replace(fp8_results(), **passing_runs(), fp8_logits=logits,
                       e2e=e2e_rows(1700.0, best=1800.0, kv_dtype="float16"))
-    context = report.fp8_context(targets_fp8.fp8_verdicts(results), results)
+    context = report.fp8_context(targets_fp8.fp8_verdicts(results), results, "data:image/svg+xml;base64,AA==")
     page = report.environment().get_template("fp8.html.j2").render(**context, hw="test-gpu", ratio_ci=report.ratio_ci)
     validation = page[page.index('id="fp8-validation"'):page.index('id="fp8-e2e"')]
     assert "<td>pkv-workqueue</td><td class=\"num\">2 / 2</td>" in validation

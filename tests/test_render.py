@@ -14,6 +14,7 @@ import pytest
 import synthetic
 from persistentkv import claims, cli, io
 from persistentkv.errors import PKVError
+from persistentkv.commands.claims import judged
 from persistentkv.render import FIGURE_NAMES, TABLE_NAMES, figures, report, tables
 from persistentkv.results import load_results
 
@@ -22,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Synthetic results (clearly labelled as such) plus their claims."""
+    """Synthetic results (clearly labelled as such, an FP8 grid among them) plus their claims."""
     root = tmp_path_factory.mktemp("syn")
-    hw_dir = synthetic.write_results(root)
+    hw_dir = synthetic.write_results(root, fp8=True)
     results = load_results(hw_dir, root / "results" / "counters", synthetic.config())
-    return root, results, claims.judge(results)
+    return root, results, judged(results)  # claims.json's payload, the floor's and FP8's entries included
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 
 import synthetic
 from persistentkv import claims
+from persistentkv.commands.claims import judged
 from persistentkv.render import FIGURE_NAMES, figures, report
 from persistentkv.results import load_results
 
@@ -190,9 +191,9 @@ def too_wide(probe: dict) -> list[str]:
 
 def build_report(root: Path, measured: bool) -> Path:
     """Render a report from synthetic results (or from nothing) into ``root``."""
-    hw_dir = synthetic.write_results(root, hw="synthetic-gpu") if measured else root / "results" / "nvidia-h200"
+    hw_dir = synthetic.write_results(root, hw="synthetic-gpu", fp8=True) if measured else root / "results" / "nvidia-h200"
     results = load_results(hw_dir, root / "results" / "counters", synthetic.config())
-    payload = claims.judge(results)
+    payload = judged(results)  # claims.json's payload, the floor's and FP8's entries included
     figures.render_all(results, root / "figs", "svg")
     return report.render(payload, results, root / "figs", hw_dir / "report.html")
 
@@ -202,7 +203,9 @@ def test_report_opens_offline_with_every_figure(tmp_path, measured):
     page = build_report(tmp_path, measured)
     probe, events = open_in_chromium(page, tmp_path)
 
-    assert [img["name"] for img in probe["images"]] == list(FIGURE_NAMES)
+    # every figure once: the gallery's in FIGURE_NAMES order, the FP8 one in its section above it
+    names = [img["name"] for img in probe["images"]]
+    assert names == ["fp8"] + [n for n in FIGURE_NAMES if n != "fp8"]
     for img in probe["images"]:
         assert img["decoded"], f"figure {img['name']} did not decode"
         assert img["w"] > 100 and img["h"] > 50, f"figure {img['name']} has size {img['w']}x{img['h']}"

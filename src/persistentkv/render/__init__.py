@@ -7,7 +7,7 @@ against these tuples.
 
 #: Figures written by ``persistentkv figures`` as ``<name>.<svg|pdf>`` (render.figures.FIGURES).
 FIGURE_NAMES = ("trace_ratios", "read_ceiling", "fanout_merge", "split_sensitivity", "batch_sweep", "policy",
-                "engine", "validation", "shapes", "shapes_floor", "e2e")
+                "engine", "validation", "shapes", "shapes_floor", "e2e", "fp8")
 #: Formats a figure is written in (the suffix names it).
 FIGURE_FORMATS = ("svg", "pdf", "png")
 #: LaTeX tables written by ``persistentkv tables`` as ``tables/<name>.tex`` (beside macros.tex).

@@ -934,6 +934,14 @@ FIGURES += (
                "paired bootstrap intervals; the dotted line is the "
                f"{targets.E2E_STEP_MIN_RATIO:g}x step floor.",
                lambda r: fig_e2e(data_e2e_split(r), data_e2e_gain(r), r.hw)),
+    FigureSpec("fp8", "FP8 e4m3 caches",
+               f"bench_kernels on the fp16 cache and on FP8 e4m3 codes (bench_kernels_fp8, the same cases), one "
+               f"colour per cache. Left: {targets.ENGINE_BACKEND}'s kernel time (filled) and the fastest baseline's "
+               "on the same cache (open) against the case's size in fp16 bytes, so each case's two caches stand one "
+               "above the other; each cache's one-kernel floor as a line (solid FP8, dashed fp16). Right: the "
+               "floor's time over ours against the bytes the cache holds (an FP8 case holds half its fp16 twin's); "
+               "the black segments are the FP8 targets over the sizes they cover.",
+               lambda r: fig_fp8(data_fp8(r), r.hw)),
 )
 FIGURE_NAMES = tuple(f.name for f in FIGURES)
 assert FIGURE_NAMES == _NAMES, "render/__init__.py FIGURE_NAMES must list FIGURES in order"
@@ -1095,11 +1103,12 @@ KV_DTYPE_COLORS = {"float16": _PALETTE[0], "float8_e4m3": _PALETTE[3]}
 
 def data_fp8(results: Results) -> pd.DataFrame:
     """bench_kernels' kernel rows on the fp16 cache (bench_kernels.parquet) and on the FP8 one
-    (bench_kernels_fp8.parquet), per (kv_dtype, trace): kv_bytes (the cache's own bytes) and the
-    median time (us) of targets.ENGINE_BACKEND (``ours``), of the fastest baseline there
-    (``baseline``, by median) and of the one-kernel floor (``floor``), NaN where absent. Empty
-    when there are no FP8 rows: the figure is drawn only from an FP8 run."""
-    columns = ["kv_dtype", "trace", "kv_bytes", "ours", "baseline", "baseline_name", "floor"]
+    (bench_kernels_fp8.parquet), per (kv_dtype, trace): kv_bytes (the cache's own bytes),
+    fp16_bytes (the case's bytes in fp16: twice an FP8 case's) and the median time (us) of
+    targets.ENGINE_BACKEND (``ours``), of the fastest baseline there (``baseline``, by median) and
+    of the one-kernel floor (``floor``), NaN where absent. Empty when there are no FP8 rows: the
+    figure is drawn only from an FP8 run."""
+    columns = ["kv_dtype", "trace", "kv_bytes", "fp16_bytes", "ours", "baseline", "baseline_name", "floor"]
     fp8 = results.kv_grid("bench_kernels", FP8_KV)
     parts = [f for f in (results.bench, fp8) if not f.empty and {"kv_dtype", "protocol", "status"} <= set(f.columns)]
     rows = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
@@ -1107,35 +1116,52 @@ def data_fp8(results: Results) -> pd.DataFrame:
     if ok.empty or not (ok["kv_dtype"] == FP8_KV).any():
         return pd.DataFrame(columns=columns)
     out = _medians_by_case(ok, ["kv_dtype", "trace", "kv_bytes"])
+    out["fp16_bytes"] = out["kv_bytes"] * np.where(out["kv_dtype"] == FP8_KV, 2, 1)
     return out[columns].sort_values(["kv_dtype", "kv_bytes", "trace"]).reset_index(drop=True)
 
 
 def fig_fp8(frame: pd.DataFrame, hw: str) -> Figure:
-    """Kernel time against the step's K/V bytes (the cache's own: an FP8 case reads half its fp16
-    twin's), one colour per cache dtype: ours as filled points, the fastest baseline as open
-    ones, each cache's one-kernel floor as a line (its median over the cases of one size)."""
+    """Left: kernel time per case against the case's size (its fp16 bytes, so a case's two caches
+    stand one above the other), one colour per cache dtype: ours filled, the fastest baseline on
+    that cache open, each cache's one-kernel floor as a line (its median over the cases of one
+    size). Right: the floor's time over ours against the bytes the cache holds, per dtype, with
+    targets_fp8.FP8_FLOOR_BANDS drawn over the FP8 sizes they cover."""
+    from .. import targets_fp8
+
     title = f"{targets.ENGINE_BACKEND} on fp16 and FP8 e4m3 caches (bench_kernels)"
     if frame.empty or not (frame["kv_dtype"] == FP8_KV).any():
         return placeholder(title, not_measured(hw, "bench_kernels_fp8"))
     with style():
         fig = Figure(figsize=(WIDTH, 3.4), layout="constrained")
-        ax = fig.subplots()
+        left, right = fig.subplots(1, 2, width_ratios=(1.35, 1))
         for kv_dtype in sorted(frame["kv_dtype"].unique(), key=lambda d: (d != "float16", d)):
             part = frame[frame["kv_dtype"] == kv_dtype]
             c = KV_DTYPE_COLORS.get(kv_dtype, (0.4, 0.4, 0.4))
-            x = part["kv_bytes"].to_numpy(float) / 1e6
-            ax.scatter(x, part["ours"].to_numpy(float), s=16, color=c, label=f"{targets.ENGINE_BACKEND}, {kv_dtype}",
-                       zorder=3)
-            ax.scatter(x, part["baseline"].to_numpy(float), s=18, facecolors="none", edgecolors=[c],
-                       label=f"fastest baseline, {kv_dtype}", zorder=3)
-            fl = part.groupby("kv_bytes")["floor"].median().dropna()
+            x = part["fp16_bytes"].to_numpy(float) / 1e6
+            left.scatter(x, part["ours"].to_numpy(float), s=14, color=c, label=f"ours, {kv_dtype}", zorder=3)
+            left.scatter(x, part["baseline"].to_numpy(float), s=16, facecolors="none", edgecolors=[c],
+                         label=f"fastest baseline, {kv_dtype}", zorder=3)
+            fl = part.groupby("fp16_bytes")["floor"].median().dropna()
             if not fl.empty:
-                ax.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color=c, lw=1.2,
-                        ls="-" if kv_dtype == FP8_KV else "--", label=f"one-kernel floor, {kv_dtype}")
-        log_axis(ax, "x")
-        log_axis(ax, "y")
-        ax.set_xlabel("K/V bytes the step reads (MB, log scale)")
-        ax.set_ylabel("kernel time (us, log scale)")
-        ax.legend(loc="upper left", frameon=False, fontsize=7)
-        ax.set_title(title)
+                left.plot(fl.index.to_numpy(float) / 1e6, fl.to_numpy(float), color=c, lw=1.2,
+                          ls="-" if kv_dtype == FP8_KV else "--", label=f"one-kernel floor, {kv_dtype}")
+            frac = part.assign(frac=part["floor"] / part["ours"]).dropna(subset=["frac"])
+            right.scatter(frac["kv_bytes"].to_numpy(float) / 1e6, frac["frac"].to_numpy(float), s=14, color=c,
+                          label=kv_dtype, zorder=3)
+        x_hi = float(frame["kv_bytes"].max()) / 1e6 * 1.5
+        for lo, hi, target in targets_fp8.FP8_FLOOR_BANDS:
+            right.hlines(target, lo / 1e6, hi / 1e6 if hi else x_hi, color="black", lw=1.4)
+        right.hlines([], 0, 1, color="black", lw=1.4, label="FP8 target")
+        right.axhline(1.0, color="0.5", lw=0.6, ls=":")
+        right.set_ylim(0, 1.05)
+        for ax in (left, right):
+            log_axis(ax, "x")
+        log_axis(left, "y")
+        left.set_xlabel("the case: its fp16 K/V bytes (MB, log scale)")
+        left.set_ylabel("kernel time (us, log scale)")
+        left.legend(loc="upper left", frameon=False, fontsize=6.5)
+        right.set_xlabel("K/V bytes in the cache (MB, log scale)")
+        right.set_ylabel("floor time / ours")
+        right.legend(loc="lower right", frameon=False, fontsize=6.5)
+        fig.suptitle(title)
     return fig

@@ -220,9 +220,10 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
         if not path.is_file():
             raise PKVError(f"figure {path} is missing; run 'persistentkv figures' for {results.hw} first")
         figs.append({"name": spec.name, "title": spec.title, "how": spec.how_to_read, "uri": svg_data_uri(path)})
-    # the full decode step's figure stands in its own section, after the others
+    # the full decode step's figure and the FP8 one stand in their own sections
     e2e_figure = next(f for f in figs if f["name"] == "e2e")
-    figs = [f for f in figs if f["name"] != "e2e"]
+    fp8_figure = next(f for f in figs if f["name"] == "fp8")
+    figs = [f for f in figs if f["name"] not in ("e2e", "fp8")]
     rows = claims.published_rows(results)
     for r in rows:
         r["paper_event_text"] = unbroken_parts(*fmt_pm(r["paper_event"], r["paper_event_sd"]).split(" ", 1))
@@ -248,7 +249,7 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
     }
     context["reproduction"] = reproduction_context(reproduction)
     context.update(floor_context(payload.get("floor"), results))
-    context.update(fp8_context(payload.get("fp8"), results))
+    context.update(fp8_context(payload.get("fp8"), results, fp8_figure["uri"]))
     html = environment().get_template("report.html.j2").render(**context)
     external = _EXTERNAL.search(html)
     require(external is None, f"report would load an external resource: {external.group(0) if external else ''}")
@@ -277,27 +278,19 @@ def floor_context(floor: dict | None, results: Results) -> dict:
             "shapes_rows": rows, "shapes_measured": not results.shapes.empty}
 
 
-def fp8_context(entry: dict | None, results: Results) -> dict:
+def fp8_context(entry: dict | None, results: Results, figure_uri: str) -> dict:
     """The report's FP8 section (templates/fp8.html.j2) from claims.json's ``fp8`` entry
-    (targets_fp8.fp8_verdicts): ``fp8``, the entry; ``fp8_figure``, figures.fig_fp8 as an SVG data
-    URI, drawn only when the FP8 grid has rows (None otherwise); ``fp8_unavailable``, the FP8 grids'
-    backends that did not run, with their reasons (they are not in :attr:`Results.timing`)."""
-    import tempfile
-
-    frame = figures.data_fp8(results)
-    uri = None
-    if not frame.empty:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "fp8.svg"
-            figures.save(figures.fig_fp8(frame, results.hw), path)
-            uri = svg_data_uri(path)
+    (targets_fp8.fp8_verdicts): ``fp8``, the entry; ``fp8_figure``, ``figure_uri`` (the fp8
+    figure's SVG data URI: its placeholder says what to run where the FP8 grid has no rows);
+    ``fp8_unavailable``, the FP8 grids' backends that did not run, with their reasons (they are
+    not in :attr:`Results.timing`)."""
     unavailable = []
     for stem, grid in sorted(results.kv_grids.items()):
         bad = grid[grid["status"] != "ok"] if "status" in grid else grid.iloc[:0]
         for (backend, reason), _ in bad.groupby(["backend", bad["reason"].fillna("")], sort=True):
             unavailable.append({"file": stem, "backend": backend,
                                 "reason": reader_text(reason) or "(no reason recorded)"})
-    return {"fp8": entry, "fp8_figure": uri, "fp8_unavailable": unavailable}
+    return {"fp8": entry, "fp8_figure": figure_uri, "fp8_unavailable": unavailable}
 
 
 def read_reproduction(folder: str | Path) -> dict | None:
