@@ -6,11 +6,15 @@ variants run side by side in one process, on the same batches, checked against f
     python benchmarks/bench_engine.py --kv-dtype float8_e4m3 --routes workqueue \
         --against DIR/lazy,...
 
-Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"):
+Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"); several joined by '_'
+(kpair_t32) make one:
   lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
              16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
   kpair      (fp16 on sm_89+) K's codes converted in the pairs they arrive in, Q's dims permuted
              to match: 16 byte permutes fewer per warp and tile (437 instructions against 453)
+  t32        32 tokens per warp and tile on an FP8 cache: the fp16 module's bytes per stage and in
+             flight at 2 CTAs of 4 warps, one softmax update and O rescale per 32 tokens (23.5
+             instructions per token against 28.3)
   st6        six stages of FP8 codes at 2 CTAs per SM (4 warps) or 1 (8 warps): the fp16 module's
              bytes in flight, against the 3- and 4-CTA modules' more warps
 The A/B at be4ba01 (NOTES, "Variants"): lazy 0.985-0.995 from 268 MB; each occupancy (occ3, occ4:
@@ -19,7 +23,8 @@ and now ships as the engine's own ctas_per_sm modules, chosen per step (bench_en
 pagewarp (one page id per warp's 16 rows) was rejected there and removed.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
 prints their registers and spills; --sass ARCH the static instruction count and mix of each FP8
-module's per-tile loop (pkv_decode_fused, 16 tokens per warp) beside the shipped kernel's.
+module's per-tile loop (pkv_decode_fused; 16 tokens per warp, 32 under t32) beside the shipped
+kernel's, per tile and per token.
 """
 
 from __future__ import annotations
@@ -120,7 +125,71 @@ struct Params {
 # modules cannot hold six stages and are refused.)
 ST6 = [("constexpr int STAGES = (D == 256) ? 2 : 3;",
         "constexpr int STAGES = (D == 256) ? 2 : (PKV_FP8 ? 6 : 3);")]
-VARIANTS = {"lazy": LAZY, "kpair": KPAIR, "st6": ST6}
+# 32 tokens per warp and tile on an FP8 cache (T32; fp16 keeps 16): a 4-warp stage of 128 tokens,
+# the fp16 module's bytes per stage and in flight (96 KB of stages: 2 CTAs of 4 warps, 1 of 8; the
+# 3- and 4-CTA modules cannot hold it and are refused), and one softmax update, O rescale and load
+# section per 32 tokens instead of per 16. Its launch check takes the doubled tile.
+T32 = [
+    ("constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage",
+     "constexpr int TPW = PKV_FP8 ? 32 : 16;           // tokens per warp and tile (t32)\n"
+     "constexpr int TILE = TPW * WARPS;                // tokens per pipeline stage"),
+    ("  float s[2][4];\n#pragma unroll\n  for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;",
+     "  float s[TPW / 8][4];\n#pragma unroll\n  for (int j = 0; j < TPW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;"),
+    ("""    for (int kk = 0; kk < D / 16; kk += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks kk | kk + 1
+      const int tk = warp * 16 + (mi & 1) * 8 + r;""",
+     """    for (int hh = 0; hh < TPW / 16; ++hh)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks kk | kk + 1
+      const int tk = warp * TPW + hh * 16 + (mi & 1) * 8 + r;"""),
+    ("""        mma16816(s[0], a, e0, o0);
+        mma16816(s[1], a, e1, o1);""",
+     """        mma16816(s[2 * hh], a, e0, o0);
+        mma16816(s[2 * hh + 1], a, e1, o1);"""),
+    ("""  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {""",
+     """  for (int j = 0; j < TPW / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {"""),
+    ("""  for (int j = 0; j < 2; ++j) {
+    s[j][0] = fast_exp2(s[j][0] - base0);""",
+     """  for (int j = 0; j < TPW / 8; ++j) {
+    s[j][0] = fast_exp2(s[j][0] - base0);"""),
+    ("""  unsigned pa[4];
+  pa[0] = pack2(s[0][0], s[0][1]);
+  pa[1] = pack2(s[0][2], s[0][3]);
+  pa[2] = pack2(s[1][0], s[1][1]);
+  pa[3] = pack2(s[1][2], s[1][3]);""",
+     """  unsigned pa[TPW / 16][4];
+#pragma unroll
+  for (int hh = 0; hh < TPW / 16; ++hh) {
+    pa[hh][0] = pack2(s[2 * hh][0], s[2 * hh][1]);
+    pa[hh][1] = pack2(s[2 * hh][2], s[2 * hh][3]);
+    pa[hh][2] = pack2(s[2 * hh + 1][0], s[2 * hh + 1][1]);
+    pa[hh][3] = pack2(s[2 * hh + 1][2], s[2 * hh + 1][3]);
+  }"""),
+    ("""    for (int dc = 0; dc < D / 16; dc += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks dc | dc + 1
+      const int tv = warp * 16 + (mi & 1) * 8 + r;""",
+     """    for (int hh = 0; hh < TPW / 16; ++hh)
+#pragma unroll
+    for (int dc = 0; dc < D / 16; dc += 2) {  // matrices: tokens 0-7 | 8-15 of code chunks dc | dc + 1
+      const int tv = warp * TPW + hh * 16 + (mi & 1) * 8 + r;"""),
+    ("""        mma16816(ws.o[2 * (dc + h)], pa, e0, e1);
+        mma16816(ws.o[2 * (dc + h) + 1], pa, o0, o1);""",
+     """        mma16816(ws.o[2 * (dc + h)], pa[hh], e0, e1);
+        mma16816(ws.o[2 * (dc + h) + 1], pa[hh], o0, o1);"""),
+    ("""      mma16816(ws.o[2 * dp], pa, b0, b1);
+      mma16816(ws.o[2 * dp + 1], pa, b2, b3);""",
+     """      mma16816(ws.o[2 * dp], pa[0], b0, b1);
+      mma16816(ws.o[2 * dp + 1], pa[0], b2, b3);"""),
+    ("    const int tok0 = it.lo + t * TILE + warp * 16;", "    const int tok0 = it.lo + t * TILE + warp * TPW;"),
+]
+#: t32's patch of its own package (launch.py): the module's tile may be twice 16 per warp.
+T32_PY = [("        require(tile == stage_tokens(warps), ",
+           "        require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), ")]
+VARIANTS = {"lazy": LAZY, "kpair": KPAIR, "st6": ST6, "t32": T32}
+#: patches of a variant's own package, per file under src/persistentkv_TAG
+PY_PATCHES = {"t32": {"launch.py": T32_PY}}
 
 
 def patched(text: str, patches) -> str:
@@ -153,6 +222,10 @@ def build(out: Path, tag: str) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     source = dest / "kernels" / KERNEL
     source.write_text(patched(source.read_text(), patches))
+    for name in tag.split("_"):
+        for rel, py in PY_PATCHES.get(name, {}).items():
+            target = dest / "src" / f"persistentkv_{tag}" / rel
+            target.write_text(patched(target.read_text(), py))
     return dest
 
 
@@ -239,8 +312,9 @@ def sass_report(source: Path, arch: str) -> list[dict]:
             text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
             fused = [ins for f, ins in sass_functions(text).items() if "pkv_decode_fused" in f]
             mix = loop_mix(fused[0]) if fused else None
-            if mix is not None:
-                rows.append({"module": name, "instructions": sum(mix.values()), **{op: mix[op] for op in SASS_OPS}})
+            if mix is not None:  # head_dim 128: 2 HMMA per token of a warp's tile (QK and PV, 16 dims each)
+                rows.append({"module": name, "instructions": sum(mix.values()), "tokens": mix["HMMA"] // 2,
+                             **{op: mix[op] for op in SASS_OPS}})
     return rows
 
 
@@ -261,11 +335,13 @@ def main(argv=None) -> int:
         dest = build(Path(args.out), tag)
         print(dest)
         if args.sass:
-            base = {r["module"]: r["instructions"] for r in shipped}
+            base = {r["module"]: r for r in shipped}
             for r in sass_report(dest / "kernels" / KERNEL, args.sass):
                 mix = ", ".join(f"{op} {r[op]}" for op in SASS_OPS)
-                print(f"  {r['module']}: {r['instructions']} instructions per warp and tile "
-                      f"(shipped {base.get(r['module'], '-')}): {mix}")
+                b = base.get(r["module"])
+                was = f"{b['instructions'] / b['tokens']:.1f}" if b else "-"
+                print(f"  {r['module']}: {r['instructions']} instructions per warp and tile of {r['tokens']} tokens, "
+                      f"{r['instructions'] / r['tokens']:.1f} per token (shipped {was}): {mix}")
         if args.ptxas:
             for r in ptxas_report(dest / "kernels" / KERNEL, args.ptxas):
                 print(f"  {r['warps']} warps {r['kernel']}: {r['registers']} registers, "

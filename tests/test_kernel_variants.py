@@ -104,4 +104,21 @@ def test_kpair_drops_the_k_byte_permutes_from_the_fp8_loop(tmp_path):
     for r in kpair:
         s = shipped[r["module"]]
         assert (r["HMMA"], r["F2FP"], r["LDGSTS"]) == (s["HMMA"], s["F2FP"], s["LDGSTS"]) == (32, 68, 8)
+        assert r["tokens"] == s["tokens"] == 16
         assert s["PRMT"] - r["PRMT"] == 16 and r["instructions"] < s["instructions"]
+    # t32: a warp's tile is 32 tokens (twice the mma, conversions and loads), for fewer instructions
+    # per token than the shipped loop's (one softmax update, O rescale and load section per 32)
+    t32 = kernel_variants.sass_report(kernel_variants.build(tmp_path, "t32") / "kernels" / "pkv_decode.cu", "sm_90")
+    for r in t32:
+        s = shipped[r["module"]]
+        assert r["tokens"] == 32 and (r["HMMA"], r["F2FP"], r["LDGSTS"]) == (64, 136, 16)
+        assert r["instructions"] / r["tokens"] < 0.9 * s["instructions"] / s["tokens"]
+
+
+def test_t32_patches_its_own_launch_check_for_the_doubled_tile(tmp_path):
+    dest = kernel_variants.build(tmp_path, "kpair_t32")
+    launch = (dest / "src" / "persistentkv_kpair_t32" / "launch.py").read_text()
+    assert "require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), " in launch
+    assert "constexpr int TPW = PKV_FP8 ? 32 : 16;" in (dest / "kernels" / "pkv_decode.cu").read_text()
+    shipped = (ROOT / "src" / "persistentkv" / "launch.py").read_text()
+    assert "require(tile == stage_tokens(warps), " in shipped  # the shipped package is left as it is
