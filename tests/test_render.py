@@ -204,6 +204,23 @@ def test_provenance_says_once_what_every_run_shares():
     assert varying == [("torch", "torch")]
 
 
+def test_the_report_counts_the_builds_its_runs_come_from(measured, tmp_path):
+    rows = [{"run_id": "a", "git_commit": "a66ff0e1234567"}, {"run_id": "b", "git_commit": "93b85f3de9"},
+            {"run_id": "c", "git_commit": "a66ff0e1234567"}, {"run_id": "d", "git_commit": "a66ff0e", "git_dirty": True},
+            {"run_id": "e"}]
+    assert tables.commit_counts(rows) == [("a66ff0e123", 2), ("93b85f3de9", 1), ("?", 1), ("a66ff0e+dirty", 1)]
+    assert tables.commit_counts(rows[:1]) == [("a66ff0e123", 1)]
+    _, results, payload = measured
+    html = render_report(tmp_path, results, payload)
+    builds = html[html.index('id="builds"'):]
+    builds = builds[:builds.index("</p>")]
+    commits = {str(p.get("git_commit"))[:10] for p in results.provenance.values()}
+    if len(commits) == 1:
+        assert f"Every run comes from one build, commit <code>{commits.pop()}</code>." in builds
+    else:
+        assert f"The runs come from {len(commits)} builds" in builds
+
+
 def test_pdf_and_bad_format(measured, tmp_path):
     _, results, _ = measured
     (path,) = figures.render_all(results, tmp_path, "pdf", only=["fanout_merge"])

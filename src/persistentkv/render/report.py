@@ -24,7 +24,8 @@ from ..io import PRECISION, atomic_write_text
 from ..names import EXPERIMENTS
 from ..results import Results
 from . import figures
-from .tables import HASH_CHARS, ablation_rows, machine_columns, machine_value, provenance_rows, read_ceiling_gbps, variants
+from .tables import (HASH_CHARS, ablation_rows, commit_counts, machine_columns, machine_value, provenance_rows,
+                     read_ceiling_gbps, variants)
 
 TEMPLATES = Path(__file__).parent / "templates"
 VERDICT_CLASS = {claims.HOLDS: "holds", claims.ONLY_PUBLISHED: "only-published", claims.FAILS: "fails",
@@ -233,11 +234,12 @@ def render(payload: dict, results: Results, figures_dir: str | Path, out: str | 
     missing = [MISSING_TEXT.get(m, m) for m in results.missing]
     provenance = provenance_rows(results)
     shared, varying = machine_columns(provenance)
+    commits = commit_counts(provenance)
     context = {
         "hw": results.hw, "gpu": payload["gpu"], "payload": payload, "claims": payload["claims"],
         "counts": payload["counts"], "rows": rows, "figures": figs, "validation": validation_rows(results),
         "unavailable": unavailable_rows(results), "experiments": experiment_rows(results),
-        "missing": missing, "provenance": provenance, "shared": shared, "varying": varying, "hash_chars": HASH_CHARS,
+        "missing": missing, "provenance": provenance, "shared": shared, "varying": varying, "commits": commits, "hash_chars": HASH_CHARS,
         "ablation": ablation,
         "variants": variants(ablation), "kernels": kernel_rows(results.kernels), "policy": results.policy,
         "ceiling": f"{ceiling:,.0f} GB/s" if ceiling else None, "paper_gpu": claims.PAPER_GPU,

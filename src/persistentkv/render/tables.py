@@ -327,6 +327,15 @@ def provenance_rows(results: Results) -> list[dict]:
     return [{"run_id": run_id, **{f: p.get(f) for f in fields}} for run_id, p in sorted(results.provenance.items())]
 
 
+def commit_counts(rows: list[dict]) -> list[tuple[str, int]]:
+    """(commit, runs) over provenance_rows' ``rows``, the commit cut to 10 characters (+dirty where
+    the tree was), most runs first: one pair when every run comes from one build."""
+    from collections import Counter
+
+    counts = Counter(str(r.get("git_commit") or "?")[:10] + ("+dirty" if r.get("git_dirty") else "") for r in rows)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def machine_columns(rows: list[dict]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Split MACHINE_FIELDS into those every run shares and those that differ between runs.
 
