@@ -281,6 +281,25 @@ def loop_mix(instructions: list[tuple[int, str]], min_hmma: int = 16) -> Counter
     return best
 
 
+def cuda_tool(name: str) -> str | None:
+    """``name`` (cuobjdump, nvdisasm) on PATH, else the one of NVIDIA's pip wheels
+    (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm: nvidia/cu*/bin)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia  # the namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        return None
+    return next((str(p) for base in nvidia.__path__ for p in sorted(Path(base).glob(f"cu*/bin/{name}"))), None)
+
+
+def cuobjdump_path() -> str | None:
+    """cuobjdump and the nvdisasm it runs, both found (cuda_tool); None if either is missing."""
+    cuobjdump, nvdisasm = cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
+    return cuobjdump if cuobjdump and nvdisasm else None
+
+
 SASS_MODULES = {"4 warps": [], "8 warps": ["-DPKV_WARPS=8"], "3 CTAs": ["-DPKV_CTAS_PER_SM=3"],
                 "4 CTAs": ["-DPKV_CTAS_PER_SM=4"]}
 SASS_OPS = ("HMMA", "F2FP", "PRMT", "FMUL", "MUFU", "LDSM", "LDGSTS")
@@ -297,9 +316,13 @@ def sass_report(source: Path, arch: str) -> list[dict]:
     from persistentkv.launch import compile_options
     from persistentkv.spec import AttentionSpec
 
-    cuobjdump = shutil.which("cuobjdump")
+    import os
+
+    cuobjdump = cuobjdump_path()
     if cuobjdump is None:
-        raise SystemExit("--sass needs cuobjdump on PATH (the CUDA toolkit's, or pip's nvidia-cuda-cuobjdump)")
+        raise SystemExit("--sass needs cuobjdump and nvdisasm: the CUDA toolkit's on PATH, or pip install "
+                         "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ, NVDISASM_PATH=str(Path(cuda_tool("nvdisasm")).parent))
     spec = AttentionSpec(1, 1, 128, 16, "float16", kv_dtype="float8_e4m3")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -309,7 +332,8 @@ def sass_report(source: Path, arch: str) -> list[dict]:
                 compile_module(arch, source, cubin, [*compile_options(spec, 4), *extra], f"FP8 D=128 {name}")
             except RuntimeError:
                 continue
-            text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True,
+                                  env=env).stdout
             fused = [ins for f, ins in sass_functions(text).items() if "pkv_decode_fused" in f]
             mix = loop_mix(fused[0]) if fused else None
             if mix is not None:  # head_dim 128: 2 HMMA per token of a warp's tile (QK and PV, 16 dims each)

@@ -5,7 +5,6 @@ FP8 decode kernels compile with the registers its hypothesis names."""
 from __future__ import annotations
 
 import importlib
-import shutil
 import sys
 from pathlib import Path
 
@@ -93,7 +92,8 @@ def test_the_sass_loop_mix_counts_the_largest_loop_with_enough_mma():
     assert kernel_variants.loop_mix(funcs["pkv_merge"]) is None
 
 
-@pytest.mark.skipif(nvcc_path() is None or shutil.which("cuobjdump") is None, reason="needs nvcc and cuobjdump on PATH")
+@pytest.mark.skipif(nvcc_path() is None or kernel_variants.cuobjdump_path() is None,
+                    reason="needs nvcc on PATH, cuobjdump and nvdisasm (the toolkit's, or NVIDIA's pip wheels)")
 @pytest.mark.slow
 def test_kpair_drops_the_k_byte_permutes_from_the_fp8_loop(tmp_path):
     """--sass: kpair's per-tile loop has 16 PRMT fewer per warp than the shipped kernel's (K's), the
