@@ -1151,7 +1151,6 @@ def fig_fp8(frame: pd.DataFrame, hw: str) -> Figure:
         x_hi = float(frame["kv_bytes"].max()) / 1e6 * 1.5
         for lo, hi, target in targets_fp8.FP8_FLOOR_BANDS:
             right.hlines(target, lo / 1e6, hi / 1e6 if hi else x_hi, color="black", lw=1.4)
-        right.hlines([], 0, 1, color="black", lw=1.4, label="FP8 target")
         right.axhline(1.0, color="0.5", lw=0.6, ls=":")
         right.set_ylim(0, 1.05)
         for ax in (left, right):
@@ -1162,6 +1161,10 @@ def fig_fp8(frame: pd.DataFrame, hw: str) -> Figure:
         left.legend(loc="upper left", frameon=False, fontsize=6.5)
         right.set_xlabel("K/V bytes in the cache (MB, log scale)")
         right.set_ylabel("floor time / ours")
-        right.legend(loc="lower right", frameon=False, fontsize=6.5)
+        from matplotlib.lines import Line2D
+
+        handles, labels = right.get_legend_handles_labels()
+        right.legend([*handles, Line2D([], [], color="black", lw=1.4)], [*labels, "FP8 target"], loc="lower right",
+                     frameon=False, fontsize=6.5)
         fig.suptitle(title)
     return fig
