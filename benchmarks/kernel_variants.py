@@ -128,7 +128,8 @@ ST6 = [("constexpr int STAGES = (D == 256) ? 2 : 3;",
 # 32 tokens per warp and tile on an FP8 cache (T32; fp16 keeps 16): a 4-warp stage of 128 tokens,
 # the fp16 module's bytes per stage and in flight (96 KB of stages: 2 CTAs of 4 warps, 1 of 8; the
 # 3- and 4-CTA modules cannot hold it and are refused), and one softmax update, O rescale and load
-# section per 32 tokens instead of per 16. Its launch check takes the doubled tile.
+# section per 32 tokens instead of per 16. Its package's launch check takes the doubled tile, and its
+# smallest item is one such stage.
 T32 = [
     ("constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage",
      "constexpr int TPW = PKV_FP8 ? 32 : 16;           // tokens per warp and tile (t32)\n"
@@ -184,12 +185,15 @@ T32 = [
       mma16816(ws.o[2 * dp + 1], pa[0], b2, b3);"""),
     ("    const int tok0 = it.lo + t * TILE + warp * 16;", "    const int tok0 = it.lo + t * TILE + warp * TPW;"),
 ]
-#: t32's patch of its own package (launch.py): the module's tile may be twice 16 per warp.
-T32_PY = [("        require(tile == stage_tokens(warps), ",
-           "        require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), ")]
+#: t32's patches of its own package: the module's tile may be twice 16 per warp (launch.py), and
+#: the smallest item is one of its stages, 128 tokens at 4 warps (engine.py; planner tiles of 32).
+T32_PY = {"launch.py": [("        require(tile == stage_tokens(warps), ",
+                         "        require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), ")],
+          "engine.py": [("        self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))",
+                         "        self.min_chunk_tiles = int(min_chunk_tiles or self.module.tile // 32)")]}
 VARIANTS = {"lazy": LAZY, "kpair": KPAIR, "st6": ST6, "t32": T32}
 #: patches of a variant's own package, per file under src/persistentkv_TAG
-PY_PATCHES = {"t32": {"launch.py": T32_PY}}
+PY_PATCHES = {"t32": T32_PY}
 
 
 def patched(text: str, patches) -> str:

@@ -115,10 +115,12 @@ def test_kpair_drops_the_k_byte_permutes_from_the_fp8_loop(tmp_path):
         assert r["instructions"] / r["tokens"] < 0.9 * s["instructions"] / s["tokens"]
 
 
-def test_t32_patches_its_own_launch_check_for_the_doubled_tile(tmp_path):
+def test_t32_patches_its_own_launch_check_and_smallest_item_for_the_doubled_tile(tmp_path):
     dest = kernel_variants.build(tmp_path, "kpair_t32")
     launch = (dest / "src" / "persistentkv_kpair_t32" / "launch.py").read_text()
     assert "require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), " in launch
+    engine = (dest / "src" / "persistentkv_kpair_t32" / "engine.py").read_text()
+    assert "self.min_chunk_tiles = int(min_chunk_tiles or self.module.tile // 32)" in engine
     assert "constexpr int TPW = PKV_FP8 ? 32 : 16;" in (dest / "kernels" / "pkv_decode.cu").read_text()
     shipped = (ROOT / "src" / "persistentkv" / "launch.py").read_text()
     assert "require(tile == stage_tokens(warps), " in shipped  # the shipped package is left as it is
