@@ -270,8 +270,8 @@ def sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
 
 def loop_mix(instructions: list[tuple[int, str]], min_hmma: int = 16) -> Counter | None:
     """Opcode counts (predicates and modifiers dropped) of the largest loop, a backward branch's
-    span, with at least ``min_hmma`` HMMA: the decode kernel's per-tile loop (16 tokens per warp);
-    None if there is none."""
+    span, with at least ``min_hmma`` HMMA: the decode kernel's per-tile loop (16 tokens per warp, 32
+    under t32); None if there is none."""
     best = None
     for addr, text in instructions:
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
@@ -311,16 +311,16 @@ SASS_OPS = ("HMMA", "F2FP", "PRMT", "FMUL", "MUFU", "LDSM", "LDGSTS")
 
 def sass_report(source: Path, arch: str) -> list[dict]:
     """The per-tile loop of pkv_decode_fused in each FP8 module (head_dim 128, fp16 query) of
-    ``source`` compiled for ``arch`` (cuobjdump on PATH): its instruction count and mix, per warp
-    and tile. A module the source cannot build (e.g. six stages at 3 CTAs per SM) is left out."""
+    ``source`` compiled for ``arch`` (cuobjdump and nvdisasm: cuobjdump_path): its instruction count
+    and mix per warp and tile, and the tile's tokens per warp. A module that does not compile is left
+    out; one that compiles may still not load (six stages at 3 CTAs per SM exceed shared memory)."""
+    import os
     import subprocess
     import tempfile
 
     from persistentkv.kernel_build import compile_module
     from persistentkv.launch import compile_options
     from persistentkv.spec import AttentionSpec
-
-    import os
 
     cuobjdump = cuobjdump_path()
     if cuobjdump is None:

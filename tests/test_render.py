@@ -210,15 +210,21 @@ def test_the_report_counts_the_builds_its_runs_come_from(measured, tmp_path):
             {"run_id": "e"}]
     assert tables.commit_counts(rows) == [("a66ff0e123", 2), ("93b85f3de9", 1), ("?", 1), ("a66ff0e+dirty", 1)]
     assert tables.commit_counts(rows[:1]) == [("a66ff0e123", 1)]
+    from dataclasses import replace
+
+    def builds(results, payload, where):
+        html = render_report(where, results, payload)
+        text = html[html.index('id="builds"'):]
+        return text[:text.index("</p>")]
+
     _, results, payload = measured
-    html = render_report(tmp_path, results, payload)
-    builds = html[html.index('id="builds"'):]
-    builds = builds[:builds.index("</p>")]
-    commits = {str(p.get("git_commit"))[:10] for p in results.provenance.values()}
-    if len(commits) == 1:
-        assert f"Every run comes from one build, commit <code>{commits.pop()}</code>." in builds
-    else:
-        assert f"The runs come from {len(commits)} builds" in builds
+    (commit,) = {str(p["git_commit"])[:10] for p in results.provenance.values()}  # the synthetic runs: one build
+    assert f"Every run comes from one build, commit <code>{commit}</code>." in builds(results, payload, tmp_path / "a")
+    (run_id, prov), = list(results.provenance.items())[:1]
+    two = replace(results, provenance={**results.provenance, "other-run": {**prov, "git_commit": "0123456789abc"}})
+    text = builds(two, payload, tmp_path / "b")
+    assert f"The runs come from 2 builds: <code>{commit}</code> ({len(results.provenance)} run" in text
+    assert "<code>0123456789</code> (1 run)." in text
 
 
 def test_pdf_and_bad_format(measured, tmp_path):
