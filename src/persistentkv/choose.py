@@ -29,6 +29,28 @@ def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles
     return longest * cap / (num_kv_heads * total)
 
 
+def _rows(seq_lens, what: str) -> np.ndarray:
+    """The step's row lengths as a 1-D array (no copy when they already are one); at least one."""
+    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
+        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    require(seq.size >= 1, f"{what} needs at least one row")
+    return seq
+
+
+def _tiles_key(seq: np.ndarray, lens: list | None = None):
+    """The memo key of the rows' tile counts: a tuple up to 64 rows (plain Python over a few rows
+    costs less than numpy's calls; ``lens``, seq.tolist() where the caller has it), else the bytes
+    of the int64 counts. _tile_counts reads it back."""
+    if seq.size <= 64:
+        return tuple(-(-n // TILE_TOKENS) for n in (seq.tolist() if lens is None else lens))
+    return num_tiles(seq).tobytes()
+
+
+def _tile_counts(key):
+    """The tile counts of a _tiles_key: a list, or an int64 array."""
+    return np.frombuffer(key, dtype=np.int64) if isinstance(key, bytes) else list(key)
+
+
 #: choose_warps: the 8-warp module (one 192 KB CTA per SM, 128-token stages, a queue of one item
 #: per SM) unless its queue's imbalance exceeds the 4-warp queue's (two CTAs per SM, twice the
 #: items, so shorter ones) by more than this factor. On the H200, time(8 warps) / time(4 warps)
@@ -60,37 +82,26 @@ def choose_warps(seq_lens, head_dim: int, *, num_kv_heads: int = 8, queue4: tupl
     # Runs on every pkv-workqueue step's host path: one row and equal rows return before any
     # planning; ragged rows pay two chunk searches, remembered per tile counts (a decode step's
     # rows grow by a token, so its tiles change only when a row crosses a 32-token boundary).
-    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
-        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-    require(seq.size >= 1, "choose_warps needs at least one row")
+    seq = _rows(seq_lens, "choose_warps")
     if head_dim > 128:
         return 4
     if seq.size == 1:
         return 8
     many_waves = seq.size * num_kv_heads > queue8[0]  # every group an item, more than the 8-warp slots
-    if seq.size <= 64:  # plain Python over a few rows costs less than numpy's calls
-        lens = seq.tolist()
-        longest = max(lens)
-        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
-            return 4
-        if longest == min(lens):
-            return 8
-        key = tuple(-(-n // TILE_TOKENS) for n in lens)
-    else:
-        longest = int(seq.max())
-        if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
-            return 4
-        if longest == seq.min():
-            return 8
-        key = num_tiles(seq).tobytes()  # int64 tile counts
-    return _warps_for_tiles(key, num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))
+    lens = seq.tolist() if seq.size <= 64 else None  # plain Python over a few rows costs less than numpy's calls
+    longest = max(lens) if lens is not None else int(seq.max())
+    if many_waves and longest <= WARPS4_MULTIWAVE_MAX_TOKENS:
+        return 4
+    if longest == (min(lens) if lens is not None else int(seq.min())):
+        return 8
+    return _warps_for_tiles(_tiles_key(seq, lens), num_kv_heads, tuple(queue4), tuple(queue8), float(max_imbalance))
 
 
 @functools.lru_cache(maxsize=1024)  # keys of up to 8 bytes a row: <= 4 MB at B = 512
 def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max_imbalance: float) -> int:
     """choose_warps's rule for ragged rows of ``tiles`` tiles: a tuple, or the bytes of an int64
     array (more than 64 rows); memoised."""
-    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
+    counts = _tile_counts(tiles)
     imbalance4 = queue_imbalance(counts, num_kv_heads, *queue4)
     imbalance8 = queue_imbalance(counts, num_kv_heads, *queue8)
     return 4 if imbalance8 > max_imbalance * imbalance4 else 8
@@ -123,10 +134,7 @@ def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[i
     B=16 x 8K -> 3; B=1 x 32K -> None (662 tokens at 3 CTAs); B=64 x 1K -> None."""
     # On every FP8 step's host path, as choose_warps: the answer is remembered per tile counts (the
     # two chunk searches cost 20-90 us; a decode step's tiles change only at 32-token boundaries).
-    seq = seq_lens if isinstance(seq_lens, np.ndarray) and seq_lens.ndim == 1 else \
-        np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-    require(seq.size >= 1, "choose_ctas_per_sm needs at least one row")
-    key = tuple(-(-n // TILE_TOKENS) for n in seq.tolist()) if seq.size <= 64 else num_tiles(seq).tobytes()
+    key = _tiles_key(_rows(seq_lens, "choose_ctas_per_sm"))
     return _ctas_for_tiles(key, int(num_kv_heads), int(num_sms), tuple(queue), tuple(candidates), int(min_chunk_tiles))
 
 
@@ -135,7 +143,7 @@ def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candid
                     min_chunk_tiles: int) -> int | None:
     """choose_ctas_per_sm's rule for rows of ``tiles`` tiles (a tuple, or the bytes of an int64
     array of more than 64 rows); memoised."""
-    counts = np.frombuffer(tiles, dtype=np.int64) if isinstance(tiles, bytes) else list(tiles)
+    counts = _tile_counts(tiles)
     rows = len(counts)
     group_tokens = TILE_TOKENS * num_kv_heads * int(sum(counts) if isinstance(counts, list) else counts.sum())
     base = None
