@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py [--cases 1x4096,4x8192,B8-bimodal] [--repeats 15] [--out DIR]
                                       [--waves 2,0.5] [--baselines vllm-fa3] [--routes workqueue]
                                       [--against DIR[,DIR...]] [--heads 32:8] [--kv-dtype float8_e4m3]
-                                      [--ctas 3,4] [--refined]
+                                      [--ctas 3,4]
 
 The kernel development loop's bench; the artifact's own measurements come from `persistentkv
 bench-kernels` and `persistentkv measure`. Shape: Hq=32, Hkv=8, D=128, fp16, page 16, scattered
@@ -20,9 +20,6 @@ of the case interleaved. Variants:
   auto                     (with the workqueue route) pkv-workqueue's per-step choice of module,
                            as the backend makes it (choose.choose_warps, choose_ctas_per_sm); each
                            case prints the module it chose
-  auto-refined             (--refined, FP8 cache) auto with refined_ctas in place of
-                           choose_ctas_per_sm: the candidate rule the a66ff0e A/B suggests, paired
-                           round by round with auto before it may replace the shipped rule
   X-TAG                    (--against DIR[,DIR...]) every shipped variant X (auto too) built by another
                            version of the engine: each DIR holds that version's kernels/ and
                            src/PACKAGE (the package renamed, e.g. persistentkv_0390ebd, so all
@@ -126,54 +123,6 @@ class _Auto:
 
     def run(self, q, kv, plan, out) -> None:
         plan.engine.run(q, kv, plan, out)
-
-
-def refined_ctas(seq_lens, num_kv_heads: int, num_sms: int, queue, candidates=(4, 3), min_chunk_tiles: int = 2):
-    """The candidate rule for the FP8 modules' CTAs per SM (benchmarks/NOTES.md, "The occupancy
-    chosen per step"): as choose.choose_ctas_per_sm, but a queue that keeps every (row, kv head)
-    group one item needs no mean-item floor (4 CTAs were 5-6 % faster at B=64 x 1K and 4K), and 3
-    CTAs may balance up to REFINED_MAX_IMBALANCE_3 x worse (3.4 % faster on B8-bimodal at 1.066)."""
-    import numpy as np
-
-    from persistentkv.choose import CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, queue_imbalance
-    from persistentkv.plan import TILE_TOKENS, balanced_chunk_tiles, num_tiles, queue_waves
-
-    tiles = num_tiles(np.asarray(seq_lens, dtype=np.int64).reshape(-1))
-    group_tokens = TILE_TOKENS * num_kv_heads * int(tiles.sum())
-    base = queue_imbalance(tiles, num_kv_heads, *queue)
-    for ctas in candidates:
-        target = ctas * num_sms
-        slots = queue_waves(tiles.size, num_kv_heads, target) * target
-        whole = balanced_chunk_tiles(tiles, num_kv_heads, target, min_chunk_tiles) >= int(tiles.max())
-        if not whole and group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
-            continue
-        allowed = REFINED_MAX_IMBALANCE_3 if ctas == 3 else CTAS_MAX_IMBALANCE
-        if queue_imbalance(tiles, num_kv_heads, target, min_chunk_tiles) <= allowed * base:
-            return ctas
-    return None
-
-
-#: refined_ctas' allowance for 3 CTAs per SM (B8-bimodal's queue balances 1.066 x worse there, and ran
-#: 3.4 % faster at a66ff0e)
-REFINED_MAX_IMBALANCE_3 = 1.07
-
-
-class _Refined(_Auto):
-    """auto with ``rule`` (refined_ctas) in place of choose_ctas_per_sm while it plans: pkv-workqueue
-    reads that name from its module at each plan, so the swap lasts exactly one plan() call."""
-
-    def __init__(self, backend, rule=refined_ctas):
-        super().__init__(backend)
-        self._rule = rule
-
-    def plan(self, batch, **_):
-        from persistentkv.backends import pkv
-
-        shipped, pkv.choose_ctas_per_sm = pkv.choose_ctas_per_sm, self._rule
-        try:
-            return super().plan(batch)
-        finally:
-            pkv.choose_ctas_per_sm = shipped
 
 
 class _Against:
@@ -327,7 +276,6 @@ def main() -> int:
                             help="the cache's dtype: the query's (default) or float8_e4m3 (see above)")
         parser.add_argument("--ctas", default="", help="comma-separated resident CTAs per SM (3, 4) of the "
                             "FP8 4-warp modules: adds wqcK (see above)")
-        parser.add_argument("--refined", action="store_true", help="adds auto-refined (FP8 cache; see above)")
 
     args = bench_args(extra, description=__doc__)
     waves = parse_waves(args.waves)
@@ -337,13 +285,7 @@ def main() -> int:
     spec = replace(spec16, kv_dtype=args.kv_dtype or None)
     t_start = time.time()
     ctas = parse_ctas(args.ctas, spec)
-    if args.refined and not (spec.fp8_kv and "workqueue" in routes):
-        raise SystemExit("--refined needs --kv-dtype float8_e4m3 and the workqueue route")
     ours = variants(spec, waves=waves, routes=routes, ctas=ctas)
-    if args.refined:
-        from persistentkv.backends.pkv import PKVWorkqueue
-
-        ours.append(Variant("auto-refined", _Refined(PKVWorkqueue()), {}))
     for path in (p for p in args.against.split(",") if p.strip()):
         ours += against_variants(path.strip(), spec, routes=routes)
     if not ours:

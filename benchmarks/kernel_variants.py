@@ -7,20 +7,21 @@ variants run side by side in one process, on the same batches, checked against f
         --against DIR/lazy,...
 
 Variants (the hypothesis each tests; benchmarks/NOTES.md, "FP8 caches"); several joined by '_'
-(kpair_t32) make one:
+(t32_lazy) make one:
   lazy       O and l rescaled only when a warp's running max grew (one vote per tile): the
              16 x D multiplies of an unchanged max are exact no-ops (a = 2^0 = 1)
-  kpair      (fp16 on sm_89+) K's codes converted in the pairs they arrive in, Q's dims permuted
-             to match: 16 byte permutes fewer per warp and tile (437 instructions against 453)
-  t32        32 tokens per warp and tile on an FP8 cache: the fp16 module's bytes per stage and in
-             flight at 2 CTAs of 4 warps, one softmax update and O rescale per 32 tokens (23.5
-             instructions per token against 28.3)
-  st6        six stages of FP8 codes at 2 CTAs per SM (4 warps) or 1 (8 warps): the fp16 module's
-             bytes in flight, against the 3- and 4-CTA modules' more warps
+  t32        32 tokens per warp and tile in the FP8 modules of 2 CTAs per SM (4 warps) or 1 (8
+             warps): the fp16 module's bytes per stage and in flight, one softmax update and O
+             rescale per 32 tokens (23.5 instructions per token against 28.3); the 3- and 4-CTA
+             modules keep 16 (they cannot hold its stages)
 The A/B at be4ba01 (NOTES, "Variants"): lazy 0.985-0.995 from 268 MB; each occupancy (occ3, occ4:
 the FP8 4-warp modules promised 3 or 4 resident CTAs per SM) won on some cases and lost on others,
 and now ships as the engine's own ctas_per_sm modules, chosen per step (bench_engine --ctas, auto);
-pagewarp (one page id per warp's 16 rows) was rejected there and removed.
+pagewarp (one page id per warp's 16 rows) was rejected there and removed. The A/B at 3748346: kpair
+(K's codes converted in the pairs they arrive in) won every case by 0.5-4.4 % and ships; st6 (six
+FP8 stages) lost nearly every case and was removed; t32, then also in the 3- and 4-CTA modules'
+place, beat the 2-CTA modules by 2-13 % on the six Hq=32 cases, lost 3.5 % at Hq=64 B=64 x 64, and
+as a whole tied or lost where the 3- and 4-CTA modules win: it now leaves those to them.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
 prints their registers and spills; --sass ARCH the static instruction count and mix of each FP8
 module's per-tile loop (pkv_decode_fused; 16 tokens per warp, 32 under t32) beside the shipped
@@ -70,69 +71,15 @@ LAZY = [
   }
 """, "  ws.l1 = ws.l1 * a1 + ps1;\n"),
 ]
-# fp16 on sm_89+ only (the cvt path; elsewhere PKV_K_PAIRS is 0 and the kernel is the shipped one):
-# K's B registers straight from the conversion of a thread's 4 consecutive codes, (x0, x1) and
-# (x2, x3), and Q's dims permuted to match (k 2j + e <-> dim 4j + e, 8 + 2j + e <-> dim 4j + 2 + e),
-# so K needs no byte permute: 16 PRMT fewer per warp and tile (V keeps its own: its pairs are tokens).
-KPAIR = [
-    ("""#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-""", """#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define PKV_K_PAIRS 1
-// K (kpair): codes x0..x3 of 4 consecutive dims to (x0, x1) and (x2, x3), no permute
-__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& lo, unsigned& hi) {
-  asm("{\\n .reg .b16 l, h;\\n mov.b32 {l, h}, %2;\\n cvt.rn.f16x2.e4m3x2 %0, l;\\n cvt.rn.f16x2.e4m3x2 %1, h;\\n}\\n"
-      : "=r"(lo), "=r"(hi) : "r"(r));
-}
-"""),
-    ("""
-struct Params {
-""", """#ifndef PKV_K_PAIRS
-#define PKV_K_PAIRS 0
-__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& ev, unsigned& od) { dequant4(r, ev, od); }
-#endif
-
-struct Params {
-"""),
-    ("""        const uint4 ev = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
-                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
-        const uint4 od = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
-                                    __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
-""", """        const uint4 ev = PKV_K_PAIRS ? make_uint4(a.x, a.z, b.x, b.z) :
-                         make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
-                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
-        const uint4 od = PKV_K_PAIRS ? make_uint4(a.y, a.w, b.y, b.w) :
-                         make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
-                                    __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
-"""),
-    ("""        qf[kk][0] = __byte_perm(a0, a1, 0x5410);
-        qf[kk][2] = __byte_perm(a0, a1, 0x7632);
-        qf[kk][1] = __byte_perm(b0, b1, 0x5410);
-        qf[kk][3] = __byte_perm(b0, b1, 0x7632);
-""", """        qf[kk][0] = PKV_K_PAIRS ? a0 : __byte_perm(a0, a1, 0x5410);
-        qf[kk][2] = PKV_K_PAIRS ? a1 : __byte_perm(a0, a1, 0x7632);
-        qf[kk][1] = PKV_K_PAIRS ? b0 : __byte_perm(b0, b1, 0x5410);
-        qf[kk][3] = PKV_K_PAIRS ? b1 : __byte_perm(b0, b1, 0x7632);
-"""),
-    ("""        dequant4(c[2 * h], e0, o0);
-        dequant4(c[2 * h + 1], e1, o1);
-        mma16816(s[0], a, e0, o0);""", """        dequant4_k(c[2 * h], e0, o0);
-        dequant4_k(c[2 * h + 1], e1, o1);
-        mma16816(s[0], a, e0, o0);"""),
-]
-# Six stages of FP8 codes (4 and 8 warps): the bytes in flight of the fp16 module's three at the
-# same occupancy (96 KB of stages per 4-warp CTA, 192 KB at 8 warps), against the 3- and 4-CTA
-# modules' more warps: is the FP8 loop short of bytes in flight or of warps? (The 3- and 4-CTA
-# modules cannot hold six stages and are refused.)
-ST6 = [("constexpr int STAGES = (D == 256) ? 2 : 3;",
-        "constexpr int STAGES = (D == 256) ? 2 : (PKV_FP8 ? 6 : 3);")]
-# 32 tokens per warp and tile on an FP8 cache (T32; fp16 keeps 16): a 4-warp stage of 128 tokens,
-# the fp16 module's bytes per stage and in flight (96 KB of stages: 2 CTAs of 4 warps, 1 of 8; the
-# 3- and 4-CTA modules cannot hold it and are refused), and one softmax update, O rescale and load
-# section per 32 tokens instead of per 16. Its package's launch check takes the doubled tile, and its
+# 32 tokens per warp and tile on an FP8 cache (T32; fp16 keeps 16, and so do the 3- and 4-CTA
+# modules, which cannot hold its stages): a 4-warp stage of 128 tokens, the fp16 module's bytes per
+# stage and in flight (96 KB of stages: 2 CTAs of 4 warps, 1 of 8), and one softmax update, O
+# rescale and load section per 32 tokens instead of per 16. Its package's launch check takes the doubled tile, and its
 # smallest item is one such stage.
 T32 = [
     ("constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage",
-     "constexpr int TPW = PKV_FP8 ? 32 : 16;           // tokens per warp and tile (t32)\n"
+     "#ifdef PKV_CTAS_PER_SM\nconstexpr int TPW = 16;\n#else\n"
+     "constexpr int TPW = PKV_FP8 ? 32 : 16;           // tokens per warp and tile (t32)\n#endif\n"
      "constexpr int TILE = TPW * WARPS;                // tokens per pipeline stage"),
     ("  float s[2][4];\n#pragma unroll\n  for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;",
      "  float s[TPW / 8][4];\n#pragma unroll\n  for (int j = 0; j < TPW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;"),
@@ -191,7 +138,7 @@ T32_PY = {"launch.py": [("        require(tile == stage_tokens(warps), ",
                          "        require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), ")],
           "engine.py": [("        self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))",
                          "        self.min_chunk_tiles = int(min_chunk_tiles or self.module.tile // 32)")]}
-VARIANTS = {"lazy": LAZY, "kpair": KPAIR, "st6": ST6, "t32": T32}
+VARIANTS = {"lazy": LAZY, "t32": T32}
 #: patches of a variant's own package, per file under src/persistentkv_TAG
 PY_PATCHES = {"t32": T32_PY}
 
@@ -207,12 +154,12 @@ def patched(text: str, patches) -> str:
 
 
 def variant_patches(tag: str) -> list:
-    """The patches of ``tag``: one variant, or several joined by '_' (kpair_lazy), applied in turn."""
+    """The patches of ``tag``: one variant, or several joined by '_' (t32_lazy), applied in turn."""
     names = tag.split("_")
     bad = [n for n in names if n not in VARIANTS]
     if bad or len(set(names)) != len(names):
         raise SystemExit(f"unknown or repeated variant in {tag!r}; known: {', '.join(VARIANTS)} "
-                         "(combine them with '_', e.g. kpair_lazy)")
+                         "(combine them with '_', e.g. t32_lazy)")
     return [patch for n in names for patch in VARIANTS[n]]
 
 
@@ -313,7 +260,7 @@ def sass_report(source: Path, arch: str) -> list[dict]:
     """The per-tile loop of pkv_decode_fused in each FP8 module (head_dim 128, fp16 query) of
     ``source`` compiled for ``arch`` (cuobjdump and nvdisasm: cuobjdump_path): its instruction count
     and mix per warp and tile, and the tile's tokens per warp. A module that does not compile is left
-    out; one that compiles may still not load (six stages at 3 CTAs per SM exceed shared memory)."""
+    out; one that compiles may still not load (more stages than its shared memory holds)."""
     import os
     import subprocess
     import tempfile
@@ -349,7 +296,7 @@ def sass_report(source: Path, arch: str) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tags", nargs="*", help=f"variants to build (default all: {', '.join(VARIANTS)}; "
-                        "several joined by '_' make one, e.g. kpair_lazy)")
+                        "several joined by '_' make one, e.g. t32_lazy)")
     parser.add_argument("--out", required=True, help="folder for the DIR/TAG trees")
     parser.add_argument("--ptxas", default="", help="also compile each for this arch (e.g. sm_90) and print "
                         "registers and spills")

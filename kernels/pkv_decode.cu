@@ -251,7 +251,9 @@ __device__ __forceinline__ int swzb(int t, int c) {
 }
 
 // FP8 e4m3 codes x0..x3 (the bytes of r, x0 lowest) to two pairs of the mma dtype: ev = (x0, x2),
-// od = (x1, x3) (low half first). fp16 on sm_89+: cvt.rn.f16x2.e4m3x2. Otherwise by bits: the code's sign to the sign, its 7 exponent-and-mantissa
+// od = (x1, x3) (low half first), and for K dequant4_k: (x0, x1) and (x2, x3) where the conversion
+// yields those pairs without a byte permute (K_PAIRS; load_q orders Q's dims to match). fp16 on
+// sm_89+: cvt.rn.f16x2.e4m3x2. Otherwise by bits: the code's sign to the sign, its 7 exponent-and-mantissa
 // bits under the dtype's exponent field, so every code (subnormals too) becomes an exact value
 // times a power of two: fp16: value x 2^-8, whose 2^8 is folded into the scales (FP8_SCALE_BIAS);
 // bf16: value x 2^-120, multiplied back here (in fp32 the products would underflow). The NaN codes
@@ -268,6 +270,7 @@ __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od)
   ev = *reinterpret_cast<unsigned*>(&eo);
   od = *reinterpret_cast<unsigned*>(&oo);
 }
+constexpr bool K_PAIRS = false;
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 // fp16 on sm_89+: the hardware conversion, exact (every e4m3 value is an fp16 value), 3-7 % faster
 // than the bit operations below on the H200 (NOTES, "FP8 caches")
@@ -277,6 +280,13 @@ __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od)
   asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
       : "=r"(ev), "=r"(od) : "r"(p));
 }
+// K's codes in the pairs they arrive in, (x0, x1) and (x2, x3): 16 byte permutes fewer per warp and
+// tile than dequant4, 1-4 % faster on the H200 (NOTES, "FP8 caches", kpair)
+constexpr bool K_PAIRS = true;
+__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& lo, unsigned& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi) : "r"(r));
+}
 #else
 constexpr float FP8_SCALE_BIAS = 256.f;
 __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
@@ -284,6 +294,10 @@ __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od)
   od = (r & 0x80008000u) | ((r >> 1) & 0x3F803F80u);
   ev = (s & 0x80008000u) | ((s >> 1) & 0x3F803F80u);
 }
+constexpr bool K_PAIRS = false;
+#endif
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890 || PKV_BF16
+__device__ __forceinline__ void dequant4_k(unsigned r, unsigned& ev, unsigned& od) { dequant4(r, ev, od); }
 #endif
 
 struct Params {
@@ -481,9 +495,10 @@ __device__ __forceinline__ void issue_stage(const Loader& ld, unsigned char* sK,
 
 // Q fragments (A operand, 16 rows = query heads of this kv head, zero beyond G): into registers,
 // or (Q_SMEM) into sQ, visible after the loop's first barrier.
-// FP8: the dims of each group of 16 are permuted, evens first, then odds (mma k position 2j + e
-// holds dim 4j + 2e, position 8 + 2j + e dim 4j + 1 + 2e), the order in which dequant4 hands out
-// a thread's 4 consecutive K dims; q.k sums over the dims, so permuting both leaves it unchanged.
+// FP8: the dims of each group of 16 are permuted to the order in which dequant4_k hands out a
+// thread's 4 consecutive K dims: K_PAIRS, mma k position 2j + e holds dim 4j + e and position
+// 8 + 2j + e dim 4j + 2 + e; otherwise evens first, then odds (2j + e holds dim 4j + 2e, 8 + 2j + e
+// dim 4j + 1 + 2e). q.k sums over the dims, so permuting both leaves it unchanged.
 __device__ __forceinline__ void load_q(const Params& p, const Item& it, kv_t* sQ,
                                        unsigned (&qf)[Q_SMEM ? 1 : D / 16][4]) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -498,9 +513,11 @@ __device__ __forceinline__ void load_q(const Params& p, const Item& it, kv_t* sQ
           a = ld_nc_v4(src);
           b = ld_nc_v4(src + 8);
         }
-        const uint4 ev = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
+        const uint4 ev = K_PAIRS ? make_uint4(a.x, a.z, b.x, b.z) :
+                         make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
                                     __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410));
-        const uint4 od = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
+        const uint4 od = K_PAIRS ? make_uint4(a.y, a.w, b.y, b.w) :
+                         make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
                                     __byte_perm(b.x, b.y, 0x7632), __byte_perm(b.z, b.w, 0x7632));
         *reinterpret_cast<uint4*>(sQ + swz(g, c)) = ev;
         *reinterpret_cast<uint4*>(sQ + swz(g, c + 1)) = od;
@@ -519,14 +536,15 @@ __device__ __forceinline__ void load_q(const Params& p, const Item& it, kv_t* sQ
     const kv_t* q1 = p.q + it.row * p.q_sb + (long long)(it.head * G + g1) * p.q_sh;
 #pragma unroll
     for (int kk = 0; kk < (Q_SMEM ? 1 : D / 16); ++kk) {
-      if constexpr (FP8) {  // dims 4j..4j+3 (j = lane % 4): (4j, 4j+2) and (4j+1, 4j+3)
+      if constexpr (FP8) {  // dims 4j..4j+3 (j = lane % 4): (4j, 4j+1) and (4j+2, 4j+3) under K_PAIRS,
+                            // else (4j, 4j+2) and (4j+1, 4j+3)
         const int c = (lane & 3) * 4;
         const unsigned a0 = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u, a1 = g0 < G ? ld_nc_u32(q0 + kk * 16 + c + 2) : 0u;
         const unsigned b0 = g1 < G ? ld_nc_u32(q1 + kk * 16 + c) : 0u, b1 = g1 < G ? ld_nc_u32(q1 + kk * 16 + c + 2) : 0u;
-        qf[kk][0] = __byte_perm(a0, a1, 0x5410);
-        qf[kk][2] = __byte_perm(a0, a1, 0x7632);
-        qf[kk][1] = __byte_perm(b0, b1, 0x5410);
-        qf[kk][3] = __byte_perm(b0, b1, 0x7632);
+        qf[kk][0] = K_PAIRS ? a0 : __byte_perm(a0, a1, 0x5410);
+        qf[kk][2] = K_PAIRS ? a1 : __byte_perm(a0, a1, 0x7632);
+        qf[kk][1] = K_PAIRS ? b0 : __byte_perm(b0, b1, 0x5410);
+        qf[kk][3] = K_PAIRS ? b1 : __byte_perm(b0, b1, 0x7632);
       } else {
         const int c = (lane & 3) * 2;
         qf[kk][0] = g0 < G ? ld_nc_u32(q0 + kk * 16 + c) : 0u;
@@ -561,9 +579,9 @@ __device__ __forceinline__ void q_frag(const kv_t* sQ, const unsigned (&qf)[Q_SM
 // S = Q K^T on tensor cores, mask and scale to base 2 (qk_scale: softmax scale x log2(e), x the
 // kv head's K scale under FP8), online softmax, O += P V.
 // FP8: K and V tiles hold codes; one ldmatrix x4 reads 8 tokens x 16 codes per 8x8 b16 matrix and
-// dequant4 turns each thread's 4 codes into its two B registers. K (not transposed): a thread's 4
-// consecutive dims of one token (Q's dims are permuted to match: load_q). V (transposed): a
-// thread's 2 tokens x 2 adjacent dims (2n, 2n+1); the even dims feed one n8 block (o[2c]), the odd
+// dequant4_k (K) and dequant4 (V) turn each thread's 4 codes into its two B registers. K (not
+// transposed): a thread's 4 consecutive dims of one token (Q's dims are permuted to match:
+// load_q). V (transposed): a thread's 2 tokens x 2 adjacent dims (2n, 2n+1); the even dims feed one n8 block (o[2c]), the odd
 // ones the next (o[2c + 1]), so o[2c] holds dims 16c + 4j + {0, 2} and o[2c + 1] dims
 // 16c + 4j + {1, 3} (j = lane % 4): combine_and_store puts them back in order.
 __device__ __forceinline__ void compute_tile(float qk_scale, const kv_t* sQ, const unsigned (&qf)[Q_SMEM ? 1 : D / 16][4],
@@ -584,8 +602,8 @@ __device__ __forceinline__ void compute_tile(float qk_scale, const kv_t* sQ, con
       for (int h = 0; h < 2; ++h) {
         unsigned a[4], e0, o0, e1, o1;
         q_frag(sQ, qf, kk + h, a);
-        dequant4(c[2 * h], e0, o0);
-        dequant4(c[2 * h + 1], e1, o1);
+        dequant4_k(c[2 * h], e0, o0);
+        dequant4_k(c[2 * h + 1], e1, o1);
         mma16816(s[0], a, e0, o0);
         mma16816(s[1], a, e1, o1);
       }

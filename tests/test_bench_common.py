@@ -418,38 +418,3 @@ def test_sanitize_cases_checks_its_modules_before_any_gpu_work(capsys):
         with pytest.raises(SystemExit) as exc:
             sanitize_cases.main(argv)
         assert exc.value.code == 2 and option in capsys.readouterr().err
-
-
-def test_the_refined_ctas_candidate_and_its_variant(monkeypatch):
-    """bench_engine.refined_ctas (a candidate rule, A/B'd as auto-refined before any change to
-    choose_ctas_per_sm) picks what the a66ff0e A/B measured fastest where the shipped rule did not
-    (4 CTAs at B=64 x 1K and 4K, 3 on B8-bimodal), the shipped rule's module elsewhere; _Refined
-    swaps it in for one plan() only, also when planning raises."""
-    import bench_engine
-
-    from persistentkv.backends import pkv
-    from persistentkv.choose import choose_ctas_per_sm, choose_warps
-    from persistentkv.names import BENCH_EXTRA
-
-    def queue(lens):
-        return (264, 2) if choose_warps(lens, 128) == 4 else (132, 4)
-
-    bimodal = list(BENCH_EXTRA["B8-bimodal"])
-    cases = {(1024,) * 64: 4, (4096,) * 64: 4, tuple(bimodal): 3, (8192,) * 64: 4, (131072,): 3, (32768,): None,
-             (8192,) * 48: 3, (4096,): None}
-    for lens, want in cases.items():
-        assert bench_engine.refined_ctas(list(lens), 8, 132, queue(list(lens))) == want, lens
-    assert choose_ctas_per_sm([1024] * 64, 8, 132, queue([1024] * 64)) is None  # where the two differ
-    assert bench_engine.refined_ctas([32768], 1, 132, (132, 4)) is None          # Hkv=1 keeps its module
-
-    seen = []
-
-    class Backend:
-        def plan(self, batch):
-            seen.append(pkv.choose_ctas_per_sm)
-            raise RuntimeError("no GPU")
-
-    shipped = pkv.choose_ctas_per_sm
-    with pytest.raises(RuntimeError):
-        bench_engine._Refined(Backend()).plan("batch")
-    assert seen == [bench_engine.refined_ctas] and pkv.choose_ctas_per_sm is shipped

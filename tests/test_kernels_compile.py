@@ -320,7 +320,7 @@ def test_pkv_workqueue_auto_builds_more_ctas_for_long_fp8_steps(monkeypatch):
     """On an FP8 cache, after choose_warps, choose_ctas_per_sm may move the step to the 4-warp
     module built for 3 or 4 CTAs per SM (engine_for(..., ctas_per_sm=K), planned with its own
     defaults, as the 8-warp module is: explicit queue options, the config's planner values, are
-    the default 4-warp module's); an fp16 cache and short steps never do; a module the device
+    the default 4-warp module's); an fp16 cache and short split steps never do; a module the device
     cannot hold falls back to choose_warps' module."""
     from types import SimpleNamespace
 
@@ -351,7 +351,8 @@ def test_pkv_workqueue_auto_builds_more_ctas_for_long_fp8_steps(monkeypatch):
     assert module(auto, fp8, [131072]) == (4, 3, {})
     assert module(auto, fp8, [8192] * 64) == (4, 4, {})
     assert module(auto, fp8, [32768]) == (8, None, {})
-    assert module(auto, fp8, [1024] * 64) == (4, None, {})
+    assert module(auto, fp8, [1024] * 64) == (4, 4, {})  # 512 one-item groups: no item floor
+    assert module(auto, fp8, [4096]) == (8, None, {})     # 32 groups split into 83-token items
     assert module(auto, fp16, [131072]) == (8, None, {}) and module(auto, fp16, [8192] * 64) == (8, None, {})
     assert module(auto, fp8, [131072]) == (4, 3, {})
     assert built.count((4, 3)) == 1 and built.count((4, 4)) == 1  # each module built once per spec
@@ -359,7 +360,7 @@ def test_pkv_workqueue_auto_builds_more_ctas_for_long_fp8_steps(monkeypatch):
     assert module(pinned, fp8, [131072]) == (4, 3, {}) and module(pinned, fp8, [8192] * 64) == (4, 4, {})
     bimodal = [49152, 1024, 1024, 1024] * 2  # 4 warps, then 3 CTAs per SM
     assert module(auto, fp8, bimodal) == (4, 3, {}) and module(pinned, fp8, bimodal) == (4, 3, {})
-    assert module(pinned, fp8, [1024] * 64) == (4, None, {"target_items": 264, "min_chunk_tiles": 2})
+    assert module(pinned, fp8, [1024] * 32) == (4, None, {"target_items": 264, "min_chunk_tiles": 2})
     assert module(pinned, fp16, [8192, 1000] * 4) == (4, None, {"target_items": 264, "min_chunk_tiles": 2})
     assert module(PKVWorkqueue(warps=8), fp8, [131072]) == (8, None, {})
     refuse.add(3)

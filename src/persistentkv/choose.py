@@ -114,11 +114,16 @@ def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max
 #: B=1 x 128K and B=4 x 32K (2648 tokens an item), 0.972 on B8-bimodal (~2600), 1.007 at
 #: B=1 x 32K (662), 1.09 at B=1 x 4K (83), 1.11-1.17 under Hkv=1 (83-331); 4 CTAs 0.953 at
 #: B=64 x 8K (7944), 1.021 at B=1 x 128K (1986), 1.007 at B=4 x 32K, 1.012 on B8-bimodal.
+#: A queue that keeps every (row, kv head) group one item has no such floor: nothing is split, so
+#: no item pays a ramp or a merge (H200 at 3748346, 4 CTAs / the floored rule's module, paired:
+#: 0.795 at B=64 x 16, 0.849 at B=64 x 64, 0.898 at 256, 0.942 at 1K, 0.948 at 4K; NOTES, "The
+#: occupancy chosen per step").
 CTAS_MIN_ITEM_TOKENS = {3: 2048, 4: 4096}
 #: ... and its queue's imbalance (queue_imbalance) at most this factor over the module choose_warps
 #: picked: 3 CTAs at B=64 x 8K leave 512 one-item groups over 396 slots (1.55 against 1.03; 1.134x
-#: slower measured).
-CTAS_MAX_IMBALANCE = 1.02
+#: slower measured). 3 CTAs may balance up to 1.07 x worse: B8-bimodal's 3-CTA queue, 1.066 x the
+#: 4-warp queue's, ran 0.973 x its time (3748346; 0.966 at a66ff0e).
+CTAS_MAX_IMBALANCE = {3: 1.07, 4: 1.02}
 
 
 def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[int, int],
@@ -127,11 +132,13 @@ def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[i
     choose_warps picked (whose balanced queue is ``queue``, (target_items, min_chunk_tiles)).
 
     The first of ``candidates`` (3 or 4 CTAs per SM, a queue of ``ctas * num_sms`` items of at
-    least ``min_chunk_tiles`` tiles) whose mean item is at least CTAS_MIN_ITEM_TOKENS[ctas]
-    tokens and whose imbalance is at most CTAS_MAX_IMBALANCE x the picked queue's.
+    least ``min_chunk_tiles`` tiles) whose mean item is at least CTAS_MIN_ITEM_TOKENS[ctas] tokens,
+    or whose queue keeps every (row, kv head) group one item, and whose imbalance is at most
+    CTAS_MAX_IMBALANCE[ctas] x the picked queue's.
     Worked numbers (Hkv = 8, 132 SMs): B=64 x 8K -> 4 (528 items of 7944 tokens, imbalance 1.03 as
-    the 8-warp queue's); B=1 x 128K and B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986);
-    B=16 x 8K -> 3; B=1 x 32K -> None (662 tokens at 3 CTAs); B=64 x 1K -> None."""
+    the 8-warp queue's); B=64 x 16 to 4K -> 4 (512 one-item groups in 528 slots); B=1 x 128K and
+    B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986); B=16 x 8K -> 3; B8-bimodal -> 3
+    (1.066 x the 4-warp queue's imbalance); B=1 x 32K -> None (662 tokens at 3 CTAs)."""
     # On every FP8 step's host path, as choose_warps: the answer is remembered per tile counts (the
     # two chunk searches cost 20-90 us; a decode step's tiles change only at 32-token boundaries).
     key = _tiles_key(_rows(seq_lens, "choose_ctas_per_sm"))
@@ -144,16 +151,17 @@ def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candid
     """choose_ctas_per_sm's rule for rows of ``tiles`` tiles (a tuple, or the bytes of an int64
     array of more than 64 rows); memoised."""
     counts = _tile_counts(tiles)
-    rows = len(counts)
+    rows, longest = len(counts), int(max(counts))
     group_tokens = TILE_TOKENS * num_kv_heads * int(sum(counts) if isinstance(counts, list) else counts.sum())
     base = None
     for ctas in candidates:
         target = ctas * num_sms
         slots = queue_waves(rows, num_kv_heads, target) * target
-        if group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
+        whole = balanced_chunk_tiles(counts, num_kv_heads, target, min_chunk_tiles) >= longest
+        if not whole and group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
             continue
         if base is None:
             base = queue_imbalance(counts, num_kv_heads, *queue)
-        if queue_imbalance(counts, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE * base:
+        if queue_imbalance(counts, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE[ctas] * base:
             return ctas
     return None
