@@ -281,7 +281,7 @@ __device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od)
       : "=r"(ev), "=r"(od) : "r"(p));
 }
 // K's codes in the pairs they arrive in, (x0, x1) and (x2, x3): 16 byte permutes fewer per warp and
-// tile than dequant4, 1-4 % faster on the H200 (NOTES, "FP8 caches", kpair)
+// tile than dequant4, 0.5-4.4 % faster on the H200 (NOTES, "FP8 caches", kpair)
 constexpr bool K_PAIRS = true;
 __device__ __forceinline__ void dequant4_k(unsigned r, unsigned& lo, unsigned& hi) {
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
@@ -581,9 +581,9 @@ __device__ __forceinline__ void q_frag(const kv_t* sQ, const unsigned (&qf)[Q_SM
 // FP8: K and V tiles hold codes; one ldmatrix x4 reads 8 tokens x 16 codes per 8x8 b16 matrix and
 // dequant4_k (K) and dequant4 (V) turn each thread's 4 codes into its two B registers. K (not
 // transposed): a thread's 4 consecutive dims of one token (Q's dims are permuted to match:
-// load_q). V (transposed): a thread's 2 tokens x 2 adjacent dims (2n, 2n+1); the even dims feed one n8 block (o[2c]), the odd
-// ones the next (o[2c + 1]), so o[2c] holds dims 16c + 4j + {0, 2} and o[2c + 1] dims
-// 16c + 4j + {1, 3} (j = lane % 4): combine_and_store puts them back in order.
+// load_q). V (transposed): a thread's 2 tokens x 2 adjacent dims (2n, 2n+1); the even dims feed
+// one n8 block (o[2c]), the odd ones the next (o[2c + 1]), so o[2c] holds dims 16c + 4j + {0, 2}
+// and o[2c + 1] dims 16c + 4j + {1, 3} (j = lane % 4): combine_and_store puts them back in order.
 __device__ __forceinline__ void compute_tile(float qk_scale, const kv_t* sQ, const unsigned (&qf)[Q_SMEM ? 1 : D / 16][4],
                                              const unsigned char* k_st, const unsigned char* v_st, int tok0, int t_hi,
                                              WarpState& ws) {

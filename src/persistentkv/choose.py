@@ -117,7 +117,7 @@ def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max
 #: A queue that keeps every (row, kv head) group one item has no such floor: nothing is split, so
 #: no item pays a ramp or a merge (H200 at 3748346, 4 CTAs / the floored rule's module, paired:
 #: 0.795 at B=64 x 16, 0.849 at B=64 x 64, 0.898 at 256, 0.942 at 1K, 0.948 at 4K; NOTES, "The
-#: occupancy chosen per step").
+#: loop's variants and the CTA rule without an item floor").
 CTAS_MIN_ITEM_TOKENS = {3: 2048, 4: 4096}
 #: ... and its queue's imbalance (queue_imbalance) at most this factor over the module choose_warps
 #: picked: 3 CTAs at B=64 x 8K leave 512 one-item groups over 396 slots (1.55 against 1.03; 1.134x
@@ -151,7 +151,7 @@ def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candid
     """choose_ctas_per_sm's rule for rows of ``tiles`` tiles (a tuple, or the bytes of an int64
     array of more than 64 rows); memoised."""
     counts = _tile_counts(tiles)
-    rows, longest = len(counts), int(max(counts))
+    rows, longest = len(counts), int(max(counts) if isinstance(counts, list) else counts.max())
     group_tokens = TILE_TOKENS * num_kv_heads * int(sum(counts) if isinstance(counts, list) else counts.sum())
     base = None
     for ctas in candidates:
