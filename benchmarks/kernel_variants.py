@@ -74,8 +74,8 @@ LAZY = [
 # 32 tokens per warp and tile on an FP8 cache (T32; fp16 keeps 16, and so do the 3- and 4-CTA
 # modules, which cannot hold its stages): a 4-warp stage of 128 tokens, the fp16 module's bytes per
 # stage and in flight (96 KB of stages: 2 CTAs of 4 warps, 1 of 8), and one softmax update, O
-# rescale and load section per 32 tokens instead of per 16. Its package's launch check takes the doubled tile, and its
-# smallest item is one such stage.
+# rescale and load section per 32 tokens instead of per 16. Its package's launch check takes the
+# doubled tile, and its smallest item is one such stage.
 T32 = [
     ("constexpr int TILE = 16 * WARPS;                 // tokens per pipeline stage",
      "#ifdef PKV_CTAS_PER_SM\nconstexpr int TPW = 16;\n#else\n"

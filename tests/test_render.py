@@ -220,7 +220,7 @@ def test_the_report_counts_the_builds_its_runs_come_from(measured, tmp_path):
     _, results, payload = measured
     (commit,) = {str(p["git_commit"])[:10] for p in results.provenance.values()}  # the synthetic runs: one build
     assert f"Every run comes from one build, commit <code>{commit}</code>." in builds(results, payload, tmp_path / "a")
-    (run_id, prov), = list(results.provenance.items())[:1]
+    prov = next(iter(results.provenance.values()))
     two = replace(results, provenance={**results.provenance, "other-run": {**prov, "git_commit": "0123456789abc"}})
     text = builds(two, payload, tmp_path / "b")
     assert f"The runs come from 2 builds: <code>{commit}</code> ({len(results.provenance)} run" in text

@@ -21,12 +21,17 @@ def queue_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles
     (W = queue_waves): 1.0 when every slot carries the same work, 1.25 when the longest item is a
     quarter longer than that mean. A one-item-per-CTA queue takes about as long as its longest
     item, so this is the factor the step's per-row chunking costs over a perfect spread."""
+    return _chunk_and_imbalance(tiles, num_kv_heads, target_items, min_chunk_tiles)[1]
+
+
+def _chunk_and_imbalance(tiles, num_kv_heads: int, target_items: int, min_chunk_tiles: int) -> tuple[int, float]:
+    """The balanced queue's chunk (balanced_chunk_tiles) and its queue_imbalance, from one search."""
     B = len(tiles)
     total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
     chunk = balanced_chunk_tiles(tiles, num_kv_heads, target_items, min_chunk_tiles)
     longest = min(chunk, int(max(tiles)))
     cap = queue_waves(B, num_kv_heads, target_items) * target_items
-    return longest * cap / (num_kv_heads * total)
+    return chunk, longest * cap / (num_kv_heads * total)
 
 
 def _rows(seq_lens, what: str) -> np.ndarray:
@@ -157,11 +162,11 @@ def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candid
     for ctas in candidates:
         target = ctas * num_sms
         slots = queue_waves(rows, num_kv_heads, target) * target
-        whole = balanced_chunk_tiles(counts, num_kv_heads, target, min_chunk_tiles) >= longest
-        if not whole and group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
-            continue
+        chunk, imbalance = _chunk_and_imbalance(counts, num_kv_heads, target, min_chunk_tiles)
+        if chunk < longest and group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
+            continue  # groups split into items shorter than the floor (one-item groups have none)
         if base is None:
             base = queue_imbalance(counts, num_kv_heads, *queue)
-        if queue_imbalance(counts, num_kv_heads, target, min_chunk_tiles) <= CTAS_MAX_IMBALANCE[ctas] * base:
+        if imbalance <= CTAS_MAX_IMBALANCE[ctas] * base:
             return ctas
     return None
