@@ -311,8 +311,8 @@ def main() -> int:
         return runs
 
     rows = []
-    table = [comparison_row(label, floor, med, ok)
-             for label, med, ok, floor in timed_cases(spec, args, for_batch, ceiling, rows, "bench_engine", t_start)]
+    table = [comparison_row(label, floor, med, ok, errors)
+             for label, med, ok, floor, errors in timed_cases(spec, args, for_batch, ceiling, rows, "bench_engine", t_start)]
     print_comparison(table)
     if rows:
         print_paired(pd.DataFrame(rows))

@@ -88,12 +88,15 @@ def test_comparison_row_picks_the_fastest_checked_variant_of_each_kind(capsys):
     med = {"wq": 10.0, "wq8": 9.0, "split8": 7.0, "trtllm-xqa": 13.0, "vllm-fa3": 12.5, "flashinfer-tc": 11.0,
            "read": 1.0}
     ok = {n: t for n, t in med.items() if n not in ("split8", "flashinfer-tc")}  # both failed their float64 check
-    row = bench_common.comparison_row("B=1 N=4096", 3.9, med, ok)
-    assert row[3:] == (("vllm-fa3", 12.5), ("wq8", 9.0))  # read is never ours
+    errors = {"split8": 0.3, "flashinfer-tc": 5.4e-2, "trtllm-xqa": 1e-4, "vllm-fa3": 2e-4, "wq": 1e-4, "wq8": 1e-4}
+    row = bench_common.comparison_row("B=1 N=4096", 3.9, med, ok, errors)
+    assert row[3:5] == (("vllm-fa3", 12.5), ("wq8", 9.0))  # read is never ours
+    assert row[5] == [("flashinfer-tc", 11.0, 5.4e-2)]  # a baseline that missed: shown, never the best
     bench_common.print_comparison([row])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "vllm-fa3=12.5" in line and "wq8=9.0" in line and "1.39x" in line and "43%" in line
-    assert "read=1.0" in line and "trtllm-xqa" not in line  # every variant of ours is shown, no baseline
+    assert "read=1.0" in line and "trtllm-xqa" not in line  # every variant of ours is shown, no passing baseline
+    assert "[outside the tolerance: flashinfer-tc=11.0 (err 5.4e-02), 1.22x]" in line
 
 
 def test_every_shipped_route_and_warps_has_a_variant_name():
