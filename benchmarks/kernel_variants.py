@@ -21,7 +21,9 @@ pagewarp (one page id per warp's 16 rows) was rejected there and removed. The A/
 (K's codes converted in the pairs they arrive in) won every case by 0.5-4.4 % and ships; st6 (six
 FP8 stages) lost nearly every case and was removed; t32, then also in the 3- and 4-CTA modules'
 place, beat the 2-CTA modules by 2-13 % on the six Hq=32 cases, lost 3.5 % at Hq=64 B=64 x 64, and
-as a whole tied or lost where the 3- and 4-CTA modules win: it now leaves those to them.
+as a whole tied or lost where the 3- and 4-CTA modules win: it now leaves those to them. So built,
+on an H100 at 69e5b3d, auto-t32 lost 2-3 % at B=1 x 32K and B=8 x 8K and won on small and ragged
+steps: it fails the rule there, and the H200's run of the same build decides whether it goes.
 --ptxas ARCH compiles each variant's FP8 decode kernels for ARCH (head_dim 128, 4 and 8 warps) and
 prints their registers and spills; --sass ARCH the static instruction count and mix of each FP8
 module's per-tile loop (pkv_decode_fused; 16 tokens per warp, 32 under t32) beside the shipped
