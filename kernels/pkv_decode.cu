@@ -275,17 +275,15 @@ constexpr bool K_PAIRS = false;
 // fp16 on sm_89+: the hardware conversion, exact (every e4m3 value is an fp16 value), 3-7 % faster
 // than the bit operations below on the H200 (NOTES, "FP8 caches")
 constexpr float FP8_SCALE_BIAS = 1.f;
-__device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
-  const unsigned p = __byte_perm(r, 0u, 0x3120);  // x0, x2, x1, x3
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-      : "=r"(ev), "=r"(od) : "r"(p));
-}
 // K's codes in the pairs they arrive in, (x0, x1) and (x2, x3): 16 byte permutes fewer per warp and
 // tile than dequant4, 0.5-4.4 % faster on the H200 (NOTES, "FP8 caches", kpair)
 constexpr bool K_PAIRS = true;
 __device__ __forceinline__ void dequant4_k(unsigned r, unsigned& lo, unsigned& hi) {
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
       : "=r"(lo), "=r"(hi) : "r"(r));
+}
+__device__ __forceinline__ void dequant4(unsigned r, unsigned& ev, unsigned& od) {
+  dequant4_k(__byte_perm(r, 0u, 0x3120), ev, od);  // x0, x2, x1, x3: the pairs (x0, x2), (x1, x3)
 }
 #else
 constexpr float FP8_SCALE_BIAS = 256.f;
