@@ -651,6 +651,22 @@ def test_host_scales_read_once_per_version_and_refuse_per_head_values():
         scales.value("v_scale", torch.tensor([0.0]))
 
 
+def test_host_scales_remember_the_memory_not_the_view_object():
+    """A decode loop hands run() fresh views of its [L, 2, 1] scales at every call (a GPU capture
+    after an eager step raised 'not read before this capture' when the memo keyed the view object)."""
+    from persistentkv.backends.flashinfer_backend import HostScales
+
+    scales = HostScales("fi", "one scale per tensor")
+    table = torch.tensor([[[0.5], [0.25]], [[2.0], [4.0]]])   # [L=2, 2, 1]
+    assert scales.pair(table[1, 0], table[1, 1]) == (2.0, 4.0)
+    table.data[1, 0] = 8.0              # a write torch does not count (no version bump) ...
+    assert scales.value("k_scale", table[1, 0]) == 2.0        # ... so a fresh view finds the memo: not read again
+    table[1, 0] = 3.0                   # an in-place write through another view bumps the shared version
+    assert scales.value("k_scale", table[1, 0]) == 3.0
+    assert scales.pair(table[0, 0], table[0, 1]) == (0.5, 0.25)  # other memory, other keys
+    assert scales.value("k_scale", table[1:, 0].reshape(-1)) == 3.0
+
+
 # the stand-ins, extended to the FP8 arguments each library documents --------------------------------------
 class _FakeFp8Wrapper(_FakeWrapper):
     """FlashInfer 0.6.14's wrapper with an FP8 cache: plan(kv_data_type=float8_e4m3fn) and

@@ -35,8 +35,8 @@ elementwise launch, skipped when v_scale is the float 1.0). So FlashInfer takes 
 scale per tensor: a per-KV-head scale ([Hkv] of distinct values) is refused at run() with one line.
 vLLM's FlashInfer backend passes ``layer._k_scale_float`` / ``layer._v_scale_float`` the same way.
 Our scales are float32 device tensors, so the adapter reads each one on the host
-(:class:`HostScales`) once per tensor object and version (``tensor._version``, which in-place torch
-writes bump), outside CUDA-graph capture; a capture that meets a scale not read before raises
+(:class:`HostScales`) once per memory and version (``tensor._version``, which in-place torch writes
+through any view bump), outside CUDA-graph capture; a capture that meets a scale not read before raises
 (run the step once eagerly first). A captured graph replays the scale values it was captured
 with, as a graph of vLLM's does; device writes that bypass torch (no version bump) are not seen.
 """
@@ -44,7 +44,6 @@ with, as a graph of vLLM's does; device writes that bypass torch (no version bum
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,24 +68,29 @@ class HostScales:
     """Python floats of an FP8 cache's k_scale/v_scale tensors, for libraries that take the scales as
     host floats (FlashInfer's decode wrapper, XQA through FlashInfer as vLLM calls it).
 
-    Each tensor is read once (a host synchronisation) per tensor object and version and remembered;
-    a read needed during a CUDA-graph capture raises instead. A tensor of several values (per KV
-    head) is accepted only when they are all equal (then it is one scale); else a one-line refusal
-    naming ``who`` and ``why``."""
+    Each scale is read once (a host synchronisation) per memory and version and remembered: the
+    key is the tensor's address, device, dtype, shape and strides, so fresh views of the same memory
+    (a decode loop's ``scales[layer, 0]``, made anew at every call) find the value read before;
+    views share their base's version counter, so an in-place torch write through any of them is
+    read again. The memo holds the tensors it read, so their memory cannot be reused by another
+    tensor under the same key. A read needed during a CUDA-graph capture raises instead. A tensor of
+    several values (per KV head) is accepted only when they are all equal (then it is one scale);
+    else a one-line refusal naming ``who`` and ``why``."""
 
     #: remembered tensors at most (a decode loop has one pair per layer)
     LIMIT = 1024
 
     def __init__(self, who: str, why: str):
         self.who, self.why = who, why
-        self._memo: dict[int, tuple[Any, int, float]] = {}
+        self._memo: dict[tuple, tuple[Any, int, float]] = {}
 
     def pair(self, k_scale, v_scale) -> tuple[float, float]:
         return self.value("k_scale", k_scale), self.value("v_scale", v_scale)
 
     def value(self, label: str, t) -> float:
-        held = self._memo.get(id(t))
-        if held is not None and held[0]() is t and held[1] == t._version:
+        key = (t.data_ptr(), str(t.device), t.dtype, tuple(t.shape), tuple(t.stride()))
+        held = self._memo.get(key)
+        if held is not None and held[1] == t._version:
             return held[2]
         import torch
 
@@ -101,7 +105,7 @@ class HostScales:
             raise PKVError(f"{self.who}: {label} must be finite and > 0, got {values[0]!r}")
         if len(self._memo) >= self.LIMIT:
             self._memo.clear()
-        self._memo[id(t)] = (weakref.ref(t), t._version, values[0])
+        self._memo[key] = (t, t._version, values[0])
         return values[0]
 
 

@@ -26,7 +26,7 @@ and let the validation report that error. Scales: XQA has one ``kv_scale`` for K
 the kernel's q.k scale q_scale * kv_scale / sqrt(D) = k_scale / sqrt(D). FlashInfer 0.6.14 takes
 these as floats or float32 device tensors, of which its kernel reads element 0 only; the adapter
 passes Python floats as vLLM's FlashInfer backend does (``layer._k_scale_float``), read on the host
-once per scale tensor and version outside CUDA-graph capture (flashinfer_backend.HostScales; a
+once per scale memory and version outside CUDA-graph capture (flashinfer_backend.HostScales; a
 graph replays the values it was captured with). Per-KV-head scales of distinct values are refused
 at run() with one line.
 
