@@ -1292,3 +1292,47 @@ def test_validate_gpu_refuses_a_bad_kv_dtype_before_looking_for_a_gpu(argv, expe
     code = cli.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_graph_capture_runs_with_the_cycle_collector_off(monkeypatch):
+    """A cycle collection inside a capture can destroy another garbage CUDA graph, which invalidates
+    the capture: capture_graph holds the collector off around both capture paths, and restores it."""
+    import gc
+    from contextlib import nullcontext
+
+    torch = pytest.importorskip("torch")
+    from persistentkv.measure import device
+
+    seen = []
+
+    class FakeGraph:
+        def capture_begin(self):
+            seen.append(("begin", gc.isenabled()))
+
+        def capture_end(self):
+            seen.append(("end", gc.isenabled()))
+
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert gc.isenabled()
+    for free_cached in (True, False):
+        seen.clear()
+        replay = device.capture_graph(lambda: seen.append(("fn", gc.isenabled())), "cpu", free_cached=free_cached)
+        assert callable(replay) and gc.isenabled()
+        assert seen and all(on is False for _, on in seen), seen
+    with pytest.raises(RuntimeError, match="boom"):
+        device.capture_graph(lambda: (_ for _ in ()).throw(RuntimeError("boom")), "cpu", free_cached=False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with device.cycle_collector_off():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()

@@ -18,6 +18,8 @@ Hardware facts are read from the device once (STYLE: defined once).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -92,6 +94,18 @@ def require_cuda() -> None:
         raise PKVError(message)
 
 
+@contextlib.contextmanager
+def cycle_collector_off():
+    """Python's cycle collector off inside the block (for every thread), back as it was after it."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def capture_graph(fn: Callable[[], None], device=None, *, warmup: Callable[[], None] | None = None,
                   stream=None, free_cached: bool = True) -> Callable[[], None]:
     """A CUDA graph of ``fn``'s launches on ``device``; returns its replay (every graph of the
@@ -107,6 +121,11 @@ def capture_graph(fn: Callable[[], None], device=None, *, warmup: Callable[[], N
                  synchronisations, nothing freed (the harness's many graphs per case:
                  TorchDevice.capture). Either way the graph gets its own private memory pool
                  (replays come in any order).
+
+    Python's cycle collector is off during the capture: a collection there can destroy another
+    CUDA graph that became garbage in a reference cycle (a dropped decode loop's, whose bodies are
+    its bound methods), and destroying a graph while a stream captures invalidates the capture
+    (torch's ``graph`` context no longer collects first).
     """
     import torch
 
@@ -119,11 +138,11 @@ def capture_graph(fn: Callable[[], None], device=None, *, warmup: Callable[[], N
         current.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     if free_cached:
-        with torch.cuda.graph(graph, stream=stream):
+        with cycle_collector_off(), torch.cuda.graph(graph, stream=stream):
             fn()
         return graph.replay
     torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
+    with cycle_collector_off(), torch.cuda.stream(stream):
         graph.capture_begin()
         try:
             fn()
