@@ -177,10 +177,13 @@ def test_validation_rows_pass_for_available_baselines():
 #: against float64 on the dequantised cache: an fp16/bf16 query keeps TOLERANCE[dtype]
 #: (FlashInfer converts the codes in registers; torch-sdpa dequantises into the query dtype);
 #: XQA (sm90: its kernel rounds the query and the softmax weights to e4m3) and vLLM FA3 (an e4m3
-#: query, P.V in FP8) are FP8-query baselines, gated at FP8_QUERY_TOL. That bound is an estimate
-#: (e4m3 rounds to 2^-4 relative: ~3% rms on q.k and on P) not yet measured on a GPU; each test
-#: prints the measured worst error so the bound can be set to the measured class.
-FP8_QUERY_TOL = 1e-1
+#: query, P.V in FP8) are FP8-query baselines. Their error is a property of their arithmetic, reported
+#: as measured by validate-gpu (rows with fp8_query, gated at the dtype's tolerance, a miss listed
+#: with its error); here FP8_QUERY_TOL only checks the adapter's wiring: a scale lost or applied
+#: twice moves a (row, head) by 0.5 or more. Measured worst (row, head) errors of XQA's query
+#: rounding: 5.4e-2 to 9.2e-2 in bench_engine, 1.1e-1 here (H100 at c54e365, G=4, bfloat16, the
+#: 4097-token row), above the 1e-1 this bound was first estimated at.
+FP8_QUERY_TOL = 2e-1
 FP8_TOLERANCE = {"flashinfer-cc": None, "flashinfer-tc": None, "torch-sdpa": None,
                  "trtllm-xqa": FP8_QUERY_TOL, "vllm-fa3": FP8_QUERY_TOL}
 #: the baselines that take one K and one V scale per tensor (per-KV-head values are refused)
