@@ -146,6 +146,23 @@ def test_cli_writes_the_table(tmp_path, capsys):
         assert [io.significant(float(v), "error") for v in frame[column]] == frame[column].tolist()
 
 
+def test_worker_processes_write_the_same_bytes(tmp_path, capsys):
+    """--jobs 3 (spawned workers, one BLAS thread each) writes the file --jobs 1 writes, byte for byte."""
+    config = small_config(tmp_path)
+    make_traces(config, tmp_path / "traces", capsys)
+    outs = []
+    for jobs in (1, 3):
+        out = tmp_path / f"validation_cpu_{jobs}.parquet"
+        code, stdout, err = run_cli(["validate-cpu", "--config", str(config), "--traces-dir", str(tmp_path / "traces"),
+                                     "--out", str(out), "--jobs", str(jobs), "--no-progress"], capsys)
+        assert code == 0 and "9 runs, 9 passed" in stdout, err
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    code, _, err = run_cli(["validate-cpu", "--config", str(config), "--traces-dir", str(tmp_path / "traces"),
+                            "--out", str(tmp_path / "v.parquet"), "--jobs", "0"], capsys)
+    assert code == 2 and err.strip() == "error: --jobs must be >= 1, got 0"
+
+
 def test_cli_fails_after_writing_when_a_route_is_wrong(tmp_path, capsys, monkeypatch):
     config = small_config(tmp_path)
     make_traces(config, tmp_path / "traces", capsys)

@@ -9,6 +9,8 @@ rule validate_cpu:
                category="Validation"),
     log:
         "logs/validate/cpu.log",
+    # one worker process per thread, one sampled step each (Snakemake gives at most --cores)
+    threads: 8
     params:
         config=CONFIG_FILE,
         spec=config["spec"],
@@ -20,5 +22,5 @@ rule validate_cpu:
     shell:
         job(
             "persistentkv validate-cpu --config {params.config} --traces-dir {params.traces_dir} --out {output}"
-            " --no-progress > {log} 2>&1",
+            " --jobs {threads} --no-progress > {log} 2>&1",
         )

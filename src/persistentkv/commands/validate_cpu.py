@@ -10,6 +10,11 @@ are planned with the workqueue, buckets and split routes and executed by
 results/counters/validation_cpu.parquet (docs/DATA.md) and exits 1 after writing it when any row
 fails, so the workflow stops on a wrong plan.
 
+``--jobs N`` runs the sampled steps in N worker processes (the rule passes its threads), each
+with one BLAS thread: every step is seeded on its own, so the rows, in trace and step order, do
+not depend on N. A workflow job is pinned to its threads' CPUs, so one process would run the 42
+steps of the published config on one CPU (153 s on the H100 host of the first reproduce run).
+
 Cost, napkin math: the longest published step (homogeneous B8) holds 8 x 32.8K = 262K tokens, so
 its K and V are 262K x 8 heads x 128 x 2 B = 0.54 GB each in FP16. Only the pages the step
 uses are materialised (cache.compact_batch: renumbered densely, physical order kept), never the
@@ -21,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validate only this config trace (repeatable; default: all)")
     parser.add_argument("--steps", type=int, default=None,
                         help="sampled steps per trace (default: validation.cpu.steps_per_trace)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes for the sampled steps (default: 1, this process)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -79,31 +89,76 @@ def errors(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict
     return compare(out, ref, rtol, seq_lens, poison=None)
 
 
-def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: dict, steps: int,
-                   rtol: float, progress=None) -> list[dict]:
-    """Rows of validation_cpu.parquet for ``trace``: each sampled step x (workqueue, buckets, split)."""
+def validate_step(trace: Trace, index: int, spec: AttentionSpec, num_splits: int, planner: dict,
+                  rtol: float) -> list[dict]:
+    """Rows of validation_cpu.parquet for step ``index`` of ``trace``: (workqueue, buckets, split)."""
     spec16 = dataclasses.replace(spec, dtype="float16")
     variants = [workqueue_variant(int(planner["target_items"]), int(planner["min_chunk_tiles"])),
                 buckets_variant(num_splits), split_variant(num_splits)]
     allocation = allocate(trace.requests, spec16.page_size, 0.0, trace.seed)
+    step = trace.steps[index]
+    batch, _ = compact_batch(batch_for_step(spec16, allocation, step))
+    k_cache, v_cache = step_cache(spec16, batch.num_pages, trace.seed)
+    q = random_queries(spec16, batch.batch_size, trace.seed)
+    ref = reference_decode(q, k_cache, v_cache, batch)
+    rows = []
+    for variant in variants:
+        out = execute_plan(variant.plan(batch), q, k_cache, v_cache, batch)
+        rows.append({"trace": trace.name, "seed": int(trace.seed), "step": int(step.index),
+                     "route": variant.route, "num_splits": int(variant.num_splits),
+                     "batch_size": batch.batch_size, "max_len": batch.max_len,
+                     "total_tokens": batch.total_tokens, "rtol": float(rtol),
+                     **errors(out, ref, rtol, batch.seq_lens)})
+    return rows
+
+
+def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: dict, steps: int,
+                   rtol: float, progress=None) -> list[dict]:
+    """Rows of validation_cpu.parquet for ``trace``: each sampled step x (workqueue, buckets, split),
+    one step's cache at a time."""
     rows = []
     for index in sampled_steps(trace, steps):
-        step = trace.steps[index]
-        batch, _ = compact_batch(batch_for_step(spec16, allocation, step))
-        k_cache, v_cache = step_cache(spec16, batch.num_pages, trace.seed)
-        q = random_queries(spec16, batch.batch_size, trace.seed)
-        ref = reference_decode(q, k_cache, v_cache, batch)
-        for variant in variants:
-            out = execute_plan(variant.plan(batch), q, k_cache, v_cache, batch)
-            rows.append({"trace": trace.name, "seed": int(trace.seed), "step": int(step.index),
-                         "route": variant.route, "num_splits": int(variant.num_splits),
-                         "batch_size": batch.batch_size, "max_len": batch.max_len,
-                         "total_tokens": batch.total_tokens, "rtol": float(rtol),
-                         **errors(out, ref, rtol, batch.seq_lens)})
-            if progress is not None:
-                progress.update(1)
-        del k_cache, v_cache  # the next step's cache must not coexist with this one
+        rows.extend(validate_step(trace, index, spec, num_splits, planner, rtol))
+        if progress is not None:
+            progress.update(3)
     return rows
+
+
+#: The BLAS and OpenMP thread counts a worker process starts with (one each: the workers are the parallelism).
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+@contextmanager
+def _environment(values: dict):
+    """os.environ with ``values`` set inside the block (worker processes started there inherit them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def validate_parallel(loaded: list, spec: AttentionSpec, planner: dict, steps: int, rtol: float, jobs: int,
+                      progress=None) -> list[dict]:
+    """Every (trace, sampled step) of ``loaded`` [(trace, splits)] in ``jobs`` worker processes; the
+    rows in trace and step order, as :func:`validate_trace` gives them one trace after another."""
+    import multiprocessing
+
+    tasks = [(trace, index, splits) for trace, splits in loaded for index in sampled_steps(trace, steps)]
+    with _environment(ONE_THREAD), ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                                                       mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(validate_step, trace, index, spec, splits, planner, rtol)
+                   for trace, index, splits in tasks]
+        for future in futures:
+            future.result()
+            if progress is not None:
+                progress.update(3)
+    return [row for future in futures for row in future.result()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     entries = [configuration.trace_entry(config, name) for name in names]
     steps = config["validation"]["cpu"]["steps_per_trace"] if args.steps is None else args.steps
     require(steps >= 1, f"--steps must be >= 1, got {steps}")
+    require(args.jobs >= 1, f"--jobs must be >= 1, got {args.jobs}")
     rtol = float(config["validation"]["cpu"]["rtol"])
     seed = configuration.calibration_seed(config)
     spec = configuration.spec(config)
@@ -127,8 +183,11 @@ def run(args: argparse.Namespace) -> int:
     total = sum(3 * min(steps, len(trace.steps)) for trace, _ in loaded)
     rows = []
     with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
-        for trace, splits in loaded:
-            rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
+        if args.jobs > 1:
+            rows = validate_parallel(loaded, spec, config["planner"], steps, rtol, args.jobs, progress)
+        else:
+            for trace, splits in loaded:
+                rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
     frame = round_columns(to_frame(rows, COLUMNS), ERROR_COLUMNS, "error")
     atomic_write_parquet(args.out, frame)
     failed = frame[~frame["passed"]]
