@@ -389,6 +389,29 @@ def test_a_replan_drops_the_graphs_that_read_the_old_plan(weights):
     assert not loop.graph_ready("step") and loop.recaptures == 2
 
 
+def test_a_dropped_loop_is_freed_at_once_without_the_cycle_collector(weights):
+    """A loop is in no reference cycle of its own: dropped, its graphs, plan and buffers go at once,
+    not at some later collection (which, inside another graph's capture, invalidated it on an H100)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        loop = tiny_loop("numpy", weights)
+        loop.admit(0, 20, 1, 64)
+        loop.step()
+        loop._graphs = {"step": object()}  # what capture() leaves; capturing itself needs a GPU
+        gone = weakref.ref(loop)
+        del loop
+        assert gone() is None
+    finally:
+        gc.enable()
+    loop = tiny_loop("numpy", weights)
+    with pytest.raises(PKVError, match="capture what must be one of step, rest, got 'attention'"):
+        loop.capture("attention")
+
+
 def test_attention_alone_appends_into_the_next_slot_and_leaves_the_step_unchanged(weights):
     """AttentionAlone (measure-e2e's attention-alone graph, eagerly): each layer's append
     writes the fixed k, v into every row's next slot, positions stay, and the next step, whose own

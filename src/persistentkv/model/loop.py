@@ -35,6 +35,7 @@ re-captures (``recaptures`` counts it).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -135,7 +136,9 @@ class DecodeLoop:
         self.mode = None
         self._planned = None     # host lengths the current plan was made for (host and replan modes)
         self._graphs: dict[str, Any] = {}
-        self._bodies: dict[str, Callable[[], None]] = {"step": self._body, "rest": lambda: self._body(attention=False)}
+        # add_graph's bodies; the loop's own (GRAPHS) are bound when captured, so a loop is in no
+        # reference cycle of its own and a dropped one frees its graphs, plans and buffers at once
+        self._bodies: dict[str, Callable[[], None]] = {}
         self.recaptures = 0
         self.replans = 0
         self.tokens = self.positions = self.lengths = self.keys = self.table = None
@@ -455,11 +458,12 @@ class DecodeLoop:
         one eager warm-up whose effects are rewound."""
         from ..measure.device import capture_graph
 
-        require(what in self._bodies, f"capture what must be one of {', '.join(self._bodies)}, got {what!r}")
+        names = (*GRAPHS, *self._bodies)
+        require(what in names, f"capture what must be one of {', '.join(names)}, got {what!r}")
         require(self.backend.capabilities.graph != "none",
                 f"backend {self.backend.name} is not graph-safe (capabilities.graph is 'none'): it runs eagerly only")
         require(self.kv.device.type == "cuda", "CUDA graphs need the loop on a CUDA device")
-        body = self._bodies[what]
+        body = self._bodies.get(what) or functools.partial(self._body, attention=what == "step")
         marked = self.mark()
 
         def warmup():  # lazy initialisation (cuBLAS handles, JIT modules) must not happen inside capture
