@@ -163,6 +163,17 @@ def test_worker_processes_write_the_same_bytes(tmp_path, capsys):
     assert code == 2 and err.strip() == "error: --jobs must be >= 1, got 0"
 
 
+@pytest.mark.parametrize("jobs, tasks, available, expected", [
+    (8, 14, 64 << 30, 8),      # memory for all of them
+    (8, 14, 10 << 30, 3),      # 3 GiB each
+    (8, 14, 1 << 30, 1),       # never fewer than one
+    (8, 5, None, 5),           # no more workers than steps; memory not known: not capped
+    (8, 14, None, 8),
+])
+def test_workers_are_capped_by_steps_and_available_memory(jobs, tasks, available, expected):
+    assert validate_cpu.workers_for(jobs, tasks, available) == expected
+
+
 def test_cli_fails_after_writing_when_a_route_is_wrong(tmp_path, capsys, monkeypatch):
     config = small_config(tmp_path)
     make_traces(config, tmp_path / "traces", capsys)

@@ -126,6 +126,24 @@ def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: 
 
 #: The BLAS and OpenMP thread counts a worker process starts with (one each: the workers are the parallelism).
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+#: Host memory one worker may need: the published config's longest step peaked at 2.4 GB in one process.
+WORKER_BYTES = 3 << 30
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def workers_for(jobs: int, tasks: int, available: int | None) -> int:
+    """Worker processes for ``tasks`` steps: at most ``jobs``, and no more than ``available`` bytes of
+    host memory hold at :data:`WORKER_BYTES` each (None: not known, not capped); at least 1."""
+    by_memory = jobs if available is None else max(1, available // WORKER_BYTES)
+    return max(1, min(jobs, tasks, by_memory))
 
 
 @contextmanager
@@ -145,12 +163,14 @@ def _environment(values: dict):
 
 def validate_parallel(loaded: list, spec: AttentionSpec, planner: dict, steps: int, rtol: float, jobs: int,
                       progress=None) -> list[dict]:
-    """Every (trace, sampled step) of ``loaded`` [(trace, splits)] in ``jobs`` worker processes; the
-    rows in trace and step order, as :func:`validate_trace` gives them one trace after another."""
+    """Every (trace, sampled step) of ``loaded`` [(trace, splits)] in up to ``jobs`` worker processes
+    (:func:`workers_for`); the rows in trace and step order, as :func:`validate_trace` gives them one
+    trace after another."""
     import multiprocessing
 
     tasks = [(trace, index, splits) for trace, splits in loaded for index in sampled_steps(trace, steps)]
-    with _environment(ONE_THREAD), ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+    workers = workers_for(jobs, len(tasks), available_memory())
+    with _environment(ONE_THREAD), ProcessPoolExecutor(max_workers=workers,
                                                        mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(validate_step, trace, index, spec, splits, planner, rtol)
                    for trace, index, splits in tasks]
