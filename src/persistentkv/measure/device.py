@@ -123,9 +123,10 @@ def capture_graph(fn: Callable[[], None], device=None, *, warmup: Callable[[], N
                  (replays come in any order).
 
     Python's cycle collector is off during the capture: a collection there can destroy another
-    CUDA graph that became garbage in a reference cycle (a dropped decode loop's, whose bodies are
-    its bound methods), and destroying a graph while a stream captures invalidates the capture
-    (torch's ``graph`` context no longer collects first).
+    CUDA graph that became garbage in a reference cycle (measure-e2e's attention-alone bodies close
+    over their loop, and a decode loop kept its own bodies as bound methods until b8496de), and
+    destroying a graph while a stream captures invalidates the capture (torch's ``graph`` context no
+    longer collects first).
     """
     import torch
 
