@@ -174,11 +174,12 @@ def validate_parallel(loaded: list, spec: AttentionSpec, planner: dict, steps: i
                                                        mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(validate_step, trace, index, spec, splits, planner, rtol)
                    for trace, index, splits in tasks]
+        rows = []
         for future in futures:
-            future.result()
+            rows.extend(future.result())
             if progress is not None:
                 progress.update(3)
-    return [row for future in futures for row in future.result()]
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
