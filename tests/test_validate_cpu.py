@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +163,24 @@ def test_worker_processes_write_the_same_bytes(tmp_path, capsys):
     code, _, err = run_cli(["validate-cpu", "--config", str(config), "--traces-dir", str(tmp_path / "traces"),
                             "--out", str(tmp_path / "v.parquet"), "--jobs", "0"], capsys)
     assert code == 2 and err.strip() == "error: --jobs must be >= 1, got 0"
+
+
+def test_workers_that_die_leave_the_rows_to_this_process(tmp_path, capsys):
+    """An entry script without a __main__ guard (each spawned worker runs the command again and dies
+    starting its own): one warning, then the steps in this process, the bytes --jobs 1 writes."""
+    config = small_config(tmp_path)
+    make_traces(config, tmp_path / "traces", capsys)
+    common = ["validate-cpu", "--config", str(config), "--traces-dir", str(tmp_path / "traces"), "--no-progress"]
+    code, _, err = run_cli(common + ["--out", str(tmp_path / "one.parquet")], capsys)
+    assert code == 0, err
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\nfrom persistentkv.cli import main\nsys.exit(main())\n")
+    out = tmp_path / "two.parquet"
+    done = subprocess.run([sys.executable, str(script), *common, "--out", str(out), "--jobs", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert validate_cpu.WORKERS_DIED in done.stderr and "9 runs, 9 passed" in done.stdout
+    assert out.read_bytes() == (tmp_path / "one.parquet").read_bytes()
 
 
 @pytest.mark.parametrize("jobs, tasks, available, expected", [

@@ -29,6 +29,7 @@ import dataclasses
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -161,6 +162,13 @@ def _environment(values: dict):
                 os.environ[name] = value
 
 
+#: What validate-cpu says before it runs the steps in its own process after its workers died.
+WORKERS_DIED = ("warning: validate-cpu's worker processes died before returning their rows (one killed for "
+                "memory, or an entry script that calls the command without an `if __name__ == \"__main__\":` "
+                "guard, which each spawned worker runs again); running the steps in this process instead, "
+                "as --jobs 1 does (same rows)")
+
+
 def validate_parallel(loaded: list, spec: AttentionSpec, planner: dict, steps: int, rtol: float, jobs: int,
                       progress=None) -> list[dict]:
     """Every (trace, sampled step) of ``loaded`` [(trace, splits)] in up to ``jobs`` worker processes
@@ -205,7 +213,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
         if args.jobs > 1:
-            rows = validate_parallel(loaded, spec, config["planner"], steps, rtol, args.jobs, progress)
+            try:
+                rows = validate_parallel(loaded, spec, config["planner"], steps, rtol, args.jobs, progress)
+            except BrokenProcessPool:
+                print(WORKERS_DIED, file=sys.stderr)
+                progress.reset()
+                for trace, splits in loaded:
+                    rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
         else:
             for trace, splits in loaded:
                 rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
