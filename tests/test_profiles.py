@@ -236,6 +236,26 @@ def test_reproduce_check_compares_with_what_git_holds(built, tmp_path):
     assert payload["disagree"] == ["counters/ablation_splits.parquet"]
 
 
+def test_reproduce_check_outside_a_git_checkout_says_how_and_reads_the_copy(built, tmp_path):
+    """No git: one line that says where to copy the tree's results/; after that copy the check runs."""
+    source, env = built
+    repo = tmp_path / "archive"
+    shutil.copytree(source, repo, ignore=shutil.ignore_patterns(".snakemake", ".git"))
+    done = snakemake(repo, "reproduce_check", "--cores", "1", env=env)
+    assert done.returncode != 0
+    log = (repo / "logs" / "reproduce" / "committed.log").read_text().strip()
+    assert log == ("error: reproduce_check reads the committed results from git, and this tree is no git "
+                   "checkout: copy the results/ it came with to build/reproduce/committed/results before any "
+                   "GPU job rewrites them (mkdir -p build/reproduce/committed && cp -r results "
+                   "build/reproduce/committed/), then run it again")
+    subprocess.run("mkdir -p build/reproduce/committed && cp -r results build/reproduce/committed/", shell=True,
+                   cwd=repo, check=True)
+    done = snakemake(repo, "reproduce_check", "--cores", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    payload = json.loads((repo / "results" / "nvidia-h200" / "reproduction.json").read_text())
+    assert payload["agrees"] and payload["reference"]["folder"] == "build/reproduce/committed/results/nvidia-h200"
+
+
 #: Every `snakemake` command of docs/WORKFLOW.md and what its dry run must list: a job count per
 #: rule ({}: nothing to do), on the small grid built without a GPU ("built"), on a fresh copy
 #: whose hardware.target is nvidia-h200 ("gpu"), or on such a copy with the committed policy

@@ -1,7 +1,8 @@
 # persistentkv reproduce-check: the re-measured results folder of config reproduce.measured against
 # the committed reference, results/<hardware.reference>/ as git's HEAD holds it (extracted into
 # build/reproduce/committed/, so a rerun on the reference's own GPU, which rewrites
-# results/<hardware.reference>/, is still compared with what was committed). Not part of `all`:
+# results/<hardware.reference>/, is still compared with what was committed; outside a git checkout
+# the job says how to put the tree's own results/ there instead). Not part of `all`:
 # `snakemake reproduce_check --cores 1`, or, measuring first, `snakemake reproduce --configfile
 # config/reproduce.yaml --cores all` (the reduced grid). Include after render.smk (RENDER_COUNTERS)
 # and, with a GPU, measure.smk (MEASURE_TARGETS).
@@ -34,7 +35,9 @@ rule reproduce_committed:
         CONDA_ENV
     shell:
         "(test -n '{params.commit}' || {{ echo 'error: reproduce_check reads the committed results from git, "
-        "and this tree is no git checkout'; exit 1; }}) > {log} 2>&1"
+        "and this tree is no git checkout: copy the results/ it came with to {output[0]} before any GPU job "
+        "rewrites them (mkdir -p {params.out_dir} && cp -r results {params.out_dir}/), then run it again'; "
+        "exit 1; }}) > {log} 2>&1"
         " && mkdir -p {params.out_dir} && git archive --format=tar {params.commit} results"
         " | tar -x -C {params.out_dir} 2>> {log}"
 
