@@ -248,6 +248,22 @@ def test_each_planted_miss_fails_exactly_its_rule(planted, failing, case):
     assert any(targets.FAILS in s for s in out["sentences"])
 
 
+def test_a_named_target_beyond_the_floor_says_so_and_keeps_its_verdict():
+    """Beside each named speedup, the fastest baseline's time over the FP8 floor's: what a kernel at
+    the floor would reach. Reported (a target above it is out of reach on that GPU), never judged."""
+    out = targets_fp8.fp8_verdicts(fp8_results(speedup={"B1xN131072": 1.20}))    # floor at 0.95 x ours
+    named = {c["case"]: c for c in out["speedups"]["cases"]}
+    short = named["B=1 x 128K"]
+    assert short["at_floor"] == pytest.approx(1.20 / 0.95, rel=0.02) and not short["reachable"]
+    assert not short["holds"] and out["speedups"]["verdict"] == targets.FAILS
+    assert f"(a kernel at the FP8 floor would reach {short['at_floor']:.3f}x here)" in " ".join(out["sentences"])
+    reach = named["B=64 x 8K"]
+    assert reach["at_floor"] == pytest.approx(1.30 / 0.95, rel=0.02) and reach["reachable"]
+    missed = targets_fp8.fp8_verdicts(fp8_results(speedup={"B1xN131072": 1.30}))   # 1.37 at the floor: reachable
+    case = {c["case"]: c for c in missed["speedups"]["cases"]}["B=1 x 128K"]
+    assert case["reachable"] and not case["holds"] and "would reach" not in " ".join(missed["sentences"])
+
+
 def test_the_fp8_floor_and_speedup_rules_read_the_fp8_bytes():
     """A case judged by its FP8 bytes: 302 MB of e4m3 codes is in the 0.90 band (its fp16 twin's
     604 MB would be too; 200 MB of codes is in the 0.80 band, where 0.85 holds)."""
