@@ -35,7 +35,7 @@ rule reproduce_committed:
         CONDA_ENV
     shell:
         "(test -n '{params.commit}' || {{ echo 'error: reproduce_check reads the committed results from git, "
-        "and this tree is no git checkout: copy the results/ it came with to {output[0]} before any GPU job "
+        "and this tree is no git checkout: copy the results/ it came with to {output} before any GPU job "
         "rewrites them (mkdir -p {params.out_dir} && cp -r results {params.out_dir}/), then run it again'; "
         "exit 1; }}) > {log} 2>&1"
         " && mkdir -p {params.out_dir} && git archive --format=tar {params.commit} results"
