@@ -91,12 +91,15 @@ def errors(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict
 
 
 def validate_step(trace: Trace, index: int, spec: AttentionSpec, num_splits: int, planner: dict,
-                  rtol: float) -> list[dict]:
-    """Rows of validation_cpu.parquet for step ``index`` of ``trace``: (workqueue, buckets, split)."""
+                  rtol: float, allocation=None) -> list[dict]:
+    """Rows of validation_cpu.parquet for step ``index`` of ``trace``: (workqueue, buckets, split).
+    ``allocation``: the trace's page allocation where the caller made it once for all its steps (a
+    worker process, given one step, makes it here)."""
     spec16 = dataclasses.replace(spec, dtype="float16")
     variants = [workqueue_variant(int(planner["target_items"]), int(planner["min_chunk_tiles"])),
                 buckets_variant(num_splits), split_variant(num_splits)]
-    allocation = allocate(trace.requests, spec16.page_size, 0.0, trace.seed)
+    if allocation is None:
+        allocation = allocate(trace.requests, spec16.page_size, 0.0, trace.seed)
     step = trace.steps[index]
     batch, _ = compact_batch(batch_for_step(spec16, allocation, step))
     k_cache, v_cache = step_cache(spec16, batch.num_pages, trace.seed)
@@ -118,8 +121,9 @@ def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: 
     """Rows of validation_cpu.parquet for ``trace``: each sampled step x (workqueue, buckets, split),
     one step's cache at a time."""
     rows = []
+    allocation = allocate(trace.requests, spec.page_size, 0.0, trace.seed)
     for index in sampled_steps(trace, steps):
-        rows.extend(validate_step(trace, index, spec, num_splits, planner, rtol))
+        rows.extend(validate_step(trace, index, spec, num_splits, planner, rtol, allocation))
         if progress is not None:
             progress.update(3)
     return rows
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         loaded.append((read_trace(path), int(entry["splits"])))
 
     total = sum(3 * min(steps, len(trace.steps)) for trace, _ in loaded)
-    rows = []
+    rows = None
     with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
         if args.jobs > 1:
             try:
@@ -218,11 +222,9 @@ def run(args: argparse.Namespace) -> int:
             except BrokenProcessPool:
                 print(WORKERS_DIED, file=sys.stderr)
                 progress.reset()
-                for trace, splits in loaded:
-                    rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
-        else:
-            for trace, splits in loaded:
-                rows.extend(validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress))
+        if rows is None:  # --jobs 1, or workers that died
+            rows = [row for trace, splits in loaded
+                    for row in validate_trace(trace, spec, splits, config["planner"], steps, rtol, progress)]
     frame = round_columns(to_frame(rows, COLUMNS), ERROR_COLUMNS, "error")
     atomic_write_parquet(args.out, frame)
     failed = frame[~frame["passed"]]
