@@ -119,3 +119,24 @@ def test_fp8_logits_against_float32_and_two_executors(weights, float32_run, per_
               f"top-1 agreement {agree:.3f}")
     assert float(rel.max()) > 0, "an FP8 cache that changes no logit is not being read"
     assert agree >= 0.75 and float(rel.max()) < 0.25, (agree, float(rel.max()))
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_fill_random_writes_standard_normals_through_each_heads_scale(per_head):
+    """A speed run's random cache (measure-e2e's fill_random) on FP8: every K and V head,
+    dequantised with its own scale, holds standard normals, whatever the scales (which differ by
+    layer, K/V and head here, so a scale broadcast on the wrong axis shows as a wrong spread)."""
+    heads = TINY.num_kv_heads if per_head else 1
+    # from 0.02 (|x| < 8.9 is below 448 codes) to about 1 (a normal's tails still far above e4m3's
+    # smallest subnormal)
+    head = torch.logspace(-1.7, -0.5, heads)
+    scales = torch.stack([torch.stack([head * (1 + l), head * (3 - l)]) for l in range(TINY.num_layers)])
+    kv = PagedKV(TINY, 64, PAGE, torch.float32, "cpu", kv_dtype="float8_e4m3", scales=scales)
+    kv.fill_random(7)
+    values = kv.cache.float() * kv.scales.view(TINY.num_layers, 2, 1, 1, -1, 1)
+    assert torch.isfinite(values).all()
+    spread = values.std(dim=(2, 3, 5))  # [L, 2, Hkv]
+    mean = values.mean(dim=(2, 3, 5))
+    assert spread.shape == (TINY.num_layers, 2, TINY.num_kv_heads)
+    assert torch.allclose(spread, torch.ones_like(spread), atol=0.05), spread
+    assert mean.abs().max() < 0.05, mean

@@ -158,5 +158,5 @@ class PagedKV:
                 self.cache[l].normal_(generator=gen)
                 continue
             values = torch.empty(self.cache[l].shape, dtype=self.dtype, device=self.device).normal_(generator=gen)
-            scales = self.scales[l].view(2, 1, 1, 1, -1, 1)
-            self.cache[l].copy_(quantize_e4m3(values, scales))
+            # cache[l] is [2, pages, P, Hkv, D]; scales[l] is [2, 1 or Hkv]
+            self.cache[l].copy_(quantize_e4m3(values, self.scales[l].view(2, 1, 1, -1, 1)))
