@@ -28,8 +28,6 @@ steps: it fails the rule there, and the H200's run of the same build decides whe
 prints their registers and spills; --sass ARCH the static instruction count and mix of each FP8
 module's per-tile loop (pkv_decode_fused; 16 tokens per warp, 32 under t32) beside the shipped
 kernel's, per tile and per token.
-  unsplit    (its package only; the kernel as shipped) an 8-warp step of at least 64 groups and rows
-             of at most 512 tokens gets one item a group, not ~2 and a merge (NOTES, item 3)
 """
 
 from __future__ import annotations
@@ -142,38 +140,9 @@ T32_PY = {"launch.py": [("        require(tile == stage_tokens(warps), ",
                          "        require(tile in (stage_tokens(warps), 2 * stage_tokens(warps)), ")],
           "engine.py": [("        self.min_chunk_tiles = int(min_chunk_tiles or min_chunk_tiles_for(warps))",
                          "        self.min_chunk_tiles = int(min_chunk_tiles or self.module.tile // 32)")]}
-#: unsplit (no kernel change): where choose_warps picks the 8-warp module (and on an FP8 cache
-#: choose_ctas_per_sm keeps it), a step of at least 64 (row, kv head) groups whose rows are all at
-#: most 512 tokens gives each group one item (its smallest item raised to the longest row's tiles)
-#: instead of splitting each into ~2 and merging them. The rule was fixed before its H200 run
-#: (benchmarks/NOTES.md, FP8, "What is next (GPU)", item 3): on an H100 at 4141a54 such steps took
-#: 0.88x the time unsplit, and longer or fewer rows lost (1.05-1.31x), so they keep today's queue.
-UNSPLIT_PY = {
-    "choose.py": [("#: choose_ctas_per_sm: the smallest mean item, in tokens,",
-                   "#: unsplit: the fewest (row, kv head) groups, and the longest row, that get one item a group.\n"
-                   "UNSPLIT_MIN_GROUPS = 64\nUNSPLIT_MAX_TOKENS = 512\n\n\n"
-                   "def unsplit_min_chunk(seq_lens, num_kv_heads: int) -> int | None:\n"
-                   "    \"\"\"The 8-warp queue's smallest item, in tiles, that gives each (row, kv head) group one\n"
-                   "    item: the longest row's tiles, where there are at least UNSPLIT_MIN_GROUPS groups and no\n"
-                   "    row is longer than UNSPLIT_MAX_TOKENS; else None (the queue as it is).\"\"\"\n"
-                   "    seq = _rows(seq_lens, \"unsplit_min_chunk\")\n"
-                   "    longest = int(seq.max())\n"
-                   "    if int(seq.size) * int(num_kv_heads) < UNSPLIT_MIN_GROUPS or longest > UNSPLIT_MAX_TOKENS:\n"
-                   "        return None\n"
-                   "    return max(1, -(-longest // TILE_TOKENS))\n"
-                   "\n\n"
-                   "#: choose_ctas_per_sm: the smallest mean item, in tokens,")],
-    "backends/pkv.py": [("from ..choose import choose_ctas_per_sm, choose_warps\n",
-                         "from ..choose import choose_ctas_per_sm, choose_warps, unsplit_min_chunk\n"),
-                        ("        chosen = (engine, options) if warps == 4 else (w8, {})\n",
-                         "        chosen = (engine, options) if warps == 4 else (w8, {})\n"
-                         "        unsplit = unsplit_min_chunk(batch.seq_lens, batch.spec.num_kv_heads) if warps == 8 else None\n"
-                         "        if unsplit is not None and unsplit > w8.min_chunk_tiles:\n"
-                         "            chosen = (w8, {\"min_chunk_tiles\": unsplit})\n")],
-}
-VARIANTS = {"lazy": LAZY, "t32": T32, "unsplit": []}
+VARIANTS = {"lazy": LAZY, "t32": T32}
 #: patches of a variant's own package, per file under src/persistentkv_TAG
-PY_PATCHES = {"t32": T32_PY, "unsplit": UNSPLIT_PY}
+PY_PATCHES = {"t32": T32_PY}
 
 
 def patched(text: str, patches) -> str:

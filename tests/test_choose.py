@@ -363,3 +363,80 @@ def test_choose_ctas_memoised_answer_is_the_unmemoised_one():
         assert _ctas_for_tiles.__wrapped__(key, 8, 132, picked_queue(lens), (4, 3), 2) == first == oracle_ctas(lens)
         choose_ctas_per_sm(lens, 8, 132, (1, 1))
         assert _ctas_for_tiles.cache_info().misses == 2
+
+
+# -- unsplit_min_chunk: many short groups get one item each --------------------------------------
+
+def oracle_one_item_each(lens, hkv, target=132, min_chunk=4):
+    """Whether the 8-warp queue of ``target`` slots, its smallest item raised to unsplit_min_chunk's
+    answer, runs every (row, kv head) group as one item (oracle_chunk's chunk covers the longest row)."""
+    from persistentkv.choose import unsplit_min_chunk
+
+    raised = unsplit_min_chunk(lens, hkv)
+    chunk, _ = oracle_chunk(tiles_of(lens), hkv, target, raised or min_chunk)
+    return chunk >= max(tiles_of(lens))
+
+
+def test_unsplit_constants_are_the_documented_ones():
+    from persistentkv.choose import UNSPLIT_MAX_TOKENS, UNSPLIT_MIN_GROUPS
+
+    assert (UNSPLIT_MIN_GROUPS, UNSPLIT_MAX_TOKENS) == (64, 512)
+
+
+@pytest.mark.parametrize("lens, hkv, want", [
+    ([512] * 8, 8, 16),       # 64 groups of 16 tiles; today 8 tiles an item: two each and a merge
+    ([512] * 64, 1, 16),      # the TP=8 shard's 64 groups
+    ([256] * 8, 8, 8),
+    ([512] * 7 + [300], 8, 16),  # ragged: the longest row's tiles
+    ([1] * 64, 1, 1),
+    ([513] * 8, 8, None),     # a row over 512 tokens
+    ([512] * 4, 8, None),     # 32 groups
+    ([512] * 63, 1, None),
+    ([2048] * 64, 1, None),   # longer rows lost unsplit (1.05x)
+    ([4096], 8, None),
+])
+def test_unsplit_min_chunk_worked_cases(lens, hkv, want):
+    from persistentkv.choose import unsplit_min_chunk
+
+    assert unsplit_min_chunk(lens, hkv) == want
+    assert unsplit_min_chunk(np.array(lens, dtype=np.int32), hkv) == want
+    if want is not None and want > 4:  # split today (items >= 4 tiles); one item each raised
+        assert oracle_chunk(tiles_of(lens), hkv, 132, 4)[0] < max(tiles_of(lens))
+        assert oracle_one_item_each(lens, hkv)
+
+
+def test_unsplit_min_chunk_refuses_no_rows():
+    from persistentkv.choose import unsplit_min_chunk
+
+    with pytest.raises(PKVError, match="at least one row"):
+        unsplit_min_chunk([], 8)
+
+
+class _Engine:
+    """A stand-in for a DecodeEngine: the queue and module attributes pkv-workqueue's auto reads."""
+
+    def __init__(self, warps=4, ctas_per_sm=None):
+        self.warps, self.ctas_per_sm, self.num_sms = warps, ctas_per_sm, 132
+        self.target_items = 132 * (ctas_per_sm or (2 if warps == 4 else 1))
+        self.min_chunk_tiles = 4 if warps == 8 else 2
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3"], ids=["fp16", "fp8"])
+@pytest.mark.parametrize("lens, hkv, want", [([512] * 8, 8, 16), ([256] * 64, 1, 8), ([768] * 8, 8, None),
+                                             ([512] * 4, 8, None), ([512] * 64, 8, None), ([64] * 64, 1, None)])
+def test_auto_raises_the_8_warp_queues_smallest_item_only_where_the_rule_says(monkeypatch, lens, hkv, want,
+                                                                               kv_dtype):
+    """pkv-workqueue's auto, with stand-in engines (the module choice is the backend's, the kernels
+    the GPU tests'): the 8-warp module with min_chunk_tiles = unsplit_min_chunk where it applies, no
+    option otherwise (64 rows of 64 tokens: 2 tiles, never split by items of >= 4); B=64 x 512 at
+    Hkv=8 (512 groups) takes the 4-warp module, on an FP8 cache 4 CTAs per SM, untouched."""
+    from persistentkv.backends import pkv
+    from persistentkv.cache import make_batch
+    from persistentkv.spec import AttentionSpec
+
+    monkeypatch.setattr(pkv, "engine_for", lambda spec, warps=4, ctas_per_sm=None: _Engine(warps, ctas_per_sm))
+    spec = AttentionSpec(8 * hkv, hkv, 128, 16, "float16", kv_dtype=kv_dtype)
+    engine, options = pkv.PKVWorkqueue()._engine_for_step(make_batch(spec, lens, seed=1))
+    many = len(lens) * hkv > 132
+    assert (engine.warps, engine.ctas_per_sm) == ((4, 4 if kv_dtype else None) if many else (8, None))
+    assert options == ({"min_chunk_tiles": want} if want else {})

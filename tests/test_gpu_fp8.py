@@ -261,6 +261,33 @@ def test_auto_picks_the_module_per_step(lengths):
                       seq_lens=batch.seq_lens)
 
 
+@pytest.mark.parametrize("lengths, heads, unsplit", [([512] * 8, (64, 8), True), ([256] * 64, (8, 1), True),
+                                                     ([512] * 7 + [300], (32, 8), True), ([768] * 8, (64, 8), False),
+                                                     ([512] * 4, (64, 8), False)],
+                         ids=["G8-8x512", "Hkv1-64x256", "G4-ragged-8", "G8-8x768", "G8-4x512"])
+def test_auto_gives_many_short_groups_one_item_each(lengths, heads, unsplit):
+    """choose.unsplit_min_chunk on the GPU: an 8-warp step of >= 64 groups and rows <= 512 tokens
+    plans exactly one item per (row, kv head) group (the GPU planner's num_items), longer rows or
+    fewer groups keep the split queue, and the output passes the per-(row, head) gate."""
+    import torch
+
+    from persistentkv.backends.pkv import PKVWorkqueue
+
+    spec = fp8_spec(num_qo_heads=heads[0], num_kv_heads=heads[1])
+    backend = PKVWorkqueue()
+    batch, q, (kc, vc, ks, vs), (kd, vd) = fp8_case(spec, lengths, seed=len(lengths), per_head=True)
+    plan = backend.plan(batch)
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, (kc, vc, ks, vs), plan, out)
+    torch.cuda.synchronize()
+    groups = len(lengths) * spec.num_kv_heads
+    items = int(plan.view("num_items")[0])
+    assert plan.engine.warps == 8 and plan.engine.ctas_per_sm is None
+    assert (items == groups) == unsplit, (items, groups)
+    assert_rows_close(out, reference_torch64(batch, q, kd, vd), spec.dtype, f"unsplit {len(lengths)}x{lengths[0]}",
+                      seq_lens=batch.seq_lens)
+
+
 def test_lse_of_an_fp8_cache():
     """The LSE output over an FP8 cache: logsumexp(sm_scale q.k) over the dequantised keys."""
     import math

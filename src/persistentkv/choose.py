@@ -112,6 +112,32 @@ def _warps_for_tiles(tiles, num_kv_heads: int, queue4: tuple, queue8: tuple, max
     return 4 if imbalance8 > max_imbalance * imbalance4 else 8
 
 
+#: unsplit_min_chunk: the fewest (row, kv head) groups, and the longest row in tokens, of an 8-warp
+#: step whose groups each get one item. The 8-warp queue (132 slots) splits 64 groups of 512 tokens
+#: into two items each and merges them; one item a group skips the second item's ramp and the merge.
+#: Fixed before its A/B (benchmarks/NOTES.md, FP8, "What is next (GPU)", item 3); measured on an
+#: H100 at 01c48b3, auto with the rule / auto without it, paired over 15 rounds: 0.84-0.95 at 64
+#: groups of 256 and 512 tokens (G=4 and 8, Hkv=8 and 1, fp16 and FP8, every round faster or 13-14
+#: of 15), 0.99-1.01 at 768-2048 tokens (the controls, where it does not apply); at 4141a54 longer
+#: rows or fewer groups lost unsplit (64 x 2048: 1.05x; 32 groups of 1024: 1.15x).
+UNSPLIT_MIN_GROUPS = 64
+UNSPLIT_MAX_TOKENS = 512
+
+
+def unsplit_min_chunk(seq_lens, num_kv_heads: int) -> int | None:
+    """The 8-warp queue's smallest item, in tiles, that gives each (row, kv head) group one item:
+    the longest row's tiles, where the step has at least UNSPLIT_MIN_GROUPS groups and no row is
+    longer than UNSPLIT_MAX_TOKENS; else None (the queue as it is). pkv-workqueue's auto applies it
+    where choose_warps picks the 8-warp module (and on an FP8 cache choose_ctas_per_sm keeps it).
+    Worked: 8 rows x 512 at Hkv=8 -> 16 (one item a group, not 2); 64 x 512 at Hkv=1 -> 16;
+    8 x 256 at Hkv=8 -> 8; 8 x 513, 4 x 512 at Hkv=8 (32 groups), 64 x 2048 at Hkv=1 -> None."""
+    seq = _rows(seq_lens, "unsplit_min_chunk")
+    longest = int(seq.max())
+    if int(seq.size) * int(num_kv_heads) < UNSPLIT_MIN_GROUPS or longest > UNSPLIT_MAX_TOKENS:
+        return None
+    return max(1, -(-longest // TILE_TOKENS))
+
+
 #: choose_ctas_per_sm: the smallest mean item, in tokens, of a queue of ``ctas`` 4-warp FP8 CTAs per
 #: SM (3 or 4). More resident CTAs hide the FP8 loop's conversion and mma latencies, but split the
 #: rows into more, shorter items, each paying its ramp and its share of the merge. H200 A/B at

@@ -5,7 +5,9 @@
                     choose.choose_warps (8 warps, 128-token stages, unless the 8-warp queue's items
                     balance worse than the 4-warp queue's or it would run several waves of short
                     rows; 4 at head_dim > 128), then on an FP8 cache choose.choose_ctas_per_sm
-                    (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long);
+                    (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long); an
+                    8-warp step of >= 64 groups and rows <= 512 tokens gets one item a group
+                    (choose.unsplit_min_chunk);
                     ``warps=4`` or ``8`` fixes it. Explicit target_items and min_chunk_tiles
                     apply to the default 4-warp module (the config's planner values); the 8-warp
                     module and the FP8 modules for 3 or 4 CTAs per SM keep their own defaults
@@ -17,7 +19,7 @@
 from __future__ import annotations
 
 from ..cache import Batch
-from ..choose import choose_ctas_per_sm, choose_warps
+from ..choose import choose_ctas_per_sm, choose_warps, unsplit_min_chunk
 from ..engine import ENGINE_DTYPES, engine_for, engine_unsupported, gpu_reasons
 from ..launch import ENGINE_KV_DTYPES
 from ..errors import PKVError, require
@@ -94,6 +96,10 @@ class PKVWorkqueue(_PKVBackend):
         warps = choose_warps(batch.seq_lens, batch.spec.head_dim, num_kv_heads=batch.spec.num_kv_heads,
                              queue4=queue4, queue8=queue8)
         chosen = (engine, options) if warps == 4 else (w8, {})
+        if warps == 8:  # many short groups: one item each, no split and no merge (choose.unsplit_min_chunk)
+            unsplit = unsplit_min_chunk(batch.seq_lens, batch.spec.num_kv_heads)
+            if unsplit is not None and unsplit > w8.min_chunk_tiles:
+                chosen = (w8, {"min_chunk_tiles": unsplit})
         if not batch.spec.fp8_kv:
             return chosen
         ctas = choose_ctas_per_sm(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms,
