@@ -91,7 +91,8 @@ def fake_nvidia_smi(bin_dir: Path, gpus: list[str] | None, calls: Path | None = 
 #: A stand-in `persistentkv` for the GPU commands (and the compile, which needs nvcc): it sleeps
 #: $PKV_FAKE_SLEEP s, writing its --out half-way and the provenance sidecar at the end (a job
 #: stopped in between leaves one of its two outputs), fails where its command line contains
-#: $PKV_FAKE_FAIL, and records what it holds, its CPUs and times in $PKV_FAKE_CALLS. Other commands run for real.
+#: $PKV_FAKE_FAIL (before writing) or $PKV_FAKE_STOP (after writing both), and records what it
+#: holds, its CPUs and times in $PKV_FAKE_CALLS. Other commands run for real.
 FAKE_PERSISTENTKV = r'''#!{python}
 import json, os, sys, time
 from pathlib import Path
@@ -113,6 +114,10 @@ out.write_text("fake\n")
 time.sleep(half)
 if argv[0] in ("measure", "bench-kernels", "validate-gpu", "measure-e2e"):
     out.with_suffix(".json").write_text(json.dumps({{f"fake-{{os.getpid()}}": {{"gpu": "fake"}}}}))
+stop = os.environ.get("PKV_FAKE_STOP")
+if stop and stop in " ".join(argv):  # stopped after writing (measure-e2e's partial rows)
+    print(f"error: {{stop}} stopped on purpose after writing", file=sys.stderr)
+    sys.exit(3)
 record = {{"command": argv[0], "out": str(out), "start": start, "end": time.time(),
           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
           "held": json.loads(os.environ.get("PERSISTENTKV_JOB_RESOURCES") or "{{}}"),
