@@ -131,11 +131,13 @@ def unsplit_min_chunk(seq_lens, num_kv_heads: int) -> int | None:
     where choose_warps picks the 8-warp module (and on an FP8 cache choose_ctas_per_sm keeps it).
     Worked: 8 rows x 512 at Hkv=8 -> 16 (one item a group, not 2); 64 x 512 at Hkv=1 -> 16;
     8 x 256 at Hkv=8 -> 8; 8 x 513, 4 x 512 at Hkv=8 (32 groups), 64 x 2048 at Hkv=1 -> None."""
+    # on every 8-warp step's host path: the group count first, which rules out most steps (few
+    # rows) without reading the lengths
     seq = _rows(seq_lens, "unsplit_min_chunk")
-    longest = int(seq.max())
-    if int(seq.size) * int(num_kv_heads) < UNSPLIT_MIN_GROUPS or longest > UNSPLIT_MAX_TOKENS:
+    if seq.size * num_kv_heads < UNSPLIT_MIN_GROUPS:
         return None
-    return max(1, -(-longest // TILE_TOKENS))
+    longest = int(seq.max())
+    return None if longest > UNSPLIT_MAX_TOKENS else max(1, -(-longest // TILE_TOKENS))
 
 
 #: choose_ctas_per_sm: the smallest mean item, in tokens, of a queue of ``ctas`` 4-warp FP8 CTAs per
