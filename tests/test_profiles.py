@@ -146,6 +146,9 @@ def test_a_stopped_e2e_pass_kept_as_docs_data_says(tmp_path):
     """docs/DATA.md: Snakemake deletes a failed job's outputs, --keep-incomplete keeps a stopped
     measure-e2e pass (its rows so far); Snakemake then counts the job as done, and --forcerun runs
     it again."""
+    def passes():
+        return [c for c in fake_calls(tmp_path) if c["command"] == "measure-e2e"]
+
     repo, _ = small_repo(tmp_path, target="nvidia-h200")
     env = fake_gpu_env(tmp_path, [H200], PKV_FAKE_STOP="measure-e2e")
     table = repo / "results" / "nvidia-h200" / "e2e" / "pass1.parquet"
@@ -157,9 +160,6 @@ def test_a_stopped_e2e_pass_kept_as_docs_data_says(tmp_path):
     assert kept.returncode != 0 and table.read_text() == "fake\n" and table.with_suffix(".json").is_file()
     env["PKV_FAKE_STOP"] = ""
     assert snakemake(repo, target, "--cores", "1", env=env).returncode == 0
-    def passes():
-        return [c for c in fake_calls(tmp_path) if c["command"] == "measure-e2e"]
-
     assert not passes()  # counted as done: not run again
     again = snakemake(repo, target, "--cores", "1", "--forcerun", "measure_e2e_pass", env=env)
     assert again.returncode == 0, again.stderr
