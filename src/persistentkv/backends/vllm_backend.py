@@ -1,7 +1,8 @@
 """``vllm-fa3``: vLLM's Hopper decode path, FlashAttention-3 through ``vllm.vllm_flash_attn``.
 
-What vLLM 0.26's FlashAttention backend does per decode step (vllm/v1/attention/backends/
-flash_attn.py, ``FlashAttentionMetadataBuilder.build`` and ``FlashAttentionImpl.forward``):
+What vLLM's FlashAttention backend does per decode step, the same in 0.26 and 0.34 (vllm/v1/
+attention/backends/flash_attn.py, ``FlashAttentionMetadataBuilder.build`` and
+``FlashAttentionImpl.forward``):
 
 * plan (the metadata builder, once per step): upload the block table ``[B, max pages]`` int32 and
   ``seqused_k`` (each row's length) int32, ``cu_seqlens_q = arange(B + 1)`` (one query token per
@@ -13,7 +14,7 @@ flash_attn.py, ``FlashAttentionMetadataBuilder.build`` and ``FlashAttentionImpl.
   fa_version=3, num_splits=max_num_splits)``.
 
 The split cap: with full CUDA graphs vLLM sets ``max_num_splits =
-attention_config.flash_attn_max_num_splits_for_cuda_graph`` (32 in vLLM 0.26) for every batch
+attention_config.flash_attn_max_num_splits_for_cuda_graph`` (32 in vLLM 0.26 and 0.34) for every batch
 that fits its graph capture sizes, "so that large enough intermediate buffers are pre-allocated
 during capture"; without graphs it passes 0 (FA3's own heuristic). Our batches (B <= 512) all
 fit, so the default here is 32, the path a graph-replaying vLLM server takes on Hopper.
@@ -23,8 +24,8 @@ The plan does not depend on the cache pointer: ``get_scheduler_metadata`` sees l
 ``run()`` allocates small temporaries (softmax LSE, split accumulators) through torch's caching
 allocator, which a CUDA-graph capture pools, as vLLM's own graphs do; it never synchronises.
 
-FP8 caches (``AttentionSpec(kv_dtype="float8_e4m3")``), as vLLM 0.26 runs them on Hopper. FA3
-needs the query in the cache's dtype (hopper/flash_api.cpp, mha_fwd: "query and key must have the
+FP8 caches (``AttentionSpec(kv_dtype="float8_e4m3")``), as vLLM 0.26 and 0.34 run them on Hopper.
+FA3 needs the query in the cache's dtype (hopper/flash_api.cpp, mha_fwd: "query and key must have the
 same dtype") and then writes bfloat16 only ("For FP8 input, output must have dtype BF16"), so
 vLLM quantises the query in the attention layer (static per-tensor FP8 with ``layer._q_scale``,
 1.0 unless a checkpoint calibrated it) and passes ``q_descale``/``k_descale``/``v_descale`` as
