@@ -123,3 +123,36 @@ def test_the_figure_data_is_the_rows_medians_and_the_verdicts_intervals(rendered
     gain = figures.data_e2e_gain(results)
     assert list(gain["ratio"]) == [c["ratio"] for c in payload["e2e"]["cells"]]
     assert list(gain["amdahl_lo"]) == [c["amdahl_lo"] for c in payload["e2e"]["cells"]]
+
+
+def test_the_figure_adds_each_models_fp8_panels_where_the_fp8_step_was_measured(tmp_path, rendered):
+    """Synthetic FP8 passes (the fp16 rows relabelled kv_dtype float8_e4m3 and made 20 % faster):
+    the figure's data gains the FP8 cache's rows and cells beside the fp16 ones, judged by the same
+    verdicts over the FP8 passes, and the figure titles the FP8 panels; without them nothing changes."""
+    from dataclasses import replace
+
+    from persistentkv import io
+    from persistentkv.names import FP8_KV
+
+    hw_dir = synthetic.write_results(tmp_path, e2e=True)
+    for n in range(1, synthetic.E2E_PASSES + 1):
+        frame = synthetic.e2e_frame(seed=3 + n, run_id=f"{synthetic.E2E_RUN_ID}-fp8-{n}")
+        frame = frame.assign(kv_dtype=FP8_KV, step_us=frame["step_us"] * 0.8, attention_us=frame["attention_us"] * 0.8)
+        io.atomic_write_parquet(hw_dir / "e2e_fp8" / f"pass{n}.parquet", frame)
+        io.atomic_write_json(hw_dir / "e2e_fp8" / f"pass{n}.json",
+                             synthetic.e2e_provenance(True, f"{synthetic.E2E_RUN_ID}-fp8-{n}"))
+    results = load_results(hw_dir, tmp_path / "results" / "counters", synthetic.config())
+    split, gain = figures.data_e2e_split(results), figures.data_e2e_gain(results)
+    assert set(split["cache"]) == set(gain["cache"]) == {"", FP8_KV}
+    fp16 = split[split["cache"] == ""].drop(columns="cache").reset_index(drop=True)
+    fp8 = split[split["cache"] == FP8_KV].drop(columns="cache").reset_index(drop=True)
+    assert fp8[["model", "cell", "backend"]].equals(fp16[["model", "cell", "backend"]])
+    assert fp8["step_us"].to_numpy() == pytest.approx(0.8 * fp16["step_us"].to_numpy())
+    judged = targets.e2e_verdicts(replace(results, e2e=results.e2e_fp8))["cells"]
+    assert list(gain.loc[gain["cache"] == FP8_KV, "ratio"]) == [c["ratio"] for c in judged]
+    figures.render_all(results, tmp_path / "figures", "svg", only=["e2e"])
+    svg = (tmp_path / "figures" / "e2e.svg").read_text()
+    for model in synthetic.E2E_MODELS:
+        assert f"{model} (torch kernels) over an FP8 e4m3 cache" in svg
+    without, _, _, _ = rendered["with"]
+    assert set(figures.data_e2e_split(without)["cache"]) == {""} and without.e2e_fp8.empty

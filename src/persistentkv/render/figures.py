@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -742,34 +742,52 @@ def e2e_cell_name(trace: str, step: int, batch_size: int, context: int) -> str:
     return f"{trace}@{step}"
 
 
+def _e2e_caches(results: Results) -> list[tuple[str, Results]]:
+    """(cache, results) per cache the full step was measured over: "" for the fp16/bf16 passes
+    (results.e2e) and, where they exist, FP8_KV for the FP8 cache's (results.e2e_fp8, as e2e)."""
+    out = [("", results)]
+    if not results.e2e_fp8.empty:
+        out.append((FP8_KV, replace(results, e2e=results.e2e_fp8)))
+    return out
+
+
 def data_e2e_split(results: Results) -> pd.DataFrame:
-    """Per model, kernels variant, cell and backend of the ok e2e rows: the median step_us and
-    attention_us over rounds, their difference (the rest), and the step's floor (floor_us, its
-    weights and K/V read once at the run's read ceiling). Columns: model, kernels, cell, backend,
-    step_us, attention_us, rest_us, floor_us."""
-    columns = ["model", "kernels", "cell", "backend", "step_us", "attention_us", "rest_us", "floor_us"]
-    frame = results.e2e
-    if frame.empty or "status" not in frame:
-        return pd.DataFrame(columns=columns)
-    ok = frame[(frame["status"] == "ok") & frame["model"].fillna("").ne("")]
-    if ok.empty:
-        return pd.DataFrame(columns=columns)
-    keys = targets.E2E_CELL + ["backend"]
-    med = ok.groupby(keys, sort=True)[["step_us", "attention_us", "floor_us"]].median().reset_index()
-    med["cell"] = [e2e_cell_name(r.trace, int(r.step), int(r.batch_size), int(r.context)) for r in med.itertuples()]
-    med["rest_us"] = med["step_us"] - med["attention_us"]
-    return med[columns]
+    """Per model, kernels variant, cache, cell and backend of the ok e2e rows: the median step_us
+    and attention_us over rounds, their difference (the rest), and the step's floor (floor_us, its
+    weights and K/V read once at the run's read ceiling); cache is "" for the fp16/bf16 passes and
+    FP8_KV for the FP8 cache's. Columns: model, kernels, cache, cell, backend, step_us, attention_us,
+    rest_us, floor_us."""
+    columns = ["model", "kernels", "cache", "cell", "backend", "step_us", "attention_us", "rest_us", "floor_us"]
+    parts = []
+    for cache, res in _e2e_caches(results):
+        frame = res.e2e
+        if frame.empty or "status" not in frame:
+            continue
+        ok = frame[(frame["status"] == "ok") & frame["model"].fillna("").ne("")]
+        if ok.empty:
+            continue
+        keys = targets.E2E_CELL + ["backend"]
+        med = ok.groupby(keys, sort=True)[["step_us", "attention_us", "floor_us"]].median().reset_index()
+        med["cell"] = [e2e_cell_name(r.trace, int(r.step), int(r.batch_size), int(r.context))
+                       for r in med.itertuples()]
+        med["rest_us"] = med["step_us"] - med["attention_us"]
+        med["cache"] = cache
+        parts.append(med[columns])
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def data_e2e_gain(results: Results) -> pd.DataFrame:
-    """Per cell of targets.e2e_verdicts: the measured end-to-end speedup over the fastest baseline
-    and the Amdahl prediction from the same pass's attention times, each with its interval (over
-    the passes, or a single pass's paired bootstrap over its rounds; the verdicts say which).
-    Columns: model, kernels, cell, ratio, lo, hi, amdahl, amdahl_lo, amdahl_hi."""
-    columns = ["model", "kernels", "cell", "ratio", "lo", "hi", "amdahl", "amdahl_lo", "amdahl_hi"]
-    cells = targets.e2e_verdicts(results)["cells"]
-    rows = [{**{k: c[k] for k in columns if k != "cell"},
-             "cell": e2e_cell_name(c["trace"], c["step"], c["batch_size"], c["context"])} for c in cells]
+    """Per cell of targets.e2e_verdicts (per cache, as data_e2e_split): the measured end-to-end
+    speedup over the fastest baseline and the Amdahl prediction from the same pass's attention
+    times, each with its interval (over the passes, or a single pass's paired bootstrap over its
+    rounds; the verdicts say which). Columns: model, kernels, cache, cell, ratio, lo, hi, amdahl,
+    amdahl_lo, amdahl_hi."""
+    columns = ["model", "kernels", "cache", "cell", "ratio", "lo", "hi", "amdahl", "amdahl_lo", "amdahl_hi"]
+    rows = []
+    for cache, res in _e2e_caches(results):
+        rows += [{**{k: c[k] for k in columns if k not in ("cell", "cache")}, "cache": cache,
+                  "cell": e2e_cell_name(c["trace"], c["step"], c["batch_size"], c["context"])}
+                 for c in targets.e2e_verdicts(res)["cells"]]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -783,14 +801,14 @@ def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
     title = "The full decode step: attention and the rest, and the gain against its Amdahl prediction"
     if split.empty:
         return placeholder(title, not_measured(hw, "the full decode step (e2e/pass*.parquet)"))
-    groups = list(split.groupby(["model", "kernels"], sort=True))
+    groups = list(split.groupby(["model", "kernels", "cache"], sort=True))
     # each row of panels tall enough for its cells' labels on the right (E2E_ROW_IN per cell)
     heights = [max(2.5, E2E_ROW_IN * part["cell"].nunique() + 0.9) for _, part in groups]
     with style():
         fig = Figure(figsize=(WIDTH, sum(heights) + 0.6), layout="constrained")
         axes = fig.subplots(len(groups), 2, width_ratios=(2.2, 1), height_ratios=heights, squeeze=False)
         handles = {}
-        for (left, right), ((model, kernels), part) in zip(axes, groups):
+        for (left, right), ((model, kernels, cache), part) in zip(axes, groups):
             cells = list(dict.fromkeys(part["cell"]))
             backends = _order(part["backend"])
             width = 0.8 / len(backends)
@@ -825,8 +843,9 @@ def fig_e2e(split: pd.DataFrame, gain: pd.DataFrame, hw: str) -> Figure:
                 label.set_ha("right")
             left.grid(axis="x", visible=False)
             left.set_ylabel("ms per step")
-            left.set_title(f"{model} ({kernels} kernels): attention (solid) + the rest (light)")
-            mine = gain[(gain["model"] == model) & (gain["kernels"] == kernels)]
+            left.set_title(f"{model} ({kernels} kernels) over an FP8 e4m3 cache" if cache == FP8_KV else
+                           f"{model} ({kernels} kernels): attention (solid) + the rest (light)")
+            mine = gain[(gain["model"] == model) & (gain["kernels"] == kernels) & (gain["cache"] == cache)]
             if mine.empty:
                 right.set_axis_off()
                 right.text(0.5, 0.5, "no cell with ours and a baseline", ha="center", va="center",
@@ -932,7 +951,8 @@ FIGURES += (
                "time in ms. Right: pkv-workqueue's measured speedup over the fastest baseline "
                "(dots) against the Amdahl prediction from the same run's attention times (diamonds), 95 % "
                "paired bootstrap intervals; the dotted line is the "
-               f"{targets.E2E_STEP_MIN_RATIO:g}x step floor.",
+               f"{targets.E2E_STEP_MIN_RATIO:g}x step floor. Where the step was also measured over an FP8 e4m3 "
+               "cache (e2e_fp8), each model's FP8 panels follow its own, against the baselines that read FP8.",
                lambda r: fig_e2e(data_e2e_split(r), data_e2e_gain(r), r.hw)),
     FigureSpec("fp8", "FP8 e4m3 caches",
                f"bench_kernels on the fp16 cache and on FP8 e4m3 codes (bench_kernels_fp8, the same cases), one "
