@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,19 @@ def test_cli_missing_trace_is_one_line(tmp_path, capsys):
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: trace ") and "does not exist" in err
     assert not (tmp_path / "v.parquet").exists()
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_progress_bar_counts_every_run_and_ends_full(tmp_path, capsys, jobs):
+    """The bar's total is the runs the command makes (routes x sampled steps), it ticks once per row
+    written, in the process and through workers, and it ends at its total."""
+    config = small_config(tmp_path)
+    make_traces(config, tmp_path / "traces", capsys)
+    out = tmp_path / "validation_cpu.parquet"
+    code, stdout, err = run_cli(["validate-cpu", "--config", str(config), "--traces-dir", str(tmp_path / "traces"),
+                                 "--out", str(out), "--jobs", str(jobs)], capsys)
+    assert code == 0, err
+    rows = len(pd.read_parquet(out))
+    assert rows == 9 and rows == validate_cpu.ROUTES_PER_STEP * 3
+    counts = re.findall(r"validate-cpu: .*?(\d+)/(\d+) \[", err)
+    assert counts and counts[-1] == (str(rows), str(rows))

@@ -90,6 +90,11 @@ def errors(out: np.ndarray, ref: np.ndarray, rtol: float, seq_lens=None) -> dict
     return compare(out, ref, rtol, seq_lens, poison=None)
 
 
+#: The routes validate_step runs on each sampled step (workqueue, buckets, split): one row, and one
+#: tick of the progress bar, each.
+ROUTES_PER_STEP = 3
+
+
 def validate_step(trace: Trace, index: int, spec: AttentionSpec, num_splits: int, planner: dict,
                   rtol: float, allocation=None) -> list[dict]:
     """Rows of validation_cpu.parquet for step ``index`` of ``trace``: (workqueue, buckets, split).
@@ -123,9 +128,10 @@ def validate_trace(trace: Trace, spec: AttentionSpec, num_splits: int, planner: 
     rows = []
     allocation = allocate(trace.requests, spec.page_size, 0.0, trace.seed)
     for index in sampled_steps(trace, steps):
-        rows.extend(validate_step(trace, index, spec, num_splits, planner, rtol, allocation))
+        step_rows = validate_step(trace, index, spec, num_splits, planner, rtol, allocation)
+        rows.extend(step_rows)
         if progress is not None:
-            progress.update(3)
+            progress.update(len(step_rows))
     return rows
 
 
@@ -188,9 +194,10 @@ def validate_parallel(loaded: list, spec: AttentionSpec, planner: dict, steps: i
                    for trace, index, splits in tasks]
         rows = []
         for future in futures:
-            rows.extend(future.result())
+            step_rows = future.result()
+            rows.extend(step_rows)
             if progress is not None:
-                progress.update(3)
+                progress.update(len(step_rows))
     return rows
 
 
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                                 f"--trace {entry['name']} --seed {seed} --out {path})")
         loaded.append((read_trace(path), int(entry["splits"])))
 
-    total = sum(3 * min(steps, len(trace.steps)) for trace, _ in loaded)
+    total = sum(ROUTES_PER_STEP * min(steps, len(trace.steps)) for trace, _ in loaded)
     rows = None
     with tqdm(total=total, desc="validate-cpu", unit="run", disable=args.no_progress) as progress:
         if args.jobs > 1:
