@@ -249,6 +249,8 @@ def test_the_report_shows_the_runs_over_an_fp8_cache():
     assert "rounded to e4m3: reported, not gated" in validation and "4.0e-02" in validation
     e2e = page[page.index('id="fp8-e2e"'):page.index('id="fp8-logits"')]
     assert e2e.count("<tr><td>") == 2 and "%.3f×" % (1700 / 990) in e2e
+    heading = page[page.index("The full decode step over an FP8 cache"):page.index('id="fp8-e2e"')]
+    assert 'href="#fig-e2e"' in heading  # the table points at its figure (the FP8 panels of fig-e2e)
     logit_table = page[page.index('id="fp8-logits"'):]
     assert "<td>llama3_8b</td><td>per-tensor</td>" in logit_table and "3.10e-02" in logit_table
     assert "0.500" in logit_table
