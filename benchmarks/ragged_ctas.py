@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from persistentkv.choose import _chunk_and_imbalance, choose_ctas_per_sm, queue_imbalance  # noqa: E402
+from persistentkv.choose import choose_ctas_per_sm, queue_imbalance  # noqa: E402
 from persistentkv.plan import num_tiles  # noqa: E402
 
 NUM_SMS = 132             # H100 and H200
@@ -50,8 +50,7 @@ def rule_ctas(seq_lens, num_kv_heads: int = 8, num_sms: int = NUM_SMS) -> int | 
     tiles = num_tiles(np.asarray(seq_lens))
     base = queue_imbalance(tiles, num_kv_heads, *queue)
     for ctas in (4, 3):
-        _, imbalance = _chunk_and_imbalance(tiles, num_kv_heads, ctas * num_sms, 2)
-        if imbalance <= 0.5 * base:
+        if queue_imbalance(tiles, num_kv_heads, ctas * num_sms, 2) <= 0.5 * base:
             return ctas
     return None
 
