@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from persistentkv.choose import choose_ctas_per_sm, queue_imbalance  # noqa: E402
+from persistentkv.choose import choose_ctas_per_sm, choose_warps, queue_imbalance  # noqa: E402
 from persistentkv.plan import num_tiles  # noqa: E402
 
 NUM_SMS = 132             # H100 and H200
@@ -41,8 +41,6 @@ def ragged_step(seed: int) -> np.ndarray:
 
 def rule_ctas(seq_lens, num_kv_heads: int = 8, num_sms: int = NUM_SMS) -> int | None:
     """The CTA count the rule under test runs ``seq_lens`` at (None: auto's module, unchanged)."""
-    from persistentkv.choose import choose_warps
-
     warps = choose_warps(seq_lens, 128, num_kv_heads=num_kv_heads, queue4=QUEUE4, queue8=QUEUE8)
     queue = QUEUE4 if warps == 4 else QUEUE8
     if warps != 8 or choose_ctas_per_sm(seq_lens, num_kv_heads, num_sms, queue) is not None:
