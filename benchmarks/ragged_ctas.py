@@ -24,11 +24,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from persistentkv.choose import choose_ctas_per_sm, choose_warps, queue_imbalance  # noqa: E402
+from persistentkv.launch import min_chunk_tiles_for  # noqa: E402
 from persistentkv.plan import num_tiles  # noqa: E402
 
-NUM_SMS = 132             # H100 and H200
-QUEUE8 = (NUM_SMS, 4)     # the 8-warp module's queue: one item per SM, items of >= 4 tiles
-QUEUE4 = (2 * NUM_SMS, 2)  # the 2-CTA 4-warp module's
+NUM_SMS = 132  # H100 and H200
+#: the 8-warp module's queue (one item per SM) and the 2-CTA 4-warp module's, each with its smallest item
+QUEUE8 = (NUM_SMS, min_chunk_tiles_for(8))
+QUEUE4 = (2 * NUM_SMS, min_chunk_tiles_for(4))
 BATCHES = (4, 8, 16, 32, 64, 128)
 
 
@@ -48,7 +50,7 @@ def rule_ctas(seq_lens, num_kv_heads: int = 8, num_sms: int = NUM_SMS) -> int | 
     tiles = num_tiles(np.asarray(seq_lens))
     base = queue_imbalance(tiles, num_kv_heads, *queue)
     for ctas in (4, 3):
-        if queue_imbalance(tiles, num_kv_heads, ctas * num_sms, 2) <= 0.5 * base:
+        if queue_imbalance(tiles, num_kv_heads, ctas * num_sms, min_chunk_tiles_for(4)) <= 0.5 * base:
             return ctas
     return None
 
