@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persistentkv.choose import (CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, _warps_for_tiles, choose_ctas_per_sm,
-                                 choose_warps, queue_imbalance)
+from persistentkv.choose import (CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, CTAS_RAGGED_MAX_IMBALANCE, _warps_for_tiles,
+                                 choose_ctas_per_sm, choose_warps, queue_imbalance)
 from persistentkv.errors import PKVError
 from persistentkv.names import BENCH_EXTRA
 
@@ -253,14 +253,17 @@ def test_memoised_answer_is_the_unmemoised_one():
 
 # -- choose_ctas_per_sm: FP8 4-warp modules at 3 or 4 CTAs per SM ---------------------------------
 
-def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None):
+def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None, picked_warps=None):
     """The documented rule with the oracle's imbalance: the first of 4, 3 CTAs per SM whose queue
     (ctas x sms items of >= 2 tiles, as many waves as one item per group needs) has a mean item of at
     least 4096 / 2048 tokens, or keeps every group one item, and an imbalance at most 1.02 / 1.07 x
-    the picked module's queue's."""
+    the picked module's queue's; failing both, where the picked module is the 8-warp one, the first
+    whose imbalance is at most half that queue's."""
     tiles = tiles_of(lens)
+    if picked_warps is None:
+        picked_warps = oracle_warps(lens, hkv)
     if picked_queue is None:
-        picked_queue = (264, 2) if oracle_warps(lens, hkv) == 4 else (132, 4)
+        picked_queue = (264, 2) if picked_warps == 4 else (132, 4)
     base = oracle_imbalance(tiles, hkv, *picked_queue)
     for ctas, min_tokens, allowed in ((4, 4096, 1.02), (3, 2048, 1.07)):
         chunk, slots = oracle_chunk(tiles, hkv, ctas * sms, 2)
@@ -268,15 +271,35 @@ def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None):
             continue
         if oracle_imbalance(tiles, hkv, ctas * sms, 2) <= allowed * base:
             return ctas
+    if picked_warps == 8:
+        for ctas in (4, 3):
+            if oracle_imbalance(tiles, hkv, ctas * sms, 2) <= 0.5 * base:
+                return ctas
     return None
 
 
+def picked(lens):
+    """(the queue, the warps) of the module choose_warps picks on the H200 queues."""
+    warps = choose_warps(lens, 128)
+    return ((264, 2) if warps == 4 else (132, 4)), warps
+
+
 def picked_queue(lens):
-    return (264, 2) if choose_warps(lens, 128) == 4 else (132, 4)
+    return picked(lens)[0]
+
+
+def seeded_ragged_step(seed):
+    """One of the seeded ragged steps the ragged CTA rule was fixed and measured on (NOTES, FP8,
+    item 2c): B drawn from 4-128 rows, lengths lognormal around 2048 tokens (sigma 1, clipped to
+    16-32768), one generator per seed."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.choice((4, 8, 16, 32, 64, 128)))
+    return np.clip(rng.lognormal(np.log(2048), 1.0, batch).astype(int), 16, 32768)
 
 
 def test_ctas_constants_are_the_documented_ones():
     assert CTAS_MIN_ITEM_TOKENS == {3: 2048, 4: 4096} and CTAS_MAX_IMBALANCE == {3: 1.07, 4: 1.02}
+    assert CTAS_RAGGED_MAX_IMBALANCE == 0.5
 
 
 @pytest.mark.parametrize("lens, want", [
@@ -296,8 +319,51 @@ def test_ctas_constants_are_the_documented_ones():
     ([4096], None),         # 83 tokens an item at 3 CTAs, 32 groups split
 ])
 def test_choose_ctas_worked_cases(lens, want):
-    assert choose_ctas_per_sm(lens, 8, 132, picked_queue(lens)) == want
+    queue, warps = picked(lens)
+    assert choose_ctas_per_sm(lens, 8, 132, queue, picked_warps=warps) == want
     assert oracle_ctas(lens) == want
+
+
+@pytest.mark.parametrize("lens, want, by_item_rules", [
+    # 16 groups of 469 tiles and 240 of 19: the 8-warp queue (one wave of 132) leaves its longest
+    # items far above the mean; 4 CTAs balance it less than half as badly
+    ([15000] * 2 + [600] * 30, 4, False),
+    ([16384] * 2 + [2048] * 62, 3, False),    # 4 CTAs do not halve it; 3 do
+    ([16384] * 4 + [1024] * 60, 4, True),     # the item rules' answer already
+])
+def test_choose_ctas_ragged_8_warp_steps(lens, want, by_item_rules):
+    """A ragged step on the 8-warp module that neither item rule moves goes to the first CTA count
+    whose queue is at most half as unbalanced (CTAS_RAGGED_MAX_IMBALANCE); a step the item rules
+    place keeps their answer, and without picked_warps=8 the ragged rule is off."""
+    queue, warps = picked(lens)
+    assert warps == 8
+    assert choose_ctas_per_sm(lens, 8, 132, queue, picked_warps=8) == want == oracle_ctas(lens)
+    assert choose_ctas_per_sm(lens, 8, 132, queue) == (want if by_item_rules else None)
+    if not by_item_rules:
+        tiles = tiles_of(lens)
+        assert oracle_imbalance(tiles, 8, want * 132, 2) <= 0.5 * oracle_imbalance(tiles, 8, 132, 4)
+
+
+def test_the_ragged_rule_moves_the_seeded_steps_it_was_fixed_on():
+    """Of the 200 seeded ragged steps of seeds 200-399 (2b's steps came from 0-199), the rule moves
+    26 at Hkv=8, each B=32 to 4 CTAs or B=64 to 3 (the count it was fixed with; the first 10 are
+    the measured ones), none at Hkv=1, and no step the item rules give 3 or 4 CTAs changes."""
+    moved = {}
+    for seed in range(200, 400):
+        seq = seeded_ragged_step(seed)
+        for hkv in (8, 1):
+            warps = choose_warps(seq, 128, num_kv_heads=hkv)
+            queue = (264, 2) if warps == 4 else (132, 4)
+            before = choose_ctas_per_sm(seq, hkv, 132, queue)
+            after = choose_ctas_per_sm(seq, hkv, 132, queue, picked_warps=warps)
+            assert after == oracle_ctas(seq.tolist(), hkv, picked_warps=warps)
+            if before is not None:
+                assert after == before
+            elif after is not None:
+                moved[seed, hkv] = (len(seq), after)
+    assert len(moved) == 26 and all(hkv == 8 for _, hkv in moved)
+    assert set(moved.values()) <= {(32, 4), (64, 3)}
+    assert [seed for seed, _ in moved][:10] == [209, 217, 224, 235, 246, 253, 267, 274, 276, 278]
 
 
 def test_choose_ctas_imbalance_rules_out_a_partial_wave():
@@ -334,16 +400,17 @@ def test_choose_ctas_refuses_no_rows():
 @pytest.mark.parametrize("rows", [1, 2, 8, 64, 100])
 def test_choose_ctas_matches_the_documented_rule(rows):
     rng = np.random.default_rng(300 + rows)
-    picked = set()
+    answers = set()
     for trial in range(20):
         seq = random_rows(rng, rows, trial)
         if trial % 4 == 3:
             seq = seq * 16  # long rows: the item thresholds within reach
         lens = seq.tolist()
         want = oracle_ctas(lens)
-        assert choose_ctas_per_sm(seq, 8, 132, picked_queue(lens)) == want, lens
-        picked.add(want)
-    assert None in picked and (rows > 8 or 3 in picked)  # the cases exercise more than one answer
+        queue, warps = picked(lens)
+        assert choose_ctas_per_sm(seq, 8, 132, queue, picked_warps=warps) == want, lens
+        answers.add(want)
+    assert None in answers and (rows > 8 or 3 in answers)  # the cases exercise more than one answer
 
 
 def test_choose_ctas_memoised_answer_is_the_unmemoised_one():
@@ -355,13 +422,14 @@ def test_choose_ctas_memoised_answer_is_the_unmemoised_one():
     for lens in ([131072], [8192] * 64, [8192] * 48, [49152, 1024, 1024, 1024] * 2,
                  (rng.integers(1, 1 << 16, size=80) * 4).tolist()):
         _ctas_for_tiles.cache_clear()
-        first = choose_ctas_per_sm(lens, 8, 132, picked_queue(lens))
+        queue, warps = picked(lens)
+        first = choose_ctas_per_sm(lens, 8, 132, queue, picked_warps=warps)
         hits = _ctas_for_tiles.cache_info().hits
-        assert choose_ctas_per_sm(np.array(lens, dtype=np.int32), 8, 132, picked_queue(lens)) == first
+        assert choose_ctas_per_sm(np.array(lens, dtype=np.int32), 8, 132, queue, picked_warps=warps) == first
         assert _ctas_for_tiles.cache_info().hits == hits + 1
         key = tuple(tiles_of(lens)) if len(lens) <= 64 else np.array(tiles_of(lens), dtype=np.int64).tobytes()
-        assert _ctas_for_tiles.__wrapped__(key, 8, 132, picked_queue(lens), (4, 3), 2) == first == oracle_ctas(lens)
-        choose_ctas_per_sm(lens, 8, 132, (1, 1))
+        assert _ctas_for_tiles.__wrapped__(key, 8, 132, queue, (4, 3), 2, warps == 8) == first == oracle_ctas(lens)
+        choose_ctas_per_sm(lens, 8, 132, (1, 1), picked_warps=warps)
         assert _ctas_for_tiles.cache_info().misses == 2
 
 
@@ -440,3 +508,19 @@ def test_auto_raises_the_8_warp_queues_smallest_item_only_where_the_rule_says(mo
     many = len(lens) * hkv > 132
     assert (engine.warps, engine.ctas_per_sm) == ((4, 4 if kv_dtype else None) if many else (8, None))
     assert options == ({"min_chunk_tiles": want} if want else {})
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3"], ids=["fp16", "fp8"])
+def test_auto_moves_a_ragged_8_warp_fp8_step_to_more_ctas(monkeypatch, kv_dtype):
+    """pkv-workqueue's auto passes the module it picked to choose_ctas_per_sm: a ragged step on the
+    8-warp module runs at 4 CTAs per SM on an FP8 cache (the ragged rule) and stays on the 8-warp
+    module on an fp16 cache (no such modules there)."""
+    from persistentkv.backends import pkv
+    from persistentkv.cache import make_batch
+    from persistentkv.spec import AttentionSpec
+
+    monkeypatch.setattr(pkv, "engine_for", lambda spec, warps=4, ctas_per_sm=None: _Engine(warps, ctas_per_sm))
+    spec = AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=kv_dtype)
+    engine, options = pkv.PKVWorkqueue()._engine_for_step(make_batch(spec, [15000] * 2 + [600] * 30, seed=1))
+    assert (engine.warps, engine.ctas_per_sm) == ((4, 4) if kv_dtype else (8, None))
+    assert options == {}

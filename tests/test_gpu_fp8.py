@@ -234,11 +234,15 @@ def test_graph_replay_follows_new_scales(warps, route):
         assert_rows_close(out, ref, spec.dtype, f"replay {replay} w{module_id(warps)} {route}", seq_lens=batch.seq_lens)
 
 
-@pytest.mark.parametrize("lengths", [[131072], [8192] * 64, [32768], [4096] * 64], ids=["1x128K", "64x8K", "1x32K",
-                                                                                          "64x4K"])
-def test_auto_picks_the_module_per_step(lengths):
+@pytest.mark.parametrize("lengths, ctas_want", [
+    ([131072], 3), ([8192] * 64, 4), ([32768], None), ([4096] * 64, 4),
+    ([15000] * 2 + [600] * 30, 4),     # ragged, 8 warps picked: 4 CTAs balance it (CTAS_RAGGED_MAX_IMBALANCE)
+    ([16384] * 2 + [2048] * 62, 3),    # the same at 3 CTAs
+], ids=["1x128K", "64x8K", "1x32K", "64x4K", "ragged-32", "ragged-64"])
+def test_auto_picks_the_module_per_step(lengths, ctas_want):
     """pkv-workqueue (warps="auto") on an FP8 cache runs the module choose_warps and
-    choose_ctas_per_sm name for the step, and its output passes the per-(row, head) gate."""
+    choose_ctas_per_sm name for the step (the CPU's answer, ``ctas_want``, on 132 SMs), and its
+    output passes the per-(row, head) gate."""
     import torch
 
     from persistentkv.backends.pkv import PKVWorkqueue
@@ -252,7 +256,9 @@ def test_auto_picks_the_module_per_step(lengths):
     warps = choose_warps(batch.seq_lens, spec.head_dim, num_kv_heads=spec.num_kv_heads,
                          queue4=(w4.target_items, w4.min_chunk_tiles), queue8=(w4.num_sms, 4))
     ctas = choose_ctas_per_sm(batch.seq_lens, spec.num_kv_heads, w4.num_sms,
-                              (w4.target_items, 2) if warps == 4 else (w4.num_sms, 4))
+                              (w4.target_items, 2) if warps == 4 else (w4.num_sms, 4), picked_warps=warps)
+    if w4.num_sms == 132:  # H100 and H200: the worked answer
+        assert ctas == ctas_want
     assert (plan.engine.warps, plan.engine.ctas_per_sm) == ((4, ctas) if ctas else (warps, None))
     out = torch.full_like(q, float("nan"))
     backend.run(q, (kc, vc, ks, vs), plan, out)

@@ -157,44 +157,63 @@ CTAS_MIN_ITEM_TOKENS = {3: 2048, 4: 4096}
 #: slower measured). 3 CTAs may balance up to 1.07 x worse: B8-bimodal's 3-CTA queue, 1.066 x the
 #: 4-warp queue's, ran 0.973 x its time (3748346; 0.966 at a66ff0e).
 CTAS_MAX_IMBALANCE = {3: 1.07, 4: 1.02}
+#: ... and where choose_warps picked the 8-warp module and neither count passes those rules, the
+#: first of 4, 3 CTAs per SM whose queue's imbalance is at most this fraction of the 8-warp queue's,
+#: whatever its mean item: a ragged step of many groups, whose one item per SM leaves SMs idle
+#: behind the longest items. Fixed before its A/B (benchmarks/NOTES.md, FP8, "What is next (GPU)",
+#: item 2c) and measured on an H100 at 858cd35 over the first 10 of the 26 steps it moves among 200
+#: seeded ragged steps, the rule's module / auto's (the 8-warp module), 15 rounds: B=32 to 4 CTAs
+#: 0.681-0.847, B=64 to 3 CTAs 0.792-0.979, every round faster in each. A looser form (the ratio
+#: without the 8-warp condition) lost where it moved 3 CTAs to 4 (1.060; NOTES, tried and rejected).
+CTAS_RAGGED_MAX_IMBALANCE = 0.5
 
 
 def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[int, int],
-                       candidates=(4, 3), min_chunk_tiles: int = 2) -> int | None:
+                       candidates=(4, 3), min_chunk_tiles: int = 2, *, picked_warps: int = 4) -> int | None:
     """More resident 4-warp CTAs per SM for an FP8 pkv-workqueue step, or None to keep the module
     choose_warps picked (whose balanced queue is ``queue``, (target_items, min_chunk_tiles)).
 
     The first of ``candidates`` (3 or 4 CTAs per SM, a queue of ``ctas * num_sms`` items of at
     least ``min_chunk_tiles`` tiles) whose mean item is at least CTAS_MIN_ITEM_TOKENS[ctas] tokens,
     or whose queue keeps every (row, kv head) group one item, and whose imbalance is at most
-    CTAS_MAX_IMBALANCE[ctas] x the picked queue's.
+    CTAS_MAX_IMBALANCE[ctas] x the picked queue's. Where none is and ``picked_warps`` is 8 (the
+    module choose_warps picked), the first whose imbalance is at most CTAS_RAGGED_MAX_IMBALANCE x
+    the 8-warp queue's, its mean item whatever it is.
     Worked numbers (Hkv = 8, 132 SMs): B=64 x 8K -> 4 (528 items of 7944 tokens, imbalance 1.03 as
     the 8-warp queue's); B=64 x 16 to 4K -> 4 (512 one-item groups in 528 slots); B=1 x 128K and
     B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986); B=16 x 8K -> 3; B8-bimodal -> 3
-    (1.066 x the 4-warp queue's imbalance); B=1 x 32K -> None (662 tokens at 3 CTAs)."""
+    (1.066 x the 4-warp queue's imbalance); B=1 x 32K -> None (662 tokens at 3 CTAs); a ragged
+    B=32 of 234-15069 tokens on the 8-warp module (imbalance 3.66) -> 4 (1.30), its mean item under
+    4096 tokens."""
     # On every FP8 step's host path, as choose_warps: the answer is remembered per tile counts (the
     # two chunk searches cost 20-90 us; a decode step's tiles change only at 32-token boundaries).
     key = _tiles_key(_rows(seq_lens, "choose_ctas_per_sm"))
-    return _ctas_for_tiles(key, int(num_kv_heads), int(num_sms), tuple(queue), tuple(candidates), int(min_chunk_tiles))
+    return _ctas_for_tiles(key, int(num_kv_heads), int(num_sms), tuple(queue), tuple(candidates), int(min_chunk_tiles),
+                           int(picked_warps) == 8)
 
 
 @functools.lru_cache(maxsize=1024)
 def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candidates: tuple,
-                    min_chunk_tiles: int) -> int | None:
+                    min_chunk_tiles: int, from_8_warps: bool = False) -> int | None:
     """choose_ctas_per_sm's rule for rows of ``tiles`` tiles (a tuple, or the bytes of an int64
     array of more than 64 rows); memoised."""
     counts = _tile_counts(tiles)
     rows, longest = len(counts), int(max(counts) if isinstance(counts, list) else counts.max())
     group_tokens = TILE_TOKENS * num_kv_heads * int(sum(counts) if isinstance(counts, list) else counts.sum())
     base = None
+    imbalances = {}
     for ctas in candidates:
         target = ctas * num_sms
         slots = queue_waves(rows, num_kv_heads, target) * target
-        chunk, imbalance = _chunk_and_imbalance(counts, num_kv_heads, target, min_chunk_tiles)
+        chunk, imbalances[ctas] = _chunk_and_imbalance(counts, num_kv_heads, target, min_chunk_tiles)
         if chunk < longest and group_tokens < CTAS_MIN_ITEM_TOKENS[ctas] * slots:
             continue  # groups split into items shorter than the floor (one-item groups have none)
         if base is None:
             base = queue_imbalance(counts, num_kv_heads, *queue)
-        if imbalance <= CTAS_MAX_IMBALANCE[ctas] * base:
+        if imbalances[ctas] <= CTAS_MAX_IMBALANCE[ctas] * base:
             return ctas
-    return None
+    if not from_8_warps:
+        return None
+    if base is None:
+        base = queue_imbalance(counts, num_kv_heads, *queue)
+    return next((ctas for ctas in candidates if imbalances[ctas] <= CTAS_RAGGED_MAX_IMBALANCE * base), None)

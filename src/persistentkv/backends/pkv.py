@@ -5,7 +5,8 @@
                     choose.choose_warps (8 warps, 128-token stages, unless the 8-warp queue's items
                     balance worse than the 4-warp queue's or it would run several waves of short
                     rows; 4 at head_dim > 128), then on an FP8 cache choose.choose_ctas_per_sm
-                    (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long); an
+                    (3 or 4 resident 4-warp CTAs per SM where the queue's items stay long, or
+                    where they balance a ragged 8-warp step at least twice as well); an
                     8-warp step of >= 64 groups and rows <= 512 tokens gets one item a group
                     (choose.unsplit_min_chunk);
                     ``warps=4`` or ``8`` fixes it. Explicit target_items and min_chunk_tiles
@@ -103,7 +104,8 @@ class PKVWorkqueue(_PKVBackend):
         if not batch.spec.fp8_kv:
             return chosen
         ctas = choose_ctas_per_sm(batch.seq_lens, batch.spec.num_kv_heads, engine.num_sms,
-                                  queue4 if warps == 4 else queue8, min_chunk_tiles=engine.min_chunk_tiles)
+                                  queue4 if warps == 4 else queue8, min_chunk_tiles=engine.min_chunk_tiles,
+                                  picked_warps=warps)
         if ctas is None:
             return chosen
         key = (batch.spec, ctas)
