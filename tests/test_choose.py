@@ -278,14 +278,10 @@ def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None, picked_warps=None):
     return None
 
 
-def picked(lens):
+def picked(lens, hkv=8):
     """(the queue, the warps) of the module choose_warps picks on the H200 queues."""
-    warps = choose_warps(lens, 128)
+    warps = choose_warps(lens, 128, num_kv_heads=hkv)
     return ((264, 2) if warps == 4 else (132, 4)), warps
-
-
-def picked_queue(lens):
-    return picked(lens)[0]
 
 
 def seeded_ragged_step(seed):
@@ -352,8 +348,7 @@ def test_the_ragged_rule_moves_the_seeded_steps_it_was_fixed_on():
     for seed in range(200, 400):
         seq = seeded_ragged_step(seed)
         for hkv in (8, 1):
-            warps = choose_warps(seq, 128, num_kv_heads=hkv)
-            queue = (264, 2) if warps == 4 else (132, 4)
+            queue, warps = picked(seq, hkv)
             before = choose_ctas_per_sm(seq, hkv, 132, queue)
             after = choose_ctas_per_sm(seq, hkv, 132, queue, picked_warps=warps)
             assert after == oracle_ctas(seq.tolist(), hkv, picked_warps=warps)
