@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from workflow_support import failure
 
 REPO = Path(__file__).resolve().parents[1]
 #: Far above the ~4 minutes `all` takes on 2 cores without a GPU.
@@ -50,7 +51,7 @@ def test_all_on_a_fresh_clone_leaves_git_status_clean(tmp_path):
     start = time.monotonic()
     done = run([snakemake, "--cores", "2", "all"], clone, env=env, timeout=TIMEOUT_S)
     wall = time.monotonic() - start
-    assert done.returncode == 0, f"snakemake all failed after {wall:.0f} s:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"snakemake all failed after {wall:.0f} s:\n{failure(done, clone)}"
     status = run(["git", "status", "--porcelain"], clone).stdout
     assert status == "", f"`all` changed tracked files ({wall:.0f} s):\n{status}"
     print(f"snakemake --cores 2 all on a fresh clone: {wall:.0f} s")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_support import (copy_workflow, fake_calls, fake_gpu_env, needs_snakemake, small_config,
+from workflow_support import (copy_workflow, failure, fake_calls, fake_gpu_env, needs_snakemake, small_config,
                               snakemake)
 
 from persistentkv.render import FIGURE_NAMES
@@ -168,7 +168,7 @@ def test_the_cpu_dag_runs_through_slurm_and_gpu_jobs_get_a_gpu(cluster, tmp_path
     small_config(repo, target="none")
     env = {**fake_gpu_env(tmp_path, ["NVIDIA H200"]), "SLURM_CONF": cluster["SLURM_CONF"]}
     done = snakemake(repo, "all", "--workflow-profile", "workflow/profiles/slurm", *SLURM_OPTIONS, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, failure(done, repo)
     assert "has been submitted with SLURM jobid" in done.stderr
     for path in (["results/counters/validation_cpu.parquet", "results/counters/ablation_buckets.parquet",
                   "results/counters/ablation_splits.svg", "results/nvidia-h200/claims.json",
@@ -182,7 +182,7 @@ def test_the_cpu_dag_runs_through_slurm_and_gpu_jobs_get_a_gpu(cluster, tmp_path
     small_config(repo, target="nvidia-h200")
     done = snakemake(repo, "results/nvidia-h200/bench_kernels.parquet", "results/nvidia-h200/raw/calibration.parquet",
                      "--workflow-profile", "workflow/profiles/slurm", *SLURM_OPTIONS, "--verbose", env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, failure(done, repo)
     sbatch = re.findall(r"sbatch call: (.*)", done.stderr)
     gpu_lines = [line for line in sbatch if "rule_bench_kernels" in line or "rule_measure" in line]
     assert len(gpu_lines) == 2, sbatch

@@ -153,6 +153,18 @@ def snakemake(repo: Path, *args, env=None, timeout=600) -> subprocess.CompletedP
                           text=True, timeout=timeout)
 
 
+def failure(done: subprocess.CompletedProcess, repo: Path, tail: int = 4000) -> str:
+    """What an assertion on a failed Snakemake run shows: the end of its stderr, then the end of
+    the log of every job that failed (Snakemake names them "log: <path> (check log file(s) for
+    error details)"), which a job run through SLURM or a subprocess leaves nowhere else."""
+    parts = [done.stderr[-tail:]]
+    for log in sorted(set(re.findall(r"log: (\S+) \(check log file", done.stderr))):
+        path = repo / log
+        text = path.read_text(errors="replace")[-tail // 2:] if path.is_file() else "(no such file)"
+        parts.append(f"--- the end of {log}:\n{text}")
+    return "\n".join(parts)
+
+
 def job_counts(output: str) -> dict[str, int]:
     """Snakemake's 'Job stats' table as {rule: count} ({} when it has none: nothing to do)."""
     if "Job stats:" not in output:
