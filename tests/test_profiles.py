@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from workflow_support import (ROOT, SMALL_E2E_PASSES, copy_workflow, fake_calls, fake_gpu_env, job_counts,
-                              needs_snakemake, small_config, snakemake)
+from workflow_support import (ROOT, SMALL_E2E_PASSES, copy_workflow, failure, fake_calls, fake_gpu_env,
+                              job_counts, needs_snakemake, small_config, snakemake)
 
 from persistentkv import configuration
 from persistentkv.names import EXPERIMENTS, FP8_EXPERIMENTS
@@ -164,6 +164,22 @@ def test_a_stopped_e2e_pass_kept_as_docs_data_says(tmp_path):
     again = snakemake(repo, target, "--cores", "1", "--forcerun", "measure_e2e_pass", env=env)
     assert again.returncode == 0, again.stderr
     assert [c["out"] for c in passes()] == [target]
+
+
+def test_the_figures_render_for_a_reference_nothing_measured_yet(tmp_path):
+    """A copy without results/: the reference hardware's figures (SVG and the paper's PDF), asked
+    for alone, render "not measured" panels, though no job has made results/<reference>/ (in `all`,
+    render_claims makes it, in whichever order the scheduler runs the two)."""
+    repo, config = small_repo(tmp_path, target="none")
+    hw = config["hardware"]["reference"]
+    assert not (repo / "results").exists()
+    figures = [f"build/figures/{hw}/{FIGURE_NAMES[0]}.svg", f"paper/generated/figures/{FIGURE_NAMES[0]}.pdf"]
+    done = snakemake(repo, *figures, "--cores", "1", env=fake_gpu_env(tmp_path, None))
+    assert done.returncode == 0, failure(done, repo)
+    for name in FIGURE_NAMES:
+        assert (repo / "build" / "figures" / hw / f"{name}.svg").stat().st_size > 0, name
+        assert (repo / "paper" / "generated" / "figures" / f"{name}.pdf").stat().st_size > 0, name
+    assert not (repo / "results" / hw / "claims.json").exists()
 
 
 def test_kernels_report_never_shows_a_partial_file(tmp_path):

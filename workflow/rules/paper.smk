@@ -16,6 +16,12 @@ PAPER_TARGETS = ["paper/generated/macros.tex"] + PAPER_TABLES + PAPER_FIGURES
 paper_measured = lambda w: render_measured(SimpleNamespace(hw=PAPER_HW))
 
 
+PAPER_FIGURES_COMMAND = job(
+    "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
+    " --format pdf --out-dir paper/generated/figures > {log} 2>&1",
+)
+
+
 rule paper_figures:
     input:
         measured=paper_measured,
@@ -35,10 +41,8 @@ rule paper_figures:
     params:
         results=lambda w: f"results/{PAPER_HW}",
     shell:
-        job(
-            "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
-            " --format pdf --out-dir paper/generated/figures > {log} 2>&1",
-        )
+        # as render_figures: the reference's folder may not exist yet
+        f"mkdir -p {{params.results}} && {PAPER_FIGURES_COMMAND}"
 
 
 rule paper_tables:
