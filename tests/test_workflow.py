@@ -36,7 +36,8 @@ def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
     exe.write_text(script)
     exe.chmod(0o755)
     env = dict(os.environ)
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    # then the interpreter running the tests (its python runs the jobs), whichever environment is active
+    env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 
 
