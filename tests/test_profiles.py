@@ -179,6 +179,7 @@ def test_the_figures_render_for_a_reference_nothing_measured_yet(tmp_path):
     for name in FIGURE_NAMES:
         assert (repo / "build" / "figures" / hw / f"{name}.svg").stat().st_size > 0, name
         assert (repo / "paper" / "generated" / "figures" / f"{name}.pdf").stat().st_size > 0, name
+    assert f"not measured on {hw} yet" in (repo / "build" / "figures" / hw / "engine.svg").read_text()
     assert not (repo / "results" / hw / "claims.json").exists()
 
 
