@@ -3,7 +3,6 @@ errors when it loads, lint, and a small real run that is then up to date."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow_support import NO_GPU, ROOT, copy_workflow, job_counts, needs_snakemake, snakemake
+from workflow_support import NO_GPU, ROOT, copy_workflow, env_with_bin, job_counts, needs_snakemake, snakemake
 
 from persistentkv import configuration, hardware
 from persistentkv.errors import PKVError
@@ -35,10 +34,7 @@ def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
     exe = bin_dir / "nvidia-smi"
     exe.write_text(script)
     exe.chmod(0o755)
-    env = dict(os.environ)
-    # then the interpreter running the tests (its python runs the jobs), whichever environment is active
-    env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
+    return env_with_bin(bin_dir)
 
 
 @needs_snakemake

@@ -127,6 +127,13 @@ with open(os.environ["PKV_FAKE_CALLS"], "a") as calls:
 '''
 
 
+def env_with_bin(bin_dir: Path) -> dict:
+    """This process's environment with PATH leading to ``bin_dir`` (stand-ins), then to the interpreter
+    running the tests (its `python` and `persistentkv` run the jobs), whichever environment is active."""
+    return {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent),
+                                                   os.environ.get("PATH", "")])}
+
+
 def fake_gpu_env(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
     """The environment of a run whose PATH starts with fake nvidia-smi and persistentkv commands."""
     bin_dir = tmp_path / "bin"
@@ -134,9 +141,7 @@ def fake_gpu_env(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
     exe = bin_dir / "persistentkv"
     exe.write_text(FAKE_PERSISTENTKV.format(python=sys.executable))
     exe.chmod(0o755)
-    env = dict(os.environ)
-    # the interpreter running the tests and its `persistentkv`, whichever environment is active
-    env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
+    env = env_with_bin(bin_dir)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), env.get("PYTHONPATH")] if p)
     env["PKV_FAKE_CALLS"] = str(tmp_path / "calls.jsonl")
     env.update({k: str(v) for k, v in extra.items()})

@@ -12,11 +12,13 @@ from persistentkv import configuration, hardware
 CONDA_ENV = "../../environment.yml" if os.path.isfile(os.path.join(workflow.basedir, "..", "environment.yml")) else None
 
 
-def job(command, gpu=None):
+def job(command, gpu=None, folder=None):
     """``command`` as a job's shell command: it holds {threads} CPUs of its own for its lifetime,
     so no two jobs share one, and with ``gpu`` (a results/<hw>/ name) also a GPU of that kind
-    (persistentkv.job_resources)."""
-    return f"python -m persistentkv.job_resources --threads {{threads}}{f' --gpu {gpu}' if gpu else ''} -- {command}"
+    (persistentkv.job_resources). ``folder``: one the command reads and may find absent (no
+    output of the job lies in it, so Snakemake does not make it), made first."""
+    made = f"mkdir -p {folder} && " if folder else ""
+    return f"{made}python -m persistentkv.job_resources --threads {{threads}}{f' --gpu {gpu}' if gpu else ''} -- {command}"
 
 # `snakemake --report` embeds tables as downloads; without a type it labels parquet text/plain.
 mimetypes.add_type("application/vnd.apache.parquet", ".parquet")

@@ -16,12 +16,6 @@ PAPER_TARGETS = ["paper/generated/macros.tex"] + PAPER_TABLES + PAPER_FIGURES
 paper_measured = lambda w: render_measured(SimpleNamespace(hw=PAPER_HW))
 
 
-PAPER_FIGURES_COMMAND = job(
-    "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
-    " --format pdf --out-dir paper/generated/figures > {log} 2>&1",
-)
-
-
 rule paper_figures:
     input:
         measured=paper_measured,
@@ -42,7 +36,11 @@ rule paper_figures:
         results=lambda w: f"results/{PAPER_HW}",
     shell:
         # as render_figures: the reference's folder may not exist yet
-        f"mkdir -p {{params.results}} && {PAPER_FIGURES_COMMAND}"
+        job(
+            "persistentkv figures --results {params.results} --counters results/counters --config {input.config}"
+            " --format pdf --out-dir paper/generated/figures > {log} 2>&1",
+            folder="{params.results}",
+        )
 
 
 rule paper_tables:

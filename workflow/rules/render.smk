@@ -79,12 +79,6 @@ rule render_claims:
         )
 
 
-RENDER_FIGURES_COMMAND = job(
-    "persistentkv figures --results {params.results} --counters results/counters"
-    " --config {input.config} --format svg --out-dir {params.out_dir} > {log} 2>&1",
-)
-
-
 rule render_figures:
     input:
         measured=render_measured,
@@ -107,7 +101,11 @@ rule render_figures:
     shell:
         # the reference hardware renders before anything measured it, and nothing here makes its
         # folder (render_claims' output does, maybe later), while the command refuses an absent one
-        f"mkdir -p {{params.results}} && {RENDER_FIGURES_COMMAND}"
+        job(
+            "persistentkv figures --results {params.results} --counters results/counters"
+            " --config {input.config} --format svg --out-dir {params.out_dir} > {log} 2>&1",
+            folder="{params.results}",
+        )
 
 
 rule render_report:
