@@ -9,13 +9,17 @@ no code with persistentkv.choose or persistentkv.plan."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from persistentkv.choose import (CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, CTAS_RAGGED_MAX_IMBALANCE, _warps_for_tiles,
-                                 choose_ctas_per_sm, choose_warps, queue_imbalance)
+from persistentkv.choose import (CTAS_MAX_IMBALANCE, CTAS_MIN_ITEM_TOKENS, CTAS_RAGGED_MAX_IMBALANCE, CTAS_RAGGED_ORDER,
+                                 _warps_for_tiles, choose_ctas_per_sm, choose_warps, queue_imbalance)
 from persistentkv.errors import PKVError
 from persistentkv.names import BENCH_EXTRA
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # zipf_b8's step: tiles 412, 442, 457, 480, 507, 516, 554, 606 (ceil(n / 32)); 3974 tiles in all.
 ZIPF_B8 = [13184, 14128, 14624, 15360, 16224, 16496, 17712, 19392]
@@ -253,12 +257,12 @@ def test_memoised_answer_is_the_unmemoised_one():
 
 # -- choose_ctas_per_sm: FP8 4-warp modules at 3 or 4 CTAs per SM ---------------------------------
 
-def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None, picked_warps=None):
+def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None, picked_warps=None, ragged_order=(3, 4)):
     """The documented rule with the oracle's imbalance: the first of 4, 3 CTAs per SM whose queue
     (ctas x sms items of >= 2 tiles, as many waves as one item per group needs) has a mean item of at
     least 4096 / 2048 tokens, or keeps every group one item, and an imbalance at most 1.02 / 1.07 x
     the picked module's queue's; failing both, where the picked module is the 8-warp one, the first
-    whose imbalance is at most half that queue's."""
+    of 3, 4 CTAs (``ragged_order``; 2c shipped 4, 3) whose imbalance is at most half that queue's."""
     tiles = tiles_of(lens)
     if picked_warps is None:
         picked_warps = oracle_warps(lens, hkv)
@@ -272,7 +276,7 @@ def oracle_ctas(lens, hkv=8, sms=132, picked_queue=None, picked_warps=None):
         if oracle_imbalance(tiles, hkv, ctas * sms, 2) <= allowed * base:
             return ctas
     if picked_warps == 8:
-        for ctas in (4, 3):
+        for ctas in ragged_order:
             if oracle_imbalance(tiles, hkv, ctas * sms, 2) <= 0.5 * base:
                 return ctas
     return None
@@ -322,13 +326,14 @@ def test_choose_ctas_worked_cases(lens, want):
 
 @pytest.mark.parametrize("lens, want, by_item_rules", [
     # 16 groups of 469 tiles and 240 of 19: the 8-warp queue (one wave of 132) leaves its longest
-    # items far above the mean; 4 CTAs balance it less than half as badly
-    ([15000] * 2 + [600] * 30, 4, False),
+    # items far above the mean (10.26); 3 CTAs balance it less than half as badly (1.74; 4: 1.18)
+    ([15000] * 2 + [600] * 30, 3, False),
+    ([15000] * 2 + [600] * 22, 4, False),     # 3 CTAs do not halve it (1.35 against 2.29); 4 do (1.07)
     ([16384] * 2 + [2048] * 62, 3, False),    # 4 CTAs do not halve it; 3 do
     ([16384] * 4 + [1024] * 60, 4, True),     # the item rules' answer already
 ])
 def test_choose_ctas_ragged_8_warp_steps(lens, want, by_item_rules):
-    """A ragged step on the 8-warp module that neither item rule moves goes to the first CTA count
+    """A ragged step on the 8-warp module that neither item rule moves goes to the first of 3, 4 CTAs
     whose queue is at most half as unbalanced (CTAS_RAGGED_MAX_IMBALANCE); a step the item rules
     place keeps their answer, and without picked_warps=8 the ragged rule is off."""
     queue, warps = picked(lens)
@@ -342,8 +347,8 @@ def test_choose_ctas_ragged_8_warp_steps(lens, want, by_item_rules):
 
 def test_the_ragged_rule_moves_the_seeded_steps_it_was_fixed_on():
     """Of the 200 seeded ragged steps of seeds 200-399 (2b's steps came from 0-199), the rule moves
-    26 at Hkv=8, each B=32 to 4 CTAs or B=64 to 3 (the count it was fixed with; the first 10 are
-    the measured ones), none at Hkv=1, and no step the item rules give 3 or 4 CTAs changes."""
+    26 at Hkv=8, each B=32 to 3 or 4 CTAs or B=64 to 3 (the count it was fixed with; the first 10
+    are the measured ones), none at Hkv=1, and no step the item rules give 3 or 4 CTAs changes."""
     moved = {}
     for seed in range(200, 400):
         seq = seeded_ragged_step(seed)
@@ -357,8 +362,29 @@ def test_the_ragged_rule_moves_the_seeded_steps_it_was_fixed_on():
             elif after is not None:
                 moved[seed, hkv] = (len(seq), after)
     assert len(moved) == 26 and all(hkv == 8 for _, hkv in moved)
-    assert set(moved.values()) <= {(32, 4), (64, 3)}
+    assert set(moved.values()) == {(32, 3), (32, 4), (64, 3)}
     assert [seed for seed, _ in moved][:10] == [209, 217, 224, 235, 246, 253, 267, 274, 276, 278]
+
+
+def test_3_ctas_before_4_moves_the_steps_it_was_measured_on():
+    """The fallback's order (CTAS_RAGGED_ORDER, item 2d): of seeds 400-799 at Hkv=8, the first 10
+    steps it moves from 4 CTAs (2c's order) to 3 are the committed A/B cases, and it moves nothing
+    else: no step to or from None, none the item rules decide."""
+    assert CTAS_RAGGED_ORDER == (3, 4)
+    with open(ROOT / "benchmarks/runs/fp8_ragged_3_before_4.cases.txt") as f:
+        cases = [[int(n) for n in case.split(":")] for case in f.read().strip().split(",")]
+    moved = []
+    for seed in range(400, 800):
+        seq = seeded_ragged_step(seed)
+        queue, warps = picked(seq)
+        now = choose_ctas_per_sm(seq, 8, 132, queue, picked_warps=warps)
+        before = oracle_ctas(seq.tolist(), picked_warps=warps, ragged_order=(4, 3))
+        assert now == oracle_ctas(seq.tolist(), picked_warps=warps)
+        if now != before:
+            assert (before, now, len(seq)) == (4, 3, 32) and choose_ctas_per_sm(seq, 8, 132, queue) is None
+            moved.append(seed)
+    assert moved[:10] == [416, 462, 466, 487, 500, 517, 554, 617, 668, 743]
+    assert [seeded_ragged_step(seed).tolist() for seed in moved[:10]] == cases
 
 
 def test_choose_ctas_imbalance_rules_out_a_partial_wave():
@@ -508,7 +534,7 @@ def test_auto_raises_the_8_warp_queues_smallest_item_only_where_the_rule_says(mo
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3"], ids=["fp16", "fp8"])
 def test_auto_moves_a_ragged_8_warp_fp8_step_to_more_ctas(monkeypatch, kv_dtype):
     """pkv-workqueue's auto passes the module it picked to choose_ctas_per_sm: a ragged step on the
-    8-warp module runs at 4 CTAs per SM on an FP8 cache (the ragged rule) and stays on the 8-warp
+    8-warp module runs at 3 CTAs per SM on an FP8 cache (the ragged rule) and stays on the 8-warp
     module on an fp16 cache (no such modules there)."""
     from persistentkv.backends import pkv
     from persistentkv.cache import make_batch
@@ -517,5 +543,5 @@ def test_auto_moves_a_ragged_8_warp_fp8_step_to_more_ctas(monkeypatch, kv_dtype)
     monkeypatch.setattr(pkv, "engine_for", lambda spec, warps=4, ctas_per_sm=None: _Engine(warps, ctas_per_sm))
     spec = AttentionSpec(32, 8, 128, 16, "float16", kv_dtype=kv_dtype)
     engine, options = pkv.PKVWorkqueue()._engine_for_step(make_batch(spec, [15000] * 2 + [600] * 30, seed=1))
-    assert (engine.warps, engine.ctas_per_sm) == ((4, 4) if kv_dtype else (8, None))
+    assert (engine.warps, engine.ctas_per_sm) == ((4, 3) if kv_dtype else (8, None))
     assert options == {}

@@ -236,9 +236,10 @@ def test_graph_replay_follows_new_scales(warps, route):
 
 @pytest.mark.parametrize("lengths, ctas_want", [
     ([131072], 3), ([8192] * 64, 4), ([32768], None), ([4096] * 64, 4),
-    ([15000] * 2 + [600] * 30, 4),     # ragged, 8 warps picked: 4 CTAs balance it (CTAS_RAGGED_MAX_IMBALANCE)
-    ([16384] * 2 + [2048] * 62, 3),    # the same at 3 CTAs
-], ids=["1x128K", "64x8K", "1x32K", "64x4K", "ragged-32", "ragged-64"])
+    ([15000] * 2 + [600] * 30, 3),     # ragged, 8 warps picked: 3 CTAs balance it (CTAS_RAGGED_MAX_IMBALANCE)
+    ([15000] * 2 + [600] * 22, 4),     # the same where only 4 CTAs do
+    ([16384] * 2 + [2048] * 62, 3),    # the same at 3 CTAs, where 4 do not
+], ids=["1x128K", "64x8K", "1x32K", "64x4K", "ragged-32", "ragged-24", "ragged-64"])
 def test_auto_picks_the_module_per_step(lengths, ctas_want):
     """pkv-workqueue (warps="auto") on an FP8 cache runs the module choose_warps and
     choose_ctas_per_sm name for the step (the CPU's answer, ``ctas_want``, on 132 SMs), and its

@@ -158,7 +158,7 @@ CTAS_MIN_ITEM_TOKENS = {3: 2048, 4: 4096}
 #: 4-warp queue's, ran 0.973 x its time (3748346; 0.966 at a66ff0e).
 CTAS_MAX_IMBALANCE = {3: 1.07, 4: 1.02}
 #: ... and where choose_warps picked the 8-warp module and neither count passes those rules, the
-#: first of 4, 3 CTAs per SM whose queue's imbalance is at most this fraction of the 8-warp queue's,
+#: first of CTAS_RAGGED_ORDER whose queue's imbalance is at most this fraction of the 8-warp queue's,
 #: whatever its mean item: a ragged step of many groups, whose one item per SM leaves SMs idle
 #: behind the longest items. Fixed before its A/B (benchmarks/NOTES.md, FP8, "What is next (GPU)",
 #: item 2c) and measured on an H100 at 858cd35 over the first 10 of the 26 steps it moves among 200
@@ -166,6 +166,11 @@ CTAS_MAX_IMBALANCE = {3: 1.07, 4: 1.02}
 #: 0.681-0.847, B=64 to 3 CTAs 0.792-0.979, every round faster in each. A looser form (the ratio
 #: without the 8-warp condition) lost where it moved 3 CTAs to 4 (1.060; NOTES, tried and rejected).
 CTAS_RAGGED_MAX_IMBALANCE = 0.5
+#: ... tried in this order: 3 CTAs before 4, though 4 balance the queue better. Fixed before its A/B
+#: (NOTES, FP8, item 2d) and measured on an H100 at f5f2572 over the first 10 seeded ragged steps
+#: among seeds 400-799 that it moves from 4 CTAs to 3 (all B=32), 15 rounds, 3 CTAs / 4: 0.929-0.979
+#: per step's median, every round faster in each. Longer items pay fewer ramps.
+CTAS_RAGGED_ORDER = (3, 4)
 
 
 def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[int, int],
@@ -177,14 +182,15 @@ def choose_ctas_per_sm(seq_lens, num_kv_heads: int, num_sms: int, queue: tuple[i
     least ``min_chunk_tiles`` tiles) whose mean item is at least CTAS_MIN_ITEM_TOKENS[ctas] tokens,
     or whose queue keeps every (row, kv head) group one item, and whose imbalance is at most
     CTAS_MAX_IMBALANCE[ctas] x the picked queue's. Where none is and ``picked_warps`` is 8 (the
-    module choose_warps picked), the first whose imbalance is at most CTAS_RAGGED_MAX_IMBALANCE x
-    the 8-warp queue's, its mean item whatever it is.
+    module choose_warps picked), the first of CTAS_RAGGED_ORDER among ``candidates`` whose
+    imbalance is at most CTAS_RAGGED_MAX_IMBALANCE x the 8-warp queue's, its mean item whatever it
+    is.
     Worked numbers (Hkv = 8, 132 SMs): B=64 x 8K -> 4 (528 items of 7944 tokens, imbalance 1.03 as
     the 8-warp queue's); B=64 x 16 to 4K -> 4 (512 one-item groups in 528 slots); B=1 x 128K and
     B=4 x 32K -> 3 (396 items of 2648 tokens; 4 CTAs: 1986); B=16 x 8K -> 3; B8-bimodal -> 3
     (1.066 x the 4-warp queue's imbalance); B=1 x 32K -> None (662 tokens at 3 CTAs); a ragged
-    B=32 of 234-15069 tokens on the 8-warp module (imbalance 3.66) -> 4 (1.30), its mean item under
-    4096 tokens."""
+    B=32 of 234-15069 tokens on the 8-warp module (imbalance 3.66) -> 3 (1.57; 4 CTAs: 1.30), its
+    mean item under 2048 tokens."""
     # On every FP8 step's host path, as choose_warps: the answer is remembered per tile counts (the
     # two chunk searches cost 20-90 us; a decode step's tiles change only at 32-token boundaries).
     key = _tiles_key(_rows(seq_lens, "choose_ctas_per_sm"))
@@ -216,4 +222,5 @@ def _ctas_for_tiles(tiles, num_kv_heads: int, num_sms: int, queue: tuple, candid
         return None
     if base is None:
         base = queue_imbalance(counts, num_kv_heads, *queue)
-    return next((ctas for ctas in candidates if imbalances[ctas] <= CTAS_RAGGED_MAX_IMBALANCE * base), None)
+    return next((ctas for ctas in CTAS_RAGGED_ORDER
+                 if ctas in imbalances and imbalances[ctas] <= CTAS_RAGGED_MAX_IMBALANCE * base), None)
