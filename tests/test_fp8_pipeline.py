@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from workflow_support import (NO_GPU, ROOT, copy_workflow, fake_calls, fake_gpu_env, job_counts, needs_snakemake,
-                              snakemake)
+from workflow_support import (ROOT, copy_workflow, env_with_bin, fake_calls, fake_gpu_env, fake_nvidia_smi, job_counts,
+                              needs_snakemake, snakemake)
 
 import synthetic
 from persistentkv import claims, cli, configuration, targets, targets_fp8
@@ -325,13 +325,9 @@ def _with_target(tmp_path, kv_dtypes=None):
 
 
 def _env(tmp_path):
-    import os
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "nvidia-smi").write_text(NO_GPU)
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    """A host without a working GPU: nvidia-smi fails, the tests' interpreter runs the jobs."""
+    fake_nvidia_smi(tmp_path / "bin", None)
+    return env_with_bin(tmp_path / "bin")
 
 
 @needs_snakemake

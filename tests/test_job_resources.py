@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_support import ROOT, fake_nvidia_smi
+from workflow_support import ROOT, env_with_bin, fake_nvidia_smi
 
 from persistentkv import hardware, job_resources, provenance
 from persistentkv.errors import PKVError
@@ -27,8 +27,7 @@ SHOW = ("import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(
 
 def env_with(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
     fake_nvidia_smi(tmp_path / "bin", gpus)
-    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")}
-    env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    env = {k: v for k, v in env_with_bin(tmp_path / "bin").items() if k not in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), env.get("PYTHONPATH")] if p)
     env.update(extra)
     return env
