@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from workflow_support import (ROOT, copy_workflow, env_with_bin, fake_calls, fake_gpu_env, fake_nvidia_smi, job_counts,
-                              needs_snakemake, snakemake)
+from workflow_support import (ROOT, copy_workflow, fake_calls, fake_gpu_env, gpu_env, job_counts, needs_snakemake,
+                              snakemake)
 
 import synthetic
 from persistentkv import claims, cli, configuration, targets, targets_fp8
@@ -326,8 +326,7 @@ def _with_target(tmp_path, kv_dtypes=None):
 
 def _env(tmp_path):
     """A host without a working GPU: nvidia-smi fails, the tests' interpreter runs the jobs."""
-    fake_nvidia_smi(tmp_path / "bin", None)
-    return env_with_bin(tmp_path / "bin")
+    return gpu_env(tmp_path / "bin", None)
 
 
 @needs_snakemake

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_support import ROOT, env_with_bin, fake_nvidia_smi
+from workflow_support import ROOT, gpu_env
 
 from persistentkv import hardware, job_resources, provenance
 from persistentkv.errors import PKVError
@@ -26,8 +26,7 @@ SHOW = ("import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(
 
 
 def env_with(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
-    fake_nvidia_smi(tmp_path / "bin", gpus)
-    env = {k: v for k, v in env_with_bin(tmp_path / "bin").items() if k not in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")}
+    env = {k: v for k, v in gpu_env(tmp_path / "bin", gpus).items() if k not in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), env.get("PYTHONPATH")] if p)
     env.update(extra)
     return env

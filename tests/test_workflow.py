@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow_support import NO_GPU, ROOT, copy_workflow, env_with_bin, job_counts, needs_snakemake, snakemake
+from workflow_support import ROOT, copy_workflow, gpu_env, job_counts, needs_snakemake, snakemake
 
 from persistentkv import configuration, hardware
 from persistentkv.errors import PKVError
@@ -18,8 +18,7 @@ from persistentkv.errors import PKVError
 CONFIG = configuration.load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
 SEED = configuration.calibration_seed(CONFIG)
 
-H200 = ("#!/bin/sh\ncase \"$*\" in\n  *compute_cap*) echo 9.0 ;;\n  *name*) echo 'NVIDIA H200' ;;\n"
-        "  *) echo unknown ;;\nesac\n")
+H200 = ["NVIDIA H200"]  # the stand-in nvidia-smi's GPUs (workflow_support.gpu_env); None: no GPU
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +26,9 @@ def repo(tmp_path_factory) -> Path:
     return copy_workflow(tmp_path_factory.mktemp("repo"))
 
 
-def fake_nvidia_smi(tmp_path: Path, script: str) -> dict:
-    """An environment whose PATH starts with a stand-in nvidia-smi (no GPU, or an H200)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    exe = bin_dir / "nvidia-smi"
-    exe.write_text(script)
-    exe.chmod(0o755)
-    return env_with_bin(bin_dir)
-
-
 @needs_snakemake
 def test_dry_run_all_without_gpu(repo, tmp_path):
-    done = snakemake(repo, "-n", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    done = snakemake(repo, "-n", "all", env=gpu_env(tmp_path / "bin", None))
     assert done.returncode == 0, done.stderr + done.stdout
     counts = job_counts(done.stdout)
     traces, seeds = len(configuration.trace_names(CONFIG)), len(configuration.all_seeds(CONFIG))
@@ -52,7 +41,7 @@ def test_dry_run_all_without_gpu(repo, tmp_path):
 
 @needs_snakemake
 def test_dry_run_all_with_a_gpu(repo, tmp_path):
-    done = snakemake(repo, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, H200))
+    done = snakemake(repo, "-n", "-p", "all", env=gpu_env(tmp_path / "bin", H200))
     assert done.returncode == 0, done.stderr + done.stdout
     counts = job_counts(done.stdout)
     from persistentkv.names import EXPERIMENTS
@@ -96,7 +85,7 @@ def test_dry_run_all_with_a_gpu(repo, tmp_path):
     gpu_jobs = counts["measure"] + 3 + per_cache + passes + fp8_runs
     assert out.count("--gpu nvidia-h200 -- persistentkv ") == gpu_jobs
     assert out.count("gpu=1") == gpu_jobs
-    one = snakemake(repo, "-n", "measure_published", env=fake_nvidia_smi(tmp_path, H200))
+    one = snakemake(repo, "-n", "measure_published", env=gpu_env(tmp_path / "bin", H200))
     assert one.returncode == 0 and job_counts(one.stdout)["measure"] == 2  # calibration feeds the policy
 
 
@@ -111,7 +100,7 @@ def test_the_full_decode_step_is_a_gpu_job_of_all_and_the_report_waits_for_it(re
     without one, a GPU job writing results/<hw>/e2e/pass<N>.{parquet,json} (not under raw/), and
     the provenance and the rendering of that hardware read what they write."""
     copy = edited_copy(repo, tmp_path, "target: auto", "target: nvidia-h200")
-    done = snakemake(copy, "-n", "-p", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    done = snakemake(copy, "-n", "-p", "all", env=gpu_env(tmp_path / "bin", None))
     assert done.returncode == 0, done.stderr + done.stdout
     passes = e2e_passes(repo)
     assert job_counts(done.stdout)["measure_e2e_pass"] == passes
@@ -129,23 +118,23 @@ def test_the_full_decode_step_is_a_gpu_job_of_all_and_the_report_waits_for_it(re
             inputs = next(b for name, b in jobs.items() if name == rule and "nvidia-h200" in b).split("output:")[0]
             assert f"results/nvidia-h200/e2e/pass{n}.parquet" in inputs, rule
     # the rule by name runs every pass; one pass is its file
-    named = snakemake(copy, "-n", "measure_e2e", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    named = snakemake(copy, "-n", "measure_e2e", env=gpu_env(tmp_path / "bin", None))
     assert named.returncode == 0 and job_counts(named.stdout)["measure_e2e_pass"] == passes
-    one = snakemake(copy, "-n", "results/nvidia-h200/e2e/pass2.parquet", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    one = snakemake(copy, "-n", "results/nvidia-h200/e2e/pass2.parquet", env=gpu_env(tmp_path / "bin", None))
     assert one.returncode == 0 and job_counts(one.stdout)["measure_e2e_pass"] == 1
 
 
 @needs_snakemake
 def test_lint_is_clean(repo, tmp_path):
-    for script in (NO_GPU, H200):
-        done = snakemake(repo, "--lint", env=fake_nvidia_smi(tmp_path, script))
+    for gpus in (None, H200):
+        done = snakemake(repo, "--lint", env=gpu_env(tmp_path / "bin", gpus))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
 
 
 @needs_snakemake
 def test_auto_is_refused_where_a_cluster_job_reads_the_workflow_again(repo, tmp_path):
-    done = snakemake(repo, "-n", "--mode", "remote", "all", env=fake_nvidia_smi(tmp_path, H200))
+    done = snakemake(repo, "-n", "--mode", "remote", "all", env=gpu_env(tmp_path / "bin", H200))
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith(
         "error: hardware.target is auto, which names the GPU of the host reading the workflow"), done.stderr
@@ -170,7 +159,7 @@ def edited_copy(repo: Path, tmp_path: Path, old: str, new: str) -> Path:
 ])
 def test_workflow_load_errors_are_one_line(repo, tmp_path, old, new, message):
     copy = edited_copy(repo, tmp_path, old, new)
-    done = snakemake(copy, "-n", "all", env=fake_nvidia_smi(tmp_path, NO_GPU))
+    done = snakemake(copy, "-n", "all", env=gpu_env(tmp_path / "bin", None))
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(message), done.stderr
@@ -180,19 +169,19 @@ def test_workflow_load_errors_are_one_line(repo, tmp_path, old, new, message):
 @needs_snakemake
 def test_config_overrides_the_commands_would_miss_are_refused(repo, tmp_path):
     done = snakemake(repo, "-n", "all", "--config", "planner={target_items: 100, min_chunk_tiles: 1}",
-                     env=fake_nvidia_smi(tmp_path, NO_GPU))
+                     env=gpu_env(tmp_path / "bin", None))
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("error: config: planner.target_items:")
     partial = tmp_path / "partial.yaml"
     partial.write_text("planner: {target_items: 100, min_chunk_tiles: 1}\n")
-    done = snakemake(repo, "-n", "all", "--configfile", str(partial), env=fake_nvidia_smi(tmp_path, NO_GPU))
+    done = snakemake(repo, "-n", "all", "--configfile", str(partial), env=gpu_env(tmp_path / "bin", None))
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: config: spec differs from {partial}")
 
 
 @needs_snakemake
 def test_small_run_then_nothing_to_do(repo, tmp_path):
-    env = fake_nvidia_smi(tmp_path, NO_GPU)
+    env = gpu_env(tmp_path / "bin", None)
     target = f"build/counters/bimodal_b4_s{SEED}.parquet"
     done = snakemake(repo, "--cores", "1", target, env=env)
     assert done.returncode == 0, done.stderr
@@ -217,9 +206,9 @@ def test_slug_of_nothing_is_an_error():
         hardware.slug(" -- ")
 
 
-@pytest.mark.parametrize("script, gpu, arch", [(H200, "NVIDIA H200", "sm_90"), (NO_GPU, None, None)])
-def test_detect_gpu_and_targets(tmp_path, monkeypatch, script, gpu, arch):
-    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, script)["PATH"])
+@pytest.mark.parametrize("gpus, gpu, arch", [(H200, "NVIDIA H200", "sm_90"), (None, None, None)])
+def test_detect_gpu_and_targets(tmp_path, monkeypatch, gpus, gpu, arch):
+    monkeypatch.setenv("PATH", gpu_env(tmp_path / "bin", gpus)["PATH"])
     assert hardware.detect_gpu() == gpu
     assert hardware.detect_arch() == arch
     config = lambda target: {"hardware": {"target": target, "kernel_archs": ["sm_80"]}}

@@ -134,6 +134,13 @@ def env_with_bin(bin_dir: Path) -> dict:
                                                    os.environ.get("PATH", "")])}
 
 
+def gpu_env(bin_dir: Path, gpus: list[str] | None) -> dict:
+    """env_with_bin(``bin_dir``) with fake_nvidia_smi's stand-in there listing ``gpus`` (None: a host
+    without a working GPU)."""
+    fake_nvidia_smi(bin_dir, gpus)
+    return env_with_bin(bin_dir)
+
+
 def fake_gpu_env(tmp_path: Path, gpus: list[str] | None, **extra) -> dict:
     """The environment of a run whose PATH starts with fake nvidia-smi and persistentkv commands."""
     bin_dir = tmp_path / "bin"
